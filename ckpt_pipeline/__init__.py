@@ -1,0 +1,86 @@
+"""ckpt_pipeline: asynchronous, crash-safe checkpointing for PyTorch training."""
+
+from ._pipeline import AsyncCheckpointPipeline as AsyncCheckpointPipeline
+from ._sync import CheckpointPipeline as CheckpointPipeline
+from .config import BusyPolicy as BusyPolicy
+from .config import PipelineConfig as PipelineConfig
+from .config import SnapshotMode as SnapshotMode
+from .coordination import Coordinator as Coordinator
+from .coordination import LocalCoordinator as LocalCoordinator
+from .errors import CheckpointError as CheckpointError
+from .errors import CheckpointIntegrityError as CheckpointIntegrityError
+from .errors import ConfigError as ConfigError
+from .errors import PipelineClosedError as PipelineClosedError
+from .errors import PoolBusyError as PoolBusyError
+from .errors import RestoreError as RestoreError
+from .errors import SaveError as SaveError
+from .errors import SnapshotTornError as SnapshotTornError
+from .errors import StateError as StateError
+from .errors import StepOrderError as StepOrderError
+from .errors import StorageError as StorageError
+from .errors import UnsafeRootError as UnsafeRootError
+from .events import CheckpointCommitted as CheckpointCommitted
+from .events import CheckpointPruned as CheckpointPruned
+from .events import CheckpointRejected as CheckpointRejected
+from .events import CheckpointRestored as CheckpointRestored
+from .events import Event as Event
+from .events import SaveFailed as SaveFailed
+from .events import SaveRequested as SaveRequested
+from .events import SaveSkipped as SaveSkipped
+from .events import ShardSerialized as ShardSerialized
+from .events import ShardWritten as ShardWritten
+from .events import SnapshotTaken as SnapshotTaken
+from .events import TemporariesScrubbed as TemporariesScrubbed
+from .handle import CommitInfo as CommitInfo
+from .handle import RejectedStep as RejectedStep
+from .handle import RestoreResult as RestoreResult
+from .handle import SaveHandle as SaveHandle
+from .storage import LocalStorage as LocalStorage
+from .storage import Storage as Storage
+from .train_state import RNGState as RNGState
+from .train_state import TrainState as TrainState
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AsyncCheckpointPipeline",
+    "BusyPolicy",
+    "CheckpointCommitted",
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "CheckpointPipeline",
+    "CheckpointPruned",
+    "CheckpointRejected",
+    "CheckpointRestored",
+    "CommitInfo",
+    "ConfigError",
+    "Coordinator",
+    "Event",
+    "LocalCoordinator",
+    "LocalStorage",
+    "PipelineClosedError",
+    "PipelineConfig",
+    "PoolBusyError",
+    "RNGState",
+    "RejectedStep",
+    "RestoreError",
+    "RestoreResult",
+    "SaveError",
+    "SaveFailed",
+    "SaveHandle",
+    "SaveRequested",
+    "SaveSkipped",
+    "ShardSerialized",
+    "ShardWritten",
+    "SnapshotMode",
+    "SnapshotTaken",
+    "SnapshotTornError",
+    "StateError",
+    "StepOrderError",
+    "Storage",
+    "StorageError",
+    "TemporariesScrubbed",
+    "TrainState",
+    "UnsafeRootError",
+    "__version__",
+)

@@ -1,0 +1,639 @@
+"""The pipeline: stages connected by bounded streams, owned by one task group.
+
+``AsyncCheckpointPipeline`` runs inside the caller's event loop. ``CheckpointPipeline``
+(``_sync.py``) runs the same object in a background thread for synchronous training loops.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Any
+
+import anyio
+import structlog
+import torch
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from . import _recovery
+from ._commit import commit
+from ._format import DTYPE_NAMES, TensorRef, decode_tree, encode_tree
+from ._job import SaveJob
+from ._retain import prune
+from ._serialize import serialize
+from ._snapshot import HostPool, plan_layout, take_snapshot
+from ._tree import apply_state, check_structure, flatten_state
+from ._write import remove_published, write_shard
+from .config import PipelineConfig
+from .coordination import Coordinator, LocalCoordinator
+from .errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    ConfigError,
+    PipelineClosedError,
+    PoolBusyError,
+    RestoreError,
+    SaveError,
+    StateError,
+    StepOrderError,
+)
+from .events import (
+    CheckpointCommitted,
+    CheckpointPruned,
+    CheckpointRejected,
+    CheckpointRestored,
+    Event,
+    SaveFailed,
+    SaveRequested,
+    SaveSkipped,
+    ShardSerialized,
+    ShardWritten,
+    SnapshotTaken,
+    TemporariesScrubbed,
+)
+from .handle import CommitInfo, RejectedStep, RestoreResult, SaveHandle
+from .storage import LocalStorage, Storage
+from .train_state import RNGState, TrainState
+
+__all__ = ("AsyncCheckpointPipeline",)
+
+_log = structlog.get_logger("ckpt_pipeline")
+Subscriber = Callable[[Event], None]
+
+
+@dataclass(slots=True)
+class _Loaded:
+    """A verified candidate, ready to be applied to the live state."""
+
+    step: int
+    save_id: str
+    path: str
+    tree: dict[str, Any]
+    tensors: list[torch.Tensor]
+    train_state: TrainState
+    bytes: int
+    started: float
+    rejected: tuple[RejectedStep, ...]
+    keep_alive: Any
+
+
+def make_config(keep_last: int | None, config: PipelineConfig | None,
+                options: Mapping[str, Any]) -> PipelineConfig:
+    """Merge keyword options into a config; unknown names fail with the valid ones listed."""
+    base = config if config is not None else PipelineConfig()
+    fields = set(PipelineConfig.__dataclass_fields__)
+    unknown = set(options) - fields
+    if unknown:
+        raise ConfigError(f"unknown option(s) {sorted(unknown)}",
+                          hint=f"valid options: {sorted(fields)}")
+    merged = dict(options)
+    if keep_last is not None:
+        merged["keep_last"] = keep_last
+    return replace(base, **merged) if merged else base
+
+
+class AsyncCheckpointPipeline:
+    """Asynchronous checkpoint pipeline inside the caller's event loop.
+
+    Use ``async with AsyncCheckpointPipeline(root) as pipe:``; ``save`` returns a
+    :class:`SaveHandle` once the tensors are copied (CPU) or their copies are queued (CUDA).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        config: PipelineConfig | None = None,
+        storage: Storage | None = None,
+        coordinator: Coordinator | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = make_config(keep_last, config, options)
+        self.storage: Storage = storage if storage is not None else LocalStorage(root)
+        self.coordinator: Coordinator = coordinator if coordinator is not None else (
+            LocalCoordinator())
+        if (self.coordinator.rank, self.coordinator.world_size) != (
+            self.config.rank, self.config.world_size
+        ):
+            self.config = replace(self.config, rank=self.coordinator.rank,
+                                  world_size=self.coordinator.world_size)
+        self.rank = self.config.rank
+        self._pool = HostPool(self.config.buffer_slots)
+        self._subscribers: tuple[Subscriber, ...] = ()
+        self._lock = threading.Lock()
+        self._pending: dict[int, SaveHandle] = {}
+        self._snapshots: list[SaveHandle] = []
+        self._last_step: int | None = None
+        self._latest_committed: int | None = None
+        self._run_id = ""
+        self._state = "new"
+        self._tg: TaskGroup | None = None
+        self._send: MemoryObjectSendStream[SaveJob] | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> AsyncCheckpointPipeline:
+        await self.open()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Check the root, scrub leftovers of crashed saves, and start the stages."""
+        if self._state != "new":
+            raise PipelineClosedError("a pipeline can be opened once", rank=self.rank)
+        self._limiter = anyio.CapacityLimiter(self.config.io_threads)
+        await self._thread(self.storage.ensure_root)
+        self._run_id = await self.coordinator.start()
+        for path, size in await self._thread(_recovery.scrub, self.storage, self.rank):
+            self._emit(TemporariesScrubbed(step=-1, rank=self.rank, path=path, bytes=size))
+        committed = await self._thread(_recovery.committed_steps, self.storage, self.rank)
+        self._latest_committed = max(committed, default=None)
+        self._last_step = self._latest_committed
+        depth = self.config.queue_depth
+        send, receive = anyio.create_memory_object_stream[SaveJob](depth)
+        self._send = send
+        stages: list[tuple[str, Callable[[SaveJob], Awaitable[None]]]] = [
+            ("snapshot", self._snapshot_stage),
+            ("serialize", self._serialize_stage),
+            ("write", self._write_stage),
+            ("commit", self._commit_stage),
+            ("retain", self._retain_stage),
+        ]
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        for index, (name, work) in enumerate(stages):
+            if index < len(stages) - 1:
+                next_send, next_receive = anyio.create_memory_object_stream[SaveJob](depth)
+            else:
+                next_send, next_receive = None, None
+            await tg.start(self._run_stage, name, receive, next_send, work)
+            if next_receive is not None:
+                receive = next_receive
+        self._state = "open"
+
+    async def aclose(self) -> None:
+        """Finish every pending save, then stop the stages. Idempotent."""
+        if self._state != "open":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            await self._wait_pending(None, raise_errors=False)
+        finally:
+            assert self._send is not None and self._tg is not None
+            await self._send.aclose()
+            await self._tg.__aexit__(None, None, None)
+            self._pool.close()
+            self._state = "closed"
+
+    # ------------------------------------------------------------------ save
+
+    async def save(self, step: int, state: Mapping[str, Any],
+                   train_state: TrainState | None = None) -> SaveHandle:
+        """Snapshot ``state`` at ``step`` and queue it; the handle resolves at commit."""
+        job_or_handle = self._prepare_save(step, state, train_state, block=False)
+        if job_or_handle is None:
+            job_or_handle = await anyio.to_thread.run_sync(
+                lambda: self._prepare_save(step, state, train_state, block=True))
+        if isinstance(job_or_handle, SaveHandle):
+            return job_or_handle
+        if job_or_handle is None:  # only a non-blocking attempt returns None
+            raise PoolBusyError("no host buffer became free", step=step, rank=self.rank)
+        return await self._submit(job_or_handle)
+
+    async def _submit(self, job: SaveJob) -> SaveHandle:
+        if self._send is None or self._state != "open":
+            self._abandon(job, PipelineClosedError("the pipeline is closed", step=job.step,
+                                                   rank=self.rank))
+            return job.handle
+        await self._send.send(job)
+        return job.handle
+
+    def _prepare_save(self, step: int, state: Mapping[str, Any],
+                      train_state: TrainState | None, *,
+                      block: bool) -> SaveJob | SaveHandle | None:
+        """The training-thread part of a save: validate, flatten, take a slot, start copies.
+
+        Returns None when ``block`` is False and the policy asks to wait for a slot.
+        """
+        started = time.perf_counter()
+        if self._state != "open":
+            raise PipelineClosedError("save() after close()", step=step, rank=self.rank,
+                                      hint="open a new pipeline")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StepOrderError(f"step must be a non-negative int, got {step!r}",
+                                 rank=self.rank)
+        with self._lock:
+            last = self._last_step
+        if last is not None and step <= last:
+            raise StepOrderError(
+                f"step {step} is not greater than the last saved step {last}", step=step,
+                rank=self.rank, path=str(self.storage.root),
+                hint="save increasing steps; to start over, use a new root")
+        ts = train_state if train_state is not None else TrainState(step=step)
+        if not isinstance(ts, TrainState):
+            raise StateError(f"train_state must be a TrainState, got {type(ts).__name__}",
+                             step=step, rank=self.rank)
+        if ts.step != step:
+            raise StateError(f"train_state.step is {ts.step} but the save is for step {step}",
+                             step=step, rank=self.rank,
+                             hint="advance the TrainState to this step before saving")
+        if self.config.capture_rng:
+            ts = ts.with_rng(RNGState.capture())
+        flat = flatten_state(state, step=step)
+        try:
+            tree = encode_tree(flat.skeleton)
+            ts_plain = ts.to_plain()
+            encode_tree(ts_plain)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise StateError(f"a value cannot be encoded: {exc}", step=step, rank=self.rank,
+                             hint="TrainState.extra and non-tensor leaves must be plain "
+                                  "values") from exc
+        offsets, data_length = plan_layout(flat.tensors)
+        pinned = any(t.device.type == "cuda" for t in flat.tensors)
+        slot = self._pool.acquire(max(data_length, 1), pinned=pinned, block=block)
+        if slot is None:
+            if self.config.when_busy == "skip":
+                return self._skip(step)
+            if not block:
+                return None
+            raise PoolBusyError("no host buffer became free", step=step, rank=self.rank)
+        with self._lock:
+            if self._last_step is not None and step <= self._last_step:
+                self._pool.release(slot)
+                raise StepOrderError(f"step {step} is not greater than the last saved step "
+                                     f"{self._last_step}", step=step, rank=self.rank)
+            self._last_step = step
+        try:
+            snap = take_snapshot(flat.tensors, flat.paths, offsets, slot.buffer, step=step,
+                                 rank=self.rank,
+                                 ordered=self.config.snapshot_mode == "ordered")
+        except BaseException:
+            self._pool.release(slot)
+            raise
+        save_id = f"{self._run_id}-{step}"
+        handle = SaveHandle(step, save_id, snap)
+        job = SaveJob(
+            step=step, rank=self.rank, world_size=self.config.world_size, save_id=save_id,
+            handle=handle, slot=slot, snapshot=snap, paths=flat.paths,
+            dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
+            shapes=tuple(tuple(t.shape) for t in flat.tensors),
+            devices=tuple(str(t.device) for t in flat.tensors),
+            offsets=offsets, sizes=tuple(t.numel() * t.element_size() for t in flat.tensors),
+            data_length=data_length, tree=tree, train_state=ts_plain, requested_at=started,
+        )
+        with self._lock:
+            self._pending[step] = handle
+            if snap.has_device_copies and not snap.released:
+                self._snapshots.append(handle)
+        self._emit(SaveRequested(step=step, rank=self.rank, save_id=save_id,
+                                 tensors=len(flat.tensors), bytes=job.data_bytes,
+                                 blocking_seconds=time.perf_counter() - started))
+        return job
+
+    def _skip(self, step: int) -> SaveHandle:
+        handle = SaveHandle(step, "")
+        reason = "every host buffer is busy with an earlier save"
+        handle._fail(PoolBusyError(f"save skipped: {reason}", step=step, rank=self.rank,
+                                   hint="save less often, or use buffer_slots=2 or "
+                                        "when_busy='block'"))
+        self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
+        return handle
+
+    def wait_snapshot(self, *, block_cpu: bool = False) -> None:
+        """Make the caller's streams wait for every pending snapshot copy; check for mutation.
+
+        Call it before the next in-place update of saved tensors (``optimizer.step()``).
+        Returns at once when nothing is being copied.
+        """
+        with self._lock:
+            handles, self._snapshots = self._snapshots, []
+        for handle in handles:
+            handle.wait_snapshot(block_cpu=block_cpu)
+
+    # ------------------------------------------------------------------ stages
+
+    async def _run_stage(
+        self,
+        name: str,
+        receive: MemoryObjectReceiveStream[SaveJob],
+        send: MemoryObjectSendStream[SaveJob] | None,
+        work: Callable[[SaveJob], Awaitable[None]],
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Consume jobs in order; a job that fails here goes no further."""
+        async with receive:
+            task_status.started()
+            try:
+                async for job in receive:
+                    try:
+                        await work(job)
+                    except Exception as exc:
+                        await self._fail(job, name, exc)
+                        continue
+                    if send is not None:
+                        await send.send(job)
+            finally:
+                if send is not None:
+                    await send.aclose()
+
+    async def _snapshot_stage(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        snap = job.snapshot
+        if snap.has_device_copies:
+            await self._thread(snap.release_by_pipeline)
+        if snap.torn is not None:
+            raise snap.torn
+        self._emit(SnapshotTaken(step=job.step, rank=self.rank, save_id=job.save_id,
+                                 bytes=job.data_bytes,
+                                 seconds=time.perf_counter() - started))
+
+    async def _serialize_stage(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        assert self._limiter is not None
+        await serialize(job, chunk_bytes=self.config.chunk_bytes,
+                        threads=self.config.io_threads, limiter=self._limiter)
+        self._emit(ShardSerialized(step=job.step, rank=self.rank, save_id=job.save_id,
+                                   bytes=job.data_bytes, header_bytes=len(job.header),
+                                   seconds=time.perf_counter() - started))
+
+    async def _write_stage(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        assert self._limiter is not None
+        await write_shard(job, self.storage, chunk_bytes=self.config.chunk_bytes,
+                          threads=self.config.io_threads, limiter=self._limiter)
+        self._pool.release(job.slot)
+        self._emit(ShardWritten(step=job.step, rank=self.rank, save_id=job.save_id,
+                                path=os.path.join(str(self.storage.root), job.dir_name),
+                                bytes=job.shard_size, seconds=time.perf_counter() - started))
+
+    async def _commit_stage(self, job: SaveJob) -> None:
+        assert self._limiter is not None
+        await commit(job, self.storage, self.coordinator, limiter=self._limiter)
+        seconds = time.perf_counter() - job.requested_at
+        path = os.path.join(str(self.storage.root), job.dir_name)
+        with self._lock:
+            if self._latest_committed is None or job.step > self._latest_committed:
+                self._latest_committed = job.step
+            self._pending.pop(job.step, None)
+        info = CommitInfo(step=job.step, rank=self.rank, save_id=job.save_id, path=path,
+                          bytes=job.shard_size, seconds=seconds)
+        self._emit(CheckpointCommitted(step=job.step, rank=self.rank, save_id=job.save_id,
+                                       path=path, bytes=job.shard_size, seconds=seconds))
+        job.handle._resolve(info)
+
+    async def _retain_stage(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        try:
+            pruned = await self._thread(prune, self.storage, self.rank, self.config.keep_last)
+        except CheckpointError as exc:
+            _log.warning("ckpt.retain.failed", step=job.step, rank=self.rank, error=str(exc))
+            return
+        for item in pruned:
+            self._emit(CheckpointPruned(step=item.step, rank=self.rank, path=item.path,
+                                        bytes=item.bytes,
+                                        seconds=time.perf_counter() - started))
+
+    async def _fail(self, job: SaveJob, stage: str, exc: Exception) -> None:
+        if isinstance(exc, CheckpointError):
+            error = exc
+            if error.step is None:
+                error.step = job.step
+        else:
+            error = SaveError(f"{stage} failed: {type(exc).__name__}: {exc}", step=job.step,
+                              rank=self.rank, path=str(self.storage.root))
+            error.__cause__ = exc
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._thread(remove_published, job, self.storage)
+            finally:
+                self._abandon(job, error, stage)
+
+    def _abandon(self, job: SaveJob, error: CheckpointError, stage: str = "submit") -> None:
+        self._pool.release(job.slot)
+        with self._lock:
+            self._pending.pop(job.step, None)
+        self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id, stage=stage,
+                              error=str(error)))
+        job.handle._fail(error)
+
+    # ------------------------------------------------------------------ waiting
+
+    async def wait(self, timeout: float | None = None) -> None:
+        """Wait until every pending save is committed; raise the first failure among them."""
+        await self._wait_pending(timeout, raise_errors=True)
+
+    async def _wait_pending(self, timeout: float | None, *, raise_errors: bool) -> None:
+        with self._lock:
+            handles = list(self._pending.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first: BaseException | None = None
+        for handle in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                await anyio.to_thread.run_sync(handle.result, left, abandon_on_cancel=True)
+            except TimeoutError:
+                raise
+            except CheckpointError as exc:
+                first = first or exc
+        if first is not None and raise_errors:
+            raise first
+
+    def pending_steps(self) -> list[int]:
+        with self._lock:
+            return sorted(self._pending)
+
+    async def latest_step(self) -> int | None:
+        """The newest step committed by this rank (None when there is none)."""
+        with self._lock:
+            return self._latest_committed
+
+    # ------------------------------------------------------------------ restore
+
+    async def restore_latest(self, state: MutableMapping[str, Any]) -> RestoreResult | None:
+        """Load the newest step that every rank holds and verifies into ``state`` in place.
+
+        A corrupt, truncated or incomplete step is reported (``CheckpointRejected``) and the
+        next older one is tried. Returns None when there is nothing to restore; raises
+        RestoreError when checkpoints exist but none can be loaded.
+        """
+        loaded = await self._load_latest(state)
+        if loaded is None:
+            return None
+        self._apply(loaded, state)
+        return await self._finish_restore(loaded)
+
+    async def _load_latest(self, state: Mapping[str, Any]) -> _Loaded | None:
+        if self._state != "open":
+            raise PipelineClosedError("restore_latest() on a pipeline that is not open",
+                                      rank=self.rank)
+        await self._wait_pending(None, raise_errors=False)
+        started = time.perf_counter()
+        statuses = await self._thread(_recovery.scan, self.storage, self.rank)
+        rejected: list[RejectedStep] = []
+        for status in statuses:
+            if status.complete and not status.valid:
+                rejected.append(self._reject(status.step, status.path, status.reason or "?"))
+        valid = {s.step: s for s in statuses if s.valid}
+        for status in valid.values():
+            if status.world_size != self.config.world_size:
+                raise RestoreError(
+                    f"step {status.step} was saved by {status.world_size} rank(s), this job "
+                    f"has {self.config.world_size}", step=status.step, rank=self.rank,
+                    path=status.path, hint="restore with the same world size (resharding is "
+                                           "not supported)")
+        candidates = await self.coordinator.agree_candidates(
+            {step: s.save_id or "" for step, s in valid.items()})
+        for step, save_id in candidates:
+            status = valid.get(step)
+            error: str | None = None
+            loaded: _Loaded | None = None
+            try:
+                if status is None or status.save_id != save_id:
+                    raise CheckpointIntegrityError("this rank holds no matching save",
+                                                   step=step, rank=self.rank)
+                loaded = await self._read_candidate(status, state, started, rejected)
+            except (CheckpointError, OSError) as exc:
+                error = str(exc)
+            failures = await self.coordinator.agree_loaded(step, error)
+            if not failures and loaded is not None:
+                return loaded
+            path = status.path if status is not None else ""
+            reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+            rejected.append(self._reject(step, path, reason))
+        if rejected:
+            listing = "; ".join(f"step {r.step}: {r.reason}" for r in rejected)
+            raise RestoreError(f"no checkpoint could be loaded ({listing})", rank=self.rank,
+                               path=str(self.storage.root),
+                               hint="inspect with `ckpt-pipeline verify`; move the root aside "
+                                    "to start fresh")
+        return None
+
+    async def _read_candidate(self, status: _recovery.StepStatus, state: Mapping[str, Any],
+                              started: float, rejected: list[RejectedStep]) -> _Loaded:
+        assert self._limiter is not None and status.header is not None
+        header = status.header
+        cuda = torch.cuda.is_available()
+        pinned = cuda and any(r.device.startswith("cuda") for r in header.tensors)
+        shard = await _recovery.read_shard(self.storage, status, self.rank, pinned=pinned,
+                                           threads=self.config.io_threads,
+                                           limiter=self._limiter)
+        tree = decode_tree(header.tree, status.path)
+        if not isinstance(tree, dict):
+            raise CheckpointIntegrityError("state tree is not a map", step=status.step,
+                                           rank=self.rank, path=status.path)
+        _check_refs(tree, len(shard.tensors), status)
+        try:
+            train_state = TrainState.from_plain(header.train_state)
+        except StateError as exc:
+            raise CheckpointIntegrityError(f"train state is invalid: {exc.message}",
+                                           step=status.step, rank=self.rank,
+                                           path=status.path) from exc
+        if train_state.step != status.step:
+            raise CheckpointIntegrityError(
+                f"train state says step {train_state.step}", step=status.step,
+                rank=self.rank, path=status.path)
+        tensors = [_to_saved_device(t, rec.device) for t, rec in
+                   zip(shard.tensors, header.tensors)]
+        check_structure(state, tree, tensors, step=status.step)
+        return _Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
+                       tensors=tensors, train_state=train_state,
+                       bytes=status.shard_size, started=started, rejected=tuple(rejected),
+                       keep_alive=shard.buffer)
+
+    def _apply(self, loaded: _Loaded, state: MutableMapping[str, Any]) -> None:
+        """Load into the live objects; runs on the caller's thread (its CUDA streams)."""
+        apply_state(state, loaded.tree, loaded.tensors, step=loaded.step)
+        if self.config.restore_rng and loaded.train_state.rng is not None:
+            loaded.train_state.rng.apply()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        loaded.keep_alive = None
+
+    async def _finish_restore(self, loaded: _Loaded) -> RestoreResult:
+        """Move newer, unusable steps aside so that training can save them again."""
+        for step, dir_name in sorted((await self._thread(_recovery.step_dirs,
+                                                         self.storage)).items()):
+            if step > loaded.step:
+                moved = await self._thread(_recovery.quarantine, self.storage, dir_name)
+                _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
+                             path=moved)
+        with self._lock:
+            self._latest_committed = loaded.step
+            self._last_step = loaded.step
+        seconds = time.perf_counter() - loaded.started
+        self._emit(CheckpointRestored(step=loaded.step, rank=self.rank, save_id=loaded.save_id,
+                                      path=loaded.path, bytes=loaded.bytes, seconds=seconds))
+        return RestoreResult(step=loaded.step, save_id=loaded.save_id, path=loaded.path,
+                             train_state=loaded.train_state, bytes=loaded.bytes,
+                             seconds=seconds, rejected=loaded.rejected)
+
+    def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
+        self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))
+        return RejectedStep(step, path, reason)
+
+    # ------------------------------------------------------------------ events
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call ``callback(event)`` for every event (from the thread that emits it).
+
+        Returns a function that unsubscribes. A callback that raises is logged and kept.
+        """
+        with self._lock:
+            self._subscribers = (*self._subscribers, callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._subscribers = tuple(s for s in self._subscribers if s is not callback)
+
+        return unsubscribe
+
+    def _emit(self, event: Event) -> None:
+        getattr(_log, event.log_level)(event.log_name, **event.fields())
+        for callback in self._subscribers:
+            try:
+                callback(event)
+            except Exception as exc:
+                _log.error("ckpt.subscriber.failed", step=event.step, rank=event.rank,
+                           error=f"{type(exc).__name__}: {exc}")
+
+    async def _thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+
+def _to_saved_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device(device)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return t.to(dev, non_blocking=True)
+    return t
+
+
+def _check_refs(tree: Any, count: int, status: _recovery.StepStatus) -> None:
+    """Every TensorRef in the tree must point into the tensor index."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, TensorRef):
+            if node.index >= count:
+                raise CheckpointIntegrityError("state tree refers to a missing tensor",
+                                               step=status.step, path=status.path)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+

@@ -1,0 +1,282 @@
+"""Recovery: scrub what crashed saves left, scan and validate steps, read shards back.
+
+Every name from disk is matched against a strict pattern, every file is opened without
+following symlinks and must be a regular file of the size its manifest records, and every byte
+of tensor data is checked against its xxh3 checksum before it is used.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from ._format import (
+    DTYPES,
+    PREAMBLE_SIZE,
+    TEMP_FILE,
+    CommitRecord,
+    Manifest,
+    ShardHeader,
+    checksum,
+    commit_name,
+    decode_commit,
+    decode_header,
+    decode_manifest,
+    decode_preamble,
+    manifest_name,
+    parse_rank_file,
+    parse_step_dir,
+    shard_name,
+)
+from ._hostmem import byte_view
+from ._serialize import run_groups, split_balanced, tensor_chunks
+from .errors import CheckpointIntegrityError, StorageError
+from .storage import Storage
+
+__all__ = (
+    "LoadedShard",
+    "StepStatus",
+    "committed_steps",
+    "quarantine",
+    "read_shard",
+    "scan",
+    "scrub",
+)
+
+_SMALL_LIMIT = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StepStatus:
+    """What a cheap look at one step directory found for one rank."""
+
+    step: int
+    dir_name: str
+    path: str
+    complete: bool
+    """This rank's commit record is present."""
+    valid: bool
+    """Complete, and commit record, manifest, shard size and header agree."""
+    reason: str | None
+    save_id: str | None = None
+    world_size: int | None = None
+    shard_size: int = 0
+    data_bytes: int = 0
+    committed_unix: float | None = None
+    header: ShardHeader | None = None
+
+
+def step_dirs(storage: Storage) -> dict[int, str]:
+    """Step directories under the root, by step (names that do not match are ignored)."""
+    out: dict[int, str] = {}
+    for entry in storage.list_dir(""):
+        step = parse_step_dir(entry.name)
+        if step is not None and entry.is_dir and not entry.is_symlink:
+            out[step] = entry.name
+    return out
+
+
+def _read_small(storage: Storage, rel: str) -> bytes:
+    fd, size = storage.open_read(rel)
+    try:
+        if size > _SMALL_LIMIT:
+            raise CheckpointIntegrityError(f"file is {size} bytes, more than a metadata file "
+                                           "can be", path=os.path.join(storage.root, rel))
+        buf = bytearray(size)
+        storage.pread_into(fd, memoryview(buf), 0)
+        return bytes(buf)
+    finally:
+        storage.close(fd)
+
+
+def _read_commit(storage: Storage, dir_name: str, step: int, rank: int) -> CommitRecord:
+    rel = os.path.join(dir_name, commit_name(rank))
+    path = os.path.join(storage.root, rel)
+    record = decode_commit(_read_small(storage, rel), path)
+    if record.step != step or record.rank != rank:
+        raise CheckpointIntegrityError(
+            f"commit record is for step {record.step} rank {record.rank}", step=step,
+            rank=rank, path=path, hint="a file was moved between steps or ranks")
+    return record
+
+
+def committed_steps(storage: Storage, rank: int) -> dict[int, str]:
+    """Steps with this rank's commit record, keyed by the step recorded inside it."""
+    out: dict[int, str] = {}
+    for step, dir_name in step_dirs(storage).items():
+        names = {e.name for e in storage.list_dir(dir_name)}
+        if commit_name(rank) not in names:
+            continue
+        try:
+            record = _read_commit(storage, dir_name, step, rank)
+        except (CheckpointIntegrityError, StorageError):
+            continue
+        out[record.step] = dir_name
+    return out
+
+
+def scrub(storage: Storage, rank: int) -> list[tuple[str, int]]:
+    """Remove this rank's temporaries and uncommitted files; return (path, bytes) removed.
+
+    A committed step is never touched. Runs in a worker thread, before any save starts.
+    """
+    removed: list[tuple[str, int]] = []
+    prefix = f".rank-{rank:05d}."
+    for _step, dir_name in sorted(step_dirs(storage).items()):
+        entries = storage.list_dir(dir_name)
+        names = {e.name for e in entries}
+        committed = commit_name(rank) in names
+        for entry in entries:
+            own_temp = entry.name.startswith(prefix) and TEMP_FILE.match(entry.name)
+            parsed = parse_rank_file(entry.name)
+            own_uncommitted = (not committed and parsed is not None and parsed[0] == rank)
+            if (own_temp or own_uncommitted) and not entry.is_dir:
+                storage.unlink(os.path.join(dir_name, entry.name))
+                removed.append((os.path.join(storage.root, dir_name, entry.name), entry.size))
+        if removed:
+            storage.fsync_dir(dir_name)
+        if not storage.list_dir(dir_name):
+            storage.rmdir(dir_name)
+            storage.fsync_dir("")
+    return removed
+
+
+def scan(storage: Storage, rank: int) -> list[StepStatus]:
+    """Cheaply validate this rank's files of every step, newest first. Worker thread."""
+    out: list[StepStatus] = []
+    for step, dir_name in sorted(step_dirs(storage).items(), reverse=True):
+        out.append(_scan_step(storage, rank, step, dir_name))
+    return out
+
+
+def _scan_step(storage: Storage, rank: int, step: int, dir_name: str) -> StepStatus:
+    path = os.path.join(storage.root, dir_name)
+    names = {e.name: e for e in storage.list_dir(dir_name)}
+    if commit_name(rank) not in names:
+        return StepStatus(step, dir_name, path, complete=False, valid=False,
+                          reason=f"no commit record for rank {rank}")
+    try:
+        record = _read_commit(storage, dir_name, step, rank)
+        manifest = _read_manifest(storage, dir_name, step, rank, record)
+        header = read_header(storage, dir_name, rank, manifest)
+    except (CheckpointIntegrityError, StorageError) as exc:
+        return StepStatus(step, dir_name, path, complete=True, valid=False, reason=str(exc))
+    return StepStatus(step, dir_name, path, complete=True, valid=True, reason=None,
+                      save_id=record.save_id, world_size=record.world_size,
+                      shard_size=manifest.shard_size, data_bytes=manifest.data_bytes,
+                      committed_unix=record.committed_unix, header=header)
+
+
+def _read_manifest(storage: Storage, dir_name: str, step: int, rank: int,
+                   record: CommitRecord) -> Manifest:
+    rel = os.path.join(dir_name, manifest_name(rank))
+    path = os.path.join(storage.root, rel)
+    manifest = decode_manifest(_read_small(storage, rel), path)
+    if (manifest.step, manifest.rank, manifest.save_id, manifest.world_size) != (
+        step, rank, record.save_id, record.world_size
+    ):
+        raise CheckpointIntegrityError("manifest does not match the commit record", step=step,
+                                       rank=rank, path=path,
+                                       hint="files of different saves are mixed")
+    return manifest
+
+
+def read_header(storage: Storage, dir_name: str, rank: int, manifest: Manifest) -> ShardHeader:
+    """Open the shard, check its size, preamble and header against the manifest."""
+    rel = os.path.join(dir_name, shard_name(rank))
+    path = os.path.join(storage.root, rel)
+    fd, size = storage.open_read(rel, manifest.shard_size)
+    try:
+        pre = bytearray(PREAMBLE_SIZE)
+        if size < PREAMBLE_SIZE:
+            raise CheckpointIntegrityError("shard is shorter than its preamble", path=path)
+        storage.pread_into(fd, memoryview(pre), 0)
+        offset, length, digest = decode_preamble(bytes(pre), size, path)
+        raw = bytearray(length)
+        storage.pread_into(fd, memoryview(raw), offset)
+    finally:
+        storage.close(fd)
+    if checksum(bytes(raw)) != digest or digest != manifest.header_checksum:
+        raise CheckpointIntegrityError("shard header checksum does not match", step=manifest.step,
+                                       rank=rank, path=path, hint="the shard is corrupt")
+    header = decode_header(bytes(raw), path, file_size=size, header_offset=offset)
+    if (header.step, header.rank, header.save_id, header.world_size) != (
+        manifest.step, rank, manifest.save_id, manifest.world_size
+    ):
+        raise CheckpointIntegrityError("shard header does not match its manifest",
+                                       step=manifest.step, rank=rank, path=path,
+                                       hint="a shard was swapped between steps or ranks")
+    return header
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedShard:
+    """A shard's data in host memory, every checksum verified, as tensors."""
+
+    header: ShardHeader
+    buffer: torch.Tensor
+    tensors: list[torch.Tensor]
+
+
+async def read_shard(
+    storage: Storage,
+    status: StepStatus,
+    rank: int,
+    *,
+    pinned: bool,
+    threads: int,
+    limiter: anyio.CapacityLimiter,
+    progress: Callable[[int], None] | None = None,
+) -> LoadedShard:
+    """Read all tensor data, verifying each chunk's checksum as it arrives."""
+    header = status.header
+    if header is None:
+        raise CheckpointIntegrityError("step was not validated", step=status.step, rank=rank,
+                                       path=status.path)
+    rel = os.path.join(status.dir_name, shard_name(rank))
+    path = os.path.join(storage.root, rel)
+    fd, _size = await anyio.to_thread.run_sync(storage.open_read, rel, status.shard_size,
+                                               limiter=limiter)
+    try:
+        buffer = torch.empty(max(header.data_length, 1), dtype=torch.uint8,
+                             pin_memory=pinned and torch.cuda.is_available())
+        base = header.data_offset
+        chunks = tensor_chunks([r.offset - base for r in header.tensors],
+                               [r.nbytes for r in header.tensors], header.chunk_bytes)
+        bad: list[str] = []
+
+        def run(group: list[tuple[int, int, int, int]]) -> None:
+            for start, end, i, k in group:
+                view = byte_view(buffer, start, end)
+                if end > start:
+                    storage.pread_into(fd, view, base + start)
+                if checksum(view) != header.tensors[i].checksums[k]:
+                    bad.append(header.tensors[i].path)
+                if progress is not None:
+                    progress(end - start)
+
+        await run_groups(run, split_balanced(chunks, threads), limiter)
+    finally:
+        await anyio.to_thread.run_sync(storage.close, fd, limiter=limiter)
+    if bad:
+        raise CheckpointIntegrityError(
+            f"checksum mismatch in {len(bad)} chunk(s), first in tensor {bad[0]!r}",
+            step=status.step, rank=rank, path=path, hint="the shard is corrupt")
+    tensors = []
+    for rec in header.tensors:
+        start = rec.offset - header.data_offset
+        tensors.append(buffer[start:start + rec.nbytes].view(DTYPES[rec.dtype]).view(rec.shape))
+    return LoadedShard(header, buffer, tensors)
+
+
+def quarantine(storage: Storage, dir_name: str) -> str:
+    """Move a step directory aside (kept for inspection, invisible to scans). Worker thread."""
+    target = f"{dir_name}.rejected-{secrets.token_hex(4)}"
+    storage.rename_dir(dir_name, target)
+    storage.fsync_dir("")
+    return os.path.join(storage.root, target)

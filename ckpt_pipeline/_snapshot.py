@@ -1,0 +1,242 @@
+"""Stage 1, snapshot: copy the state's tensors into a reusable host buffer.
+
+Only this part runs on the training thread. CPU tensors are copied before ``save()`` returns;
+CUDA tensors are copied on a side stream, after an event recorded on the caller's stream, into
+pinned memory, and their completion is tracked by CUDA events. Version counters catch a tensor
+mutated in place while its copy may still be running.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ._format import ALIGN, align_up
+from .errors import PoolBusyError, SnapshotTornError
+
+__all__ = ("HostPool", "Slot", "Snapshot", "plan_layout", "take_snapshot")
+
+
+@dataclass(slots=True)
+class Slot:
+    """One host buffer of the pool, lent to one save at a time."""
+
+    index: int
+    buffer: torch.Tensor
+    generation: int
+
+
+class HostPool:
+    """Host buffers allocated once, sized to the state, and reused for every save.
+
+    The pool grows (all slots re-allocated) only when a save needs more bytes than a slot holds,
+    and only once every slot is free again; the number of slots bounds host memory.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._slot_count = slots
+        self._buffers: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._slot_bytes = 0
+        self._pinned = False
+        self._generation = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._slot_bytes * len(self._buffers)
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def acquire(self, nbytes: int, *, pinned: bool, block: bool,
+                timeout: float | None = None) -> Slot | None:
+        """A free slot of at least ``nbytes``; None when ``block`` is False and none is free."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise PoolBusyError("the host buffer pool is closed")
+                fits = nbytes <= self._slot_bytes and (self._pinned or not pinned)
+                if fits and self._free:
+                    index = self._free.pop()
+                    return Slot(index, self._buffers[index], self._generation)
+                if not fits and len(self._free) == len(self._buffers):
+                    self._allocate(max(nbytes, ALIGN), pinned or self._pinned)
+                    continue
+                if not block:
+                    return None
+                if not self._cond.wait(timeout):
+                    return None
+
+    def release(self, slot: Slot) -> None:
+        with self._cond:
+            if slot.generation == self._generation and slot.index not in self._free:
+                self._free.append(slot.index)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._buffers = []
+            self._free = []
+            self._slot_bytes = 0
+            self._cond.notify_all()
+
+    def _allocate(self, nbytes: int, pinned: bool) -> None:
+        size = align_up(nbytes)
+        self._buffers = []  # drop the old buffers before taking new memory
+        pin = pinned and torch.cuda.is_available()
+        self._buffers = [
+            torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(self._slot_count)
+        ]
+        self._free = list(range(self._slot_count))
+        self._slot_bytes = size
+        self._pinned = pin
+        self._generation += 1
+
+
+def plan_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Aligned offsets of each tensor in the data region, and the region's length."""
+    offsets: list[int] = []
+    end = 0
+    for t in tensors:
+        start = align_up(end)
+        offsets.append(start)
+        end = start + t.numel() * t.element_size()
+    return offsets, end
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Copies of one save in flight: which are still running, and whether they may be torn."""
+
+    step: int
+    rank: int
+    paths: tuple[str, ...]
+    events: list[tuple[torch.device, torch.cuda.Event]] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    source_paths: list[str] = field(default_factory=list)
+    released: bool = False
+    torn: SnapshotTornError | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def has_device_copies(self) -> bool:
+        return bool(self.events)
+
+    def release_by_caller(self, *, block_cpu: bool) -> None:
+        """Order the caller's streams after the copies and check that nothing was mutated.
+
+        Called on the training thread (``wait_snapshot``). Any in-place update launched before
+        this call is visible in the version counters, so the check is exact here.
+        """
+        with self.lock:
+            if self.released:
+                return
+            for device, event in self.events:
+                torch.cuda.current_stream(device).wait_event(event)
+                if block_cpu:
+                    event.synchronize()
+            self._check_versions()
+            self._finish()
+
+    def release_by_pipeline(self) -> None:
+        """Wait for the copies (from a worker thread) and check versions, unless already done.
+
+        Without ``wait_snapshot`` the check here is best effort: an update launched at the very
+        moment of the check may be missed. The protocol (``wait_snapshot`` before the update)
+        makes it exact.
+        """
+        for _device, event in self.events:
+            event.synchronize()
+        with self.lock:
+            if self.released:
+                return
+            self._check_versions()
+            self._finish()
+
+    def _check_versions(self) -> None:
+        changed = [p for p, t, v in zip(self.source_paths, self.sources, self.versions)
+                   if t._version != v]
+        if changed:
+            shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
+            self.torn = SnapshotTornError(
+                f"{len(changed)} tensor(s) were modified in place while their snapshot copy "
+                f"could still be running ({shown}); this save was not written",
+                step=self.step, rank=self.rank, path=changed[0],
+                hint="call wait_snapshot() before optimizer.step() or any other in-place "
+                     "update, or use snapshot_mode='ordered'")
+
+    def _finish(self) -> None:
+        self.released = True
+        self.sources = []
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _side_streams.get(index)
+    if stream is None:
+        stream = torch.cuda.Stream(device=index)
+        _side_streams[index] = stream
+    return stream
+
+
+def take_snapshot(
+    tensors: Sequence[torch.Tensor],
+    paths: Sequence[str],
+    offsets: Sequence[int],
+    buffer: torch.Tensor,
+    *,
+    step: int,
+    rank: int,
+    ordered: bool,
+) -> Snapshot:
+    """Copy every tensor into ``buffer`` at its offset; CUDA copies run asynchronously."""
+    snap = Snapshot(step, rank, tuple(paths))
+    by_device: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device.type == "cuda":
+            by_device.setdefault(t.device.index or 0, []).append(i)
+            continue
+        _dest(buffer, offsets[i], t).copy_(t)
+    for device_index, indices in by_device.items():
+        device = torch.device("cuda", device_index)
+        caller = torch.cuda.current_stream(device)
+        side = _side_stream(device)
+        ready = torch.cuda.Event()
+        ready.record(caller)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            for i in indices:
+                t = tensors[i]
+                _dest(buffer, offsets[i], t).copy_(t, non_blocking=True)
+                snap.sources.append(t)
+                snap.versions.append(t._version)
+                snap.source_paths.append(paths[i])
+        done = torch.cuda.Event()
+        done.record(side)
+        snap.events.append((device, done))
+        if ordered:
+            caller.wait_event(done)
+    if ordered or not snap.events:
+        snap.released = True
+        snap.sources = []
+    return snap
+
+
+def _dest(buffer: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
+    nbytes = t.numel() * t.element_size()
+    return buffer[offset:offset + nbytes].view(t.dtype).view(t.shape)

@@ -1,0 +1,141 @@
+"""Stage 3, write: the shard and manifest of this rank, durable under their final names.
+
+Each file is published as: create a temporary name, write everything, fsync, close, link to the
+final name (never replacing one), fsync the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from ._format import (
+    ALIGN,
+    PREAMBLE_SIZE,
+    Manifest,
+    align_up,
+    checksum,
+    encode_manifest,
+    encode_preamble,
+    manifest_name,
+    shard_name,
+    step_dir_name,
+)
+from ._hostmem import byte_view
+from ._job import SaveJob
+from ._serialize import run_groups, split_balanced
+from .errors import StorageError
+from .storage import Storage
+
+__all__ = ("publish_small", "remove_published", "required_bytes", "write_shard")
+
+
+async def _thread(fn: Callable[..., Any], *args: Any, limiter: anyio.CapacityLimiter) -> Any:
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+def required_bytes(job: SaveJob) -> int:
+    """Bytes a save needs on disk: shard (data, header, preamble) plus small files."""
+    return align_up(PREAMBLE_SIZE + job.data_length) + len(job.header) + 3 * ALIGN
+
+
+async def write_shard(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
+                      limiter: anyio.CapacityLimiter) -> None:
+    """Write the shard and the manifest; on return both are durable under final names."""
+    job.dir_name = step_dir_name(job.step)
+    need = required_bytes(job)
+    free = await _thread(storage.free_bytes, limiter=limiter)
+    if free < need:
+        raise StorageError(
+            f"not enough free space: the save needs {need} bytes, {free} are free",
+            step=job.step, rank=job.rank, path=str(storage.root),
+            hint="free disk space, lower keep_last, or use a larger disk")
+    await _thread(storage.make_dir, job.dir_name, limiter=limiter)
+
+    final = shard_name(job.rank)
+    fd, temp = await _thread(storage.create_temp, job.dir_name, final, limiter=limiter)
+    job.temp_names.append(temp)
+    try:
+        header_offset = align_up(PREAMBLE_SIZE + job.data_length)
+        buffer = job.slot.buffer
+        ranges = [(s, min(s + chunk_bytes, job.data_length))
+                  for s in range(0, job.data_length, chunk_bytes)]
+
+        def write_group(group: list[tuple[int, int]]) -> None:
+            for start, end in group:
+                storage.pwrite(fd, byte_view(buffer, start, end), PREAMBLE_SIZE + start)
+
+        await run_groups(write_group, split_balanced(ranges, threads), limiter)
+        header = memoryview(job.header)
+        await _thread(storage.pwrite, fd, header, header_offset, limiter=limiter)
+        preamble = memoryview(encode_preamble(header_offset, job.header))
+        await _thread(storage.pwrite, fd, preamble, 0, limiter=limiter)
+        await _thread(storage.fsync, fd, limiter=limiter)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _thread(_close_quietly, storage, fd, limiter=limiter)
+        raise
+    await _thread(storage.close, fd, limiter=limiter)
+    job.shard_size = header_offset + len(job.header)
+    await _thread(storage.publish, job.dir_name, temp, final, limiter=limiter)
+    job.temp_names.remove(temp)
+    job.published.append(final)
+
+    manifest = encode_manifest(Manifest(
+        step=job.step, rank=job.rank, world_size=job.world_size, save_id=job.save_id,
+        shard_size=job.shard_size, header_checksum=checksum(job.header),
+        data_bytes=job.data_bytes))
+    await publish_small(job, storage, manifest_name(job.rank), manifest, limiter=limiter)
+
+
+async def publish_small(job: SaveJob, storage: Storage, final: str, data: bytes, *,
+                        limiter: anyio.CapacityLimiter) -> None:
+    """Publish a small file durably in the job's step directory (directory fsynced too)."""
+
+    def publish() -> None:
+        fd, temp = storage.create_temp(job.dir_name, final)
+        job.temp_names.append(temp)
+        try:
+            storage.pwrite(fd, memoryview(data), 0)
+            storage.fsync(fd)
+        except BaseException:
+            _close_quietly(storage, fd)
+            raise
+        storage.close(fd)
+        storage.publish(job.dir_name, temp, final)
+        job.temp_names.remove(temp)
+        job.published.append(final)
+        storage.fsync_dir(job.dir_name)
+
+    await _thread(publish, limiter=limiter)
+
+
+def _close_quietly(storage: Storage, fd: int) -> None:
+    with contextlib.suppress(StorageError):
+        storage.close(fd)
+
+
+def remove_published(job: SaveJob, storage: Storage) -> None:
+    """Undo a failed save: temporaries and this rank's published files of the step.
+
+    Runs in a worker thread. The commit record is removed first, so that nothing on disk looks
+    complete while the rest is being removed.
+    """
+    if not job.dir_name:
+        return
+    names = sorted(job.published, key=lambda n: not n.endswith(".commit"))
+    for name in [*names, *job.temp_names]:
+        with contextlib.suppress(StorageError):
+            storage.unlink(os.path.join(job.dir_name, name))
+    job.published.clear()
+    job.temp_names.clear()
+    try:
+        if not storage.list_dir(job.dir_name):
+            storage.rmdir(job.dir_name)
+        storage.fsync_dir("")
+    except StorageError:
+        pass

@@ -1,0 +1,79 @@
+"""Typed, validated configuration of a pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import ConfigError
+
+__all__ = ("BusyPolicy", "PipelineConfig", "SnapshotMode")
+
+BusyPolicy = Literal["block", "skip"]
+SnapshotMode = Literal["overlap", "ordered"]
+
+_MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """How a pipeline checkpoints. Defaults suit a single-process training job.
+
+    - ``keep_last``: committed steps kept on disk; older ones are pruned once a newer one is
+      committed. The newest committed step is never pruned.
+    - ``buffer_slots``: host buffers in the pool (1, or 2 to let a save start while the previous
+      one is still being written). Each slot is as large as the state.
+    - ``when_busy``: what ``save()`` does when every slot is busy: ``"block"`` waits for one,
+      ``"skip"`` drops this save and emits ``SaveSkipped``.
+    - ``snapshot_mode``: ``"overlap"`` copies CUDA tensors on a side stream and expects
+      ``wait_snapshot()`` before the next in-place update; ``"ordered"`` makes the caller's
+      stream wait for the copies inside ``save()`` (no protocol, copy time on the GPU timeline).
+    - ``capture_rng`` / ``restore_rng``: save and restore the RNG states with the TrainState.
+    - ``chunk_bytes``: granularity of checksums and of writes.
+    - ``io_threads``: worker threads for checksums and file I/O.
+    - ``queue_depth``: capacity of each stream between stages.
+    - ``rank`` / ``world_size``: this process's place in the job (single process: 0 and 1).
+    """
+
+    keep_last: int = 3
+    buffer_slots: int = 1
+    when_busy: BusyPolicy = "block"
+    snapshot_mode: SnapshotMode = "overlap"
+    capture_rng: bool = True
+    restore_rng: bool = True
+    chunk_bytes: int = 64 * _MiB
+    io_threads: int = 4
+    queue_depth: int = 4
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int("keep_last", self.keep_last, "keep at least one checkpoint: keep_last=1")
+        _positive_int("buffer_slots", self.buffer_slots, "use 1, or 2 for double buffering")
+        _positive_int("io_threads", self.io_threads, "for example io_threads=4")
+        _positive_int("queue_depth", self.queue_depth, "for example queue_depth=4")
+        _positive_int("world_size", self.world_size, "world_size=1 for a single process")
+        if self.when_busy not in ("block", "skip"):
+            raise ConfigError(f"when_busy={self.when_busy!r} is not a policy",
+                              hint='use "block" or "skip"')
+        if self.snapshot_mode not in ("overlap", "ordered"):
+            raise ConfigError(f"snapshot_mode={self.snapshot_mode!r} is not a mode",
+                              hint='use "overlap" or "ordered"')
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or (
+            self.chunk_bytes < 4096 or self.chunk_bytes % 4096
+        ):
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} is invalid",
+                              hint="use a positive multiple of 4096, for example 64 MiB")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not (
+            0 <= self.rank < self.world_size
+        ):
+            raise ConfigError(f"rank={self.rank!r} is outside world_size={self.world_size}",
+                              hint="rank must be in [0, world_size)")
+        for name in ("capture_rng", "restore_rng"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False")
+
+
+def _positive_int(name: str, value: object, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive int", hint=hint)

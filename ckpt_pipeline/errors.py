@@ -1,0 +1,101 @@
+"""Every error the library raises, derived from one base.
+
+Each error says what happened, to which step, rank and path, and what the user can do. The
+fields are kept on the instance so that callers and event subscribers can act on them without
+parsing the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = (
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "ConfigError",
+    "PipelineClosedError",
+    "PoolBusyError",
+    "RestoreError",
+    "SaveError",
+    "SnapshotTornError",
+    "StateError",
+    "StepOrderError",
+    "StorageError",
+    "UnsafeRootError",
+)
+
+
+class CheckpointError(Exception):
+    """Base of every error raised by ckpt_pipeline."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        rank: int | None = None,
+        path: str | Path | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.step = step
+        self.rank = rank
+        self.path = None if path is None else str(path)
+        self.hint = hint
+        where = [
+            f"{name}={value}"
+            for name, value in (("step", step), ("rank", rank), ("path", self.path))
+            if value is not None
+        ]
+        text = message
+        if where:
+            text += f" [{', '.join(where)}]"
+        if hint:
+            text += f". {hint}"
+        self.message = message
+        super().__init__(text)
+
+
+class ConfigError(CheckpointError):
+    """A configuration value is invalid."""
+
+
+class StateError(CheckpointError):
+    """The state given to save() or restore cannot be handled (leaf type, structure, shape)."""
+
+
+class StepOrderError(CheckpointError):
+    """A save was requested for a step not greater than the last saved one."""
+
+
+class UnsafeRootError(CheckpointError):
+    """The checkpoint root is a symlink, owned by another user, or not writable."""
+
+
+class PipelineClosedError(CheckpointError):
+    """The pipeline was used after close()."""
+
+
+class PoolBusyError(CheckpointError):
+    """Every host buffer was busy and the policy did not allow waiting."""
+
+
+class SnapshotTornError(CheckpointError):
+    """A tensor was mutated in place while its snapshot copy could still be running."""
+
+
+class SaveError(CheckpointError):
+    """A save failed in the pipeline (serialize, write or commit); nothing was committed."""
+
+
+class StorageError(CheckpointError):
+    """An I/O call of the storage layer failed."""
+
+    errno: int | None = None
+
+
+class CheckpointIntegrityError(CheckpointError):
+    """A checkpoint on disk is corrupt, truncated, incomplete or not ours."""
+
+
+class RestoreError(CheckpointError):
+    """Restoring failed: no checkpoint could be loaded into the given state."""

@@ -1,0 +1,154 @@
+"""Typed events that every stage emits, for subscribers and for structlog.
+
+Each event is a frozen dataclass named for what happened. ``log_name`` is the structlog event
+name; the fields become the log line's key-value pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+__all__ = (
+    "CheckpointCommitted",
+    "CheckpointPruned",
+    "CheckpointRejected",
+    "CheckpointRestored",
+    "Event",
+    "SaveFailed",
+    "SaveRequested",
+    "SaveSkipped",
+    "ShardSerialized",
+    "ShardWritten",
+    "SnapshotTaken",
+    "TemporariesScrubbed",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of all pipeline events."""
+
+    log_name: ClassVar[str] = "ckpt.event"
+    log_level: ClassVar[str] = "info"
+
+    step: int
+    rank: int
+
+    def fields(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRequested(Event):
+    """``save()`` accepted a request; its tensors are being copied."""
+
+    log_name: ClassVar[str] = "ckpt.save.requested"
+    save_id: str
+    tensors: int
+    bytes: int
+    blocking_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSkipped(Event):
+    """A save was dropped because every host buffer was busy and the policy is ``skip``."""
+
+    log_name: ClassVar[str] = "ckpt.save.skipped"
+    log_level: ClassVar[str] = "warning"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotTaken(Event):
+    """Every tensor of the save is in host memory."""
+
+    log_name: ClassVar[str] = "ckpt.snapshot.done"
+    save_id: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSerialized(Event):
+    """Checksums computed and the shard header encoded."""
+
+    log_name: ClassVar[str] = "ckpt.serialize.done"
+    save_id: str
+    bytes: int
+    header_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ShardWritten(Event):
+    """The shard and manifest of this rank are durable under their final names."""
+
+    log_name: ClassVar[str] = "ckpt.write.done"
+    save_id: str
+    path: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointCommitted(Event):
+    """The commit record is durable: the step is complete and restorable."""
+
+    log_name: ClassVar[str] = "ckpt.commit.done"
+    save_id: str
+    path: str
+    bytes: int
+    seconds: float
+    """From ``save()`` to the commit record fsynced (time to durable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPruned(Event):
+    """An older committed step was removed by retention."""
+
+    log_name: ClassVar[str] = "ckpt.retain.pruned"
+    path: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class SaveFailed(Event):
+    """A save failed; nothing of it was committed and the previous checkpoint is intact."""
+
+    log_name: ClassVar[str] = "ckpt.save.failed"
+    log_level: ClassVar[str] = "error"
+    save_id: str
+    stage: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class TemporariesScrubbed(Event):
+    """Start-up removed what crashed saves left behind (never a committed step)."""
+
+    log_name: ClassVar[str] = "ckpt.recovery.scrubbed"
+    path: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRejected(Event):
+    """A step failed validation during recovery and was not loaded."""
+
+    log_name: ClassVar[str] = "ckpt.recovery.rejected"
+    log_level: ClassVar[str] = "error"
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRestored(Event):
+    """A step was loaded into the live state."""
+
+    log_name: ClassVar[str] = "ckpt.recovery.restored"
+    save_id: str
+    path: str
+    bytes: int
+    seconds: float

@@ -1,0 +1,105 @@
+"""What ``save()`` and ``restore_latest()`` hand back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import CheckpointError
+from .train_state import TrainState
+
+if TYPE_CHECKING:
+    from ._snapshot import Snapshot
+
+__all__ = ("CommitInfo", "RejectedStep", "RestoreResult", "SaveHandle")
+
+
+@dataclass(frozen=True, slots=True)
+class CommitInfo:
+    """A committed save: durable and restorable."""
+
+    step: int
+    rank: int
+    save_id: str
+    path: str
+    bytes: int
+    seconds: float
+    """From ``save()`` to the commit record fsynced (time to durable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RejectedStep:
+    """A step that recovery found unusable, and why."""
+
+    step: int
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """The step that was loaded into the live state."""
+
+    step: int
+    save_id: str
+    path: str
+    train_state: TrainState
+    bytes: int
+    seconds: float
+    rejected: tuple[RejectedStep, ...] = ()
+    """Newer steps that were found corrupt or incomplete and skipped (each was also reported)."""
+
+
+class SaveHandle:
+    """The pending result of one ``save()``. Thread-safe; usable from any thread."""
+
+    def __init__(self, step: int, save_id: str, snapshot: Snapshot | None = None) -> None:
+        self.step = step
+        self.save_id = save_id
+        self._snapshot = snapshot
+        self._future: concurrent.futures.Future[CommitInfo] = concurrent.futures.Future()
+        self._lock = threading.Lock()
+
+    def wait_snapshot(self, *, block_cpu: bool = False) -> None:
+        """Order the caller's CUDA streams after this save's copies; check nothing was mutated.
+
+        Call it before the next in-place update of the saved tensors (``optimizer.step()``).
+        It blocks the CPU only when ``block_cpu`` is set; otherwise the GPU waits.
+        """
+        if self._snapshot is not None:
+            self._snapshot.release_by_caller(block_cpu=block_cpu)
+
+    def done(self) -> bool:
+        """True once the save was committed or failed."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> CommitInfo:
+        """Wait for the commit; raise the save's CheckpointError if it failed."""
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"save of step {self.step} not finished after {timeout} s") \
+                from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def _resolve(self, info: CommitInfo) -> None:
+        with self._lock:
+            if not self._future.done():
+                self._future.set_result(info)
+
+    def _fail(self, error: CheckpointError) -> None:
+        with self._lock:
+            if not self._future.done():
+                self._future.set_exception(error)
+
+    def __repr__(self) -> str:
+        state = "pending"
+        if self._future.done():
+            state = "failed" if self._future.exception() else "committed"
+        return f"SaveHandle(step={self.step}, {state})"
+
+

@@ -1,0 +1,304 @@
+"""The storage layer: every file-system call of the pipeline goes through it.
+
+One small synchronous interface, called from worker threads, so that a test can replace it
+with one that injects faults (short writes, ENOSPC, EIO on fsync, a crash at a given call).
+
+Call order for publishing a file (the pipeline follows it; implementations need not check it):
+``create_temp`` -> ``pwrite``... -> ``fsync`` -> ``close`` -> ``publish`` -> ``fsync_dir``.
+``publish`` never replaces an existing file: committed files are never overwritten.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from .errors import StorageError, UnsafeRootError
+
+__all__ = ("FileInfo", "LocalStorage", "Storage")
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """What ``lstat`` says of an entry under the root."""
+
+    name: str
+    size: int
+    is_file: bool
+    is_dir: bool
+    is_symlink: bool
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """File-system operations relative to one checkpoint root.
+
+    Paths are relative to the root and made of names that the caller already matched against
+    its strict patterns. File descriptors are plain ints owned by the caller until ``close``.
+    """
+
+    root: Path
+
+    def ensure_root(self) -> None:
+        """Create the root (0700) if missing; refuse a symlink or another user's directory."""
+
+    def make_dir(self, rel: str) -> None:
+        """Create a directory (0700) if missing, and fsync its parent when it was created."""
+
+    def list_dir(self, rel: str) -> list[FileInfo]:
+        """Entries of a directory, without following symlinks."""
+
+    def create_temp(self, rel_dir: str, final_name: str) -> tuple[int, str]:
+        """Create a new temporary file (0600) beside ``final_name``; return (fd, its name)."""
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
+        """Write all of ``data`` at ``offset`` (short writes are continued)."""
+
+    def fsync(self, fd: int) -> None:
+        """Flush a file to stable storage."""
+
+    def close(self, fd: int) -> None:
+        """Close a descriptor."""
+
+    def publish(self, rel_dir: str, temp_name: str, final_name: str) -> None:
+        """Give a fully written, fsynced temp file its final name; fail if that name exists."""
+
+    def fsync_dir(self, rel: str) -> None:
+        """Flush a directory's entries."""
+
+    def open_read(self, rel: str, expected_size: int | None = None) -> tuple[int, int]:
+        """Open a regular file for reading without following symlinks; return (fd, size)."""
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` from ``offset``; a short file is an error."""
+
+    def unlink(self, rel: str) -> None:
+        """Remove a file (missing is not an error)."""
+
+    def rmdir(self, rel: str) -> None:
+        """Remove an empty directory (missing is not an error)."""
+
+    def rename_dir(self, rel_src: str, rel_dst: str) -> None:
+        """Move a directory aside under a new name that must not exist."""
+
+    def free_bytes(self) -> int:
+        """Bytes available to this user on the root's file system."""
+
+
+class LocalStorage:
+    """POSIX files under a local directory (node-local disk)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(os.path.abspath(os.fspath(root)))
+
+    def _path(self, rel: str) -> str:
+        return os.path.join(self.root, rel) if rel else str(self.root)
+
+    def _fail(self, what: str, rel: str, exc: OSError) -> StorageError:
+        hint = None
+        if exc.errno == errno.ENOSPC:
+            hint = "the disk is full: free space or point the pipeline at a larger disk"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            hint = "check the permissions of the checkpoint root"
+        err = StorageError(f"{what} failed: {exc.strerror or exc}", path=self._path(rel),
+                           hint=hint)
+        err.errno = exc.errno
+        return err
+
+    def ensure_root(self) -> None:
+        path = str(self.root)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            try:
+                os.makedirs(parent, mode=0o700, exist_ok=True)
+                os.mkdir(path, 0o700)
+                _fsync_dir_path(parent)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise UnsafeRootError(f"cannot create the checkpoint root: {exc.strerror}",
+                                      path=path,
+                                      hint="choose a writable directory") from exc
+            st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeRootError("the checkpoint root is a symlink", path=path,
+                                  hint="pass the real directory it points to")
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeRootError("the checkpoint root is not a directory", path=path,
+                                  hint="choose a directory")
+        if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+            raise UnsafeRootError(
+                f"the checkpoint root is owned by uid {st.st_uid}, not by this user",
+                path=path, hint="use a directory that this user owns")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UnsafeRootError("the checkpoint root is not writable", path=path,
+                                  hint="fix its permissions or choose another directory")
+
+    def make_dir(self, rel: str) -> None:
+        path = self._path(rel)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):
+                raise StorageError("a non-directory stands where a step directory belongs",
+                                   path=path, hint="remove it") from None
+            return
+        except OSError as exc:
+            raise self._fail("mkdir", rel, exc) from exc
+        self.fsync_dir(os.path.dirname(rel))
+
+    def list_dir(self, rel: str) -> list[FileInfo]:
+        out: list[FileInfo] = []
+        try:
+            with os.scandir(self._path(rel)) as it:
+                for entry in it:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out.append(FileInfo(entry.name, st.st_size, stat.S_ISREG(st.st_mode),
+                                        stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode)))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise self._fail("listdir", rel, exc) from exc
+        return out
+
+    def create_temp(self, rel_dir: str, final_name: str) -> tuple[int, str]:
+        name = f".{final_name}.tmp-{secrets.token_hex(6)}"
+        rel = os.path.join(rel_dir, name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        flags |= getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self._path(rel), flags, 0o600)
+        except OSError as exc:
+            raise self._fail("create", rel, exc) from exc
+        return fd, name
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        done = 0
+        total = len(view)
+        while done < total:
+            try:
+                n = os.pwrite(fd, view[done:], offset + done)
+            except OSError as exc:
+                raise self._fail("write", f"<fd {fd}>", exc) from exc
+            if n <= 0:
+                raise StorageError("write made no progress", path=f"<fd {fd}>")
+            done += n
+
+    def fsync(self, fd: int) -> None:
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise self._fail("fsync", f"<fd {fd}>", exc) from exc
+
+    def close(self, fd: int) -> None:
+        try:
+            os.close(fd)
+        except OSError as exc:
+            raise self._fail("close", f"<fd {fd}>", exc) from exc
+
+    def publish(self, rel_dir: str, temp_name: str, final_name: str) -> None:
+        src = os.path.join(rel_dir, temp_name)
+        dst = os.path.join(rel_dir, final_name)
+        try:
+            # link() fails when the target exists: a committed file is never replaced.
+            os.link(self._path(src), self._path(dst), follow_symlinks=False)
+        except OSError as exc:
+            raise self._fail("publish", dst, exc) from exc
+        try:
+            os.unlink(self._path(src))
+        except OSError as exc:
+            raise self._fail("unlink", src, exc) from exc
+
+    def fsync_dir(self, rel: str) -> None:
+        try:
+            _fsync_dir_path(self._path(rel))
+        except OSError as exc:
+            raise self._fail("fsync dir", rel, exc) from exc
+
+    def open_read(self, rel: str, expected_size: int | None = None) -> tuple[int, int]:
+        path = self._path(rel)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        flags |= getattr(os, "O_NONBLOCK", 0)  # a FIFO must not block the open
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise self._fail("open", rel, exc) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageError("not a regular file", path=path,
+                                   hint="something other than a checkpoint file is here")
+            if expected_size is not None and st.st_size != expected_size:
+                raise StorageError(
+                    f"size is {st.st_size} bytes, expected {expected_size}", path=path,
+                    hint="the file is truncated or was replaced")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> None:
+        view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        done = 0
+        total = len(view)
+        while done < total:
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise self._fail("read", f"<fd {fd}>", exc) from exc
+            if n == 0:
+                raise StorageError(f"unexpected end of file at byte {offset + done}",
+                                   path=f"<fd {fd}>", hint="the file is truncated")
+            done += n
+
+    def unlink(self, rel: str) -> None:
+        try:
+            os.unlink(self._path(rel))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._fail("unlink", rel, exc) from exc
+
+    def rmdir(self, rel: str) -> None:
+        try:
+            os.rmdir(self._path(rel))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._fail("rmdir", rel, exc) from exc
+
+    def rename_dir(self, rel_src: str, rel_dst: str) -> None:
+        dst = self._path(rel_dst)
+        if os.path.lexists(dst):
+            raise StorageError("target exists", path=dst)
+        try:
+            os.rename(self._path(rel_src), dst)
+        except OSError as exc:
+            raise self._fail("rename", rel_src, exc) from exc
+
+    def free_bytes(self) -> int:
+        try:
+            st = os.statvfs(self.root)
+        except OSError as exc:
+            raise self._fail("statvfs", "", exc) from exc
+        return st.f_bavail * st.f_frsize
+
+
+def _fsync_dir_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
