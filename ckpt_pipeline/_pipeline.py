@@ -452,8 +452,18 @@ class AsyncCheckpointPipeline:
             raise first
 
     def pending_steps(self) -> list[int]:
+        """Steps saved but not yet committed or failed."""
         with self._lock:
             return sorted(self._pending)
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """Bytes held by the host buffer pool (allocated on the first save, then reused)."""
+        return self._pool.allocated_bytes
+
+    @property
+    def host_memory_pinned(self) -> bool:
+        return self._pool.pinned
 
     async def latest_step(self) -> int | None:
         """The newest step committed by this rank (None when there is none)."""

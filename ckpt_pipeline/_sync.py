@@ -85,19 +85,21 @@ class CheckpointPipeline:
 
     def _run(self, ready: queue.Queue[BlockingPortal | BaseException]) -> None:
         async def main() -> None:
-            started = False
-            try:
-                async with BlockingPortal() as portal:
-                    self._closing = anyio.Event()
-                    async with self._pipe:
-                        ready.put(portal)
-                        started = True
-                        await self._closing.wait()
-            except BaseException as exc:
-                if not started:
+            async with BlockingPortal() as portal:
+                self._closing = anyio.Event()
+                try:
+                    await self._pipe.open()
+                except Exception as exc:
                     ready.put(exc)
-                else:
-                    self._close_error = exc
+                    return
+                ready.put(portal)
+                try:
+                    await self._closing.wait()
+                finally:
+                    try:
+                        await self._pipe.aclose()
+                    except Exception as exc:
+                        self._close_error = exc
 
         try:
             anyio.run(main)
@@ -164,7 +166,17 @@ class CheckpointPipeline:
         return step
 
     def pending_steps(self) -> list[int]:
+        """Steps saved but not yet committed or failed."""
         return self._pipe.pending_steps()
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """Bytes held by the host buffer pool (allocated on the first save, then reused)."""
+        return self._pipe.host_memory_bytes
+
+    @property
+    def host_memory_pinned(self) -> bool:
+        return self._pipe.host_memory_pinned
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every pipeline event (called from the pipeline's thread)."""
