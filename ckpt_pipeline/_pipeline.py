@@ -262,7 +262,8 @@ class AsyncCheckpointPipeline:
                                   "values") from exc
         offsets, data_length = plan_layout(flat.tensors)
         pinned = any(t.device.type == "cuda" for t in flat.tensors)
-        slot = self._pool.acquire(max(data_length, 1), pinned=pinned, block=block)
+        wait = block and self.config.when_busy == "block"
+        slot = self._pool.acquire(max(data_length, 1), pinned=pinned, block=wait)
         if slot is None:
             if self.config.when_busy == "skip":
                 return self._skip(step)

@@ -76,10 +76,24 @@ def tensor_chunks(offsets: list[int], sizes: tuple[int, ...] | list[int],
 
 async def run_groups(fn: Callable[[list[R]], None], groups: list[list[R]],
                      limiter: anyio.CapacityLimiter) -> None:
-    """Run ``fn`` on each group in its own worker thread, all at once, under ``limiter``."""
-    async with anyio.create_task_group() as tg:
-        for group in groups:
-            tg.start_soon(_run_sync, fn, group, limiter)
+    """Run ``fn`` on each group in its own worker thread, all at once, under ``limiter``.
+
+    The first error of a group is raised as it is (not wrapped in an exception group).
+    """
+    try:
+        async with anyio.create_task_group() as tg:
+            for group in groups:
+                tg.start_soon(_run_sync, fn, group, limiter)
+    except Exception as exc:
+        raise _first_leaf(exc) from None
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    inner = getattr(exc, "exceptions", None)
+    while inner:
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", None)
+    return exc
 
 
 async def _run_sync(fn: Callable[[list[R]], None], group: list[R],
