@@ -10,34 +10,32 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 import anyio
 import structlog
-import torch
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import _recovery
 from ._commit import commit
-from ._format import DTYPE_NAMES, TensorRef, decode_tree, encode_tree
+from ._format import DTYPE_NAMES, encode_tree
 from ._job import SaveJob
+from ._restore import Loaded, Recovery
 from ._retain import prune
 from ._serialize import serialize
 from ._snapshot import HostPool, plan_layout, take_snapshot
-from ._tree import apply_state, check_structure, flatten_state
+from ._tree import flatten_state
 from ._write import remove_published, write_shard
 from .config import PipelineConfig
 from .coordination import Coordinator, LocalCoordinator
 from .errors import (
     CheckpointError,
-    CheckpointIntegrityError,
     ConfigError,
     PipelineClosedError,
     PoolBusyError,
-    RestoreError,
     SaveError,
     StateError,
     StepOrderError,
@@ -45,8 +43,6 @@ from .errors import (
 from .events import (
     CheckpointCommitted,
     CheckpointPruned,
-    CheckpointRejected,
-    CheckpointRestored,
     Event,
     SaveFailed,
     SaveRequested,
@@ -56,7 +52,7 @@ from .events import (
     SnapshotTaken,
     TemporariesScrubbed,
 )
-from .handle import CommitInfo, RejectedStep, RestoreResult, SaveHandle
+from .handle import CommitInfo, RestoreResult, SaveHandle
 from .storage import LocalStorage, Storage
 from .train_state import RNGState, TrainState
 
@@ -64,22 +60,6 @@ __all__ = ("AsyncCheckpointPipeline",)
 
 _log = structlog.get_logger("ckpt_pipeline")
 Subscriber = Callable[[Event], None]
-
-
-@dataclass(slots=True)
-class _Loaded:
-    """A verified candidate, ready to be applied to the live state."""
-
-    step: int
-    save_id: str
-    path: str
-    tree: dict[str, Any]
-    tensors: list[torch.Tensor]
-    train_state: TrainState
-    bytes: int
-    started: float
-    rejected: tuple[RejectedStep, ...]
-    keep_alive: Any
 
 
 def make_config(keep_last: int | None, config: PipelineConfig | None,
@@ -125,6 +105,7 @@ class AsyncCheckpointPipeline:
                                   world_size=self.coordinator.world_size)
         self.rank = self.config.rank
         self._pool = HostPool(self.config.buffer_slots)
+        self._recovery = Recovery(self.storage, self.coordinator, self.config, self._emit)
         self._subscribers: tuple[Subscriber, ...] = ()
         self._lock = threading.Lock()
         self._pending: dict[int, SaveHandle] = {}
@@ -486,114 +467,24 @@ class AsyncCheckpointPipeline:
         self._apply(loaded, state)
         return await self._finish_restore(loaded)
 
-    async def _load_latest(self, state: Mapping[str, Any]) -> _Loaded | None:
+    async def _load_latest(self, state: Mapping[str, Any]) -> Loaded | None:
         if self._state != "open":
             raise PipelineClosedError("restore_latest() on a pipeline that is not open",
                                       rank=self.rank)
         await self._wait_pending(None, raise_errors=False)
-        started = time.perf_counter()
-        statuses = await self._thread(_recovery.scan, self.storage, self.rank)
-        rejected: list[RejectedStep] = []
-        for status in statuses:
-            if status.complete and not status.valid:
-                rejected.append(self._reject(status.step, status.path, status.reason or "?"))
-        valid = {s.step: s for s in statuses if s.valid}
-        for status in valid.values():
-            if status.world_size != self.config.world_size:
-                raise RestoreError(
-                    f"step {status.step} was saved by {status.world_size} rank(s), this job "
-                    f"has {self.config.world_size}", step=status.step, rank=self.rank,
-                    path=status.path, hint="restore with the same world size (resharding is "
-                                           "not supported)")
-        candidates = await self.coordinator.agree_candidates(
-            {step: s.save_id or "" for step, s in valid.items()})
-        for step, save_id in candidates:
-            status = valid.get(step)
-            error: str | None = None
-            loaded: _Loaded | None = None
-            try:
-                if status is None or status.save_id != save_id:
-                    raise CheckpointIntegrityError("this rank holds no matching save",
-                                                   step=step, rank=self.rank)
-                loaded = await self._read_candidate(status, state, started, rejected)
-            except (CheckpointError, OSError) as exc:
-                error = str(exc)
-            failures = await self.coordinator.agree_loaded(step, error)
-            if not failures and loaded is not None:
-                return loaded
-            path = status.path if status is not None else ""
-            reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
-            rejected.append(self._reject(step, path, reason))
-        if rejected:
-            listing = "; ".join(f"step {r.step}: {r.reason}" for r in rejected)
-            raise RestoreError(f"no checkpoint could be loaded ({listing})", rank=self.rank,
-                               path=str(self.storage.root),
-                               hint="inspect with `ckpt-pipeline verify`; move the root aside "
-                                    "to start fresh")
-        return None
+        assert self._limiter is not None
+        return await self._recovery.load_latest(state, self._limiter)
 
-    async def _read_candidate(self, status: _recovery.StepStatus, state: Mapping[str, Any],
-                              started: float, rejected: list[RejectedStep]) -> _Loaded:
-        assert self._limiter is not None and status.header is not None
-        header = status.header
-        cuda = torch.cuda.is_available()
-        pinned = cuda and any(r.device.startswith("cuda") for r in header.tensors)
-        shard = await _recovery.read_shard(self.storage, status, self.rank, pinned=pinned,
-                                           threads=self.config.io_threads,
-                                           limiter=self._limiter)
-        tree = decode_tree(header.tree, status.path)
-        if not isinstance(tree, dict):
-            raise CheckpointIntegrityError("state tree is not a map", step=status.step,
-                                           rank=self.rank, path=status.path)
-        _check_refs(tree, len(shard.tensors), status)
-        try:
-            train_state = TrainState.from_plain(header.train_state)
-        except StateError as exc:
-            raise CheckpointIntegrityError(f"train state is invalid: {exc.message}",
-                                           step=status.step, rank=self.rank,
-                                           path=status.path) from exc
-        if train_state.step != status.step:
-            raise CheckpointIntegrityError(
-                f"train state says step {train_state.step}", step=status.step,
-                rank=self.rank, path=status.path)
-        tensors = [_to_saved_device(t, rec.device) for t, rec in
-                   zip(shard.tensors, header.tensors)]
-        check_structure(state, tree, tensors, step=status.step)
-        return _Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
-                       tensors=tensors, train_state=train_state,
-                       bytes=status.shard_size, started=started, rejected=tuple(rejected),
-                       keep_alive=shard.buffer)
+    def _apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> None:
+        self._recovery.apply(loaded, state)
 
-    def _apply(self, loaded: _Loaded, state: MutableMapping[str, Any]) -> None:
-        """Load into the live objects; runs on the caller's thread (its CUDA streams)."""
-        apply_state(state, loaded.tree, loaded.tensors, step=loaded.step)
-        if self.config.restore_rng and loaded.train_state.rng is not None:
-            loaded.train_state.rng.apply()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        loaded.keep_alive = None
-
-    async def _finish_restore(self, loaded: _Loaded) -> RestoreResult:
-        """Move newer, unusable steps aside so that training can save them again."""
-        for step, dir_name in sorted((await self._thread(_recovery.step_dirs,
-                                                         self.storage)).items()):
-            if step > loaded.step:
-                moved = await self._thread(_recovery.quarantine, self.storage, dir_name)
-                _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
-                             path=moved)
+    async def _finish_restore(self, loaded: Loaded) -> RestoreResult:
+        assert self._limiter is not None
+        result = await self._recovery.finish(loaded, self._limiter)
         with self._lock:
             self._latest_committed = loaded.step
             self._last_step = loaded.step
-        seconds = time.perf_counter() - loaded.started
-        self._emit(CheckpointRestored(step=loaded.step, rank=self.rank, save_id=loaded.save_id,
-                                      path=loaded.path, bytes=loaded.bytes, seconds=seconds))
-        return RestoreResult(step=loaded.step, save_id=loaded.save_id, path=loaded.path,
-                             train_state=loaded.train_state, bytes=loaded.bytes,
-                             seconds=seconds, rejected=loaded.rejected)
-
-    def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
-        self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))
-        return RejectedStep(step, path, reason)
+        return result
 
     # ------------------------------------------------------------------ events
 
@@ -622,29 +513,3 @@ class AsyncCheckpointPipeline:
 
     async def _thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
-
-
-def _to_saved_device(t: torch.Tensor, device: str) -> torch.Tensor:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        dev = torch.device(device)
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return t.to(dev, non_blocking=True)
-    return t
-
-
-def _check_refs(tree: Any, count: int, status: _recovery.StepStatus) -> None:
-    """Every TensorRef in the tree must point into the tensor index."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, TensorRef):
-            if node.index >= count:
-                raise CheckpointIntegrityError("state tree refers to a missing tensor",
-                                               step=status.step, path=status.path)
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-
-
