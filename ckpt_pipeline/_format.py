@@ -43,7 +43,9 @@ __all__ = (
     "encode_tree",
     "manifest_name",
     "parse_rank_file",
+    "parse_rejected_dir",
     "parse_step_dir",
+    "rejected_dir_name",
     "shard_name",
     "step_dir_name",
 )
@@ -76,6 +78,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.ite
 
 _STEP_DIR = re.compile(r"^step-([0-9]{10,})$")
 _RANK_FILE = re.compile(r"^rank-([0-9]{5,})\.(shard|manifest|commit)$")
+_REJECTED_DIR = re.compile(r"^(step-[0-9]{10,})\.rejected-r([0-9]{5,})-([0-9a-f]{8})$")
 TEMP_FILE = re.compile(r"^\.rank-[0-9]{5,}\.(shard|manifest|commit)\.tmp-[0-9a-f]{1,32}$")
 
 
@@ -90,6 +93,23 @@ def parse_step_dir(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if step_dir_name(step) == name else None
+
+
+def rejected_dir_name(step: int, rank: int, token: str) -> str:
+    """Where recovery moves a rank's files of a step it will not use (kept for inspection)."""
+    return f"{step_dir_name(step)}.rejected-r{rank:05d}-{token}"
+
+
+def parse_rejected_dir(name: str) -> tuple[int, int] | None:
+    """(step, rank) of a directory that recovery moved aside, or None."""
+    m = _REJECTED_DIR.match(name)
+    if m is None:
+        return None
+    step = parse_step_dir(m.group(1))
+    rank = int(m.group(2))
+    if step is None or rejected_dir_name(step, rank, m.group(3)) != name:
+        return None
+    return step, rank
 
 
 def shard_name(rank: int) -> str:
@@ -197,8 +217,25 @@ def encode_tree(tree: Any) -> bytes:
     return _pack(tree)
 
 
-def decode_tree(data: bytes, path: str) -> Any:
-    return _decode(data, "state tree", path)
+def decode_tree(data: bytes, path: str, tensor_count: int | None = None) -> dict[Any, Any]:
+    """Decode a state tree; it must be a map of names, and refer only to existing tensors."""
+    tree = _decode(data, "state tree", path)
+    if not isinstance(tree, dict) or not all(isinstance(k, str) for k in tree):
+        raise CheckpointIntegrityError("state tree is not a map of names", path=path)
+    if tensor_count is not None:
+        stack: list[Any] = [tree]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, TensorRef):
+                if node.index >= tensor_count:
+                    raise CheckpointIntegrityError(
+                        f"state tree refers to tensor #{node.index}, the shard holds "
+                        f"{tensor_count}", path=path)
+            elif isinstance(node, dict):
+                stack.extend(node.values())
+            elif isinstance(node, (list, tuple)):
+                stack.extend(node)
+    return tree
 
 
 # --------------------------------------------------------------------------- shard
@@ -428,16 +465,22 @@ def _small(raw: bytes, kind: str, path: str) -> dict[str, Any]:
     return data
 
 
+def _placement(d: Mapping[str, Any], path: str) -> tuple[int, int, int, str]:
+    step, rank, world = (_nonneg(d, k, path) for k in ("step", "rank", "world_size"))
+    if world < 1 or rank >= world:
+        raise CheckpointIntegrityError(f"rank {rank} is outside world size {world}", path=path)
+    save_id = _req(d, "save_id", str, path)
+    if not (0 < len(save_id) <= 128):
+        raise CheckpointIntegrityError("save id is malformed", path=path)
+    return step, rank, world, save_id
+
+
 def decode_manifest(raw: bytes, path: str) -> Manifest:
     d = _small(raw, "manifest", path)
-    save_id = _req(d, "save_id", str, path)
-    return Manifest(_nonneg(d, "step", path), _nonneg(d, "rank", path),
-                    _nonneg(d, "world_size", path), save_id, _nonneg(d, "shard_size", path),
+    return Manifest(*_placement(d, path), _nonneg(d, "shard_size", path),
                     _nonneg(d, "header_checksum", path), _nonneg(d, "data_bytes", path))
 
 
 def decode_commit(raw: bytes, path: str) -> CommitRecord:
     d = _small(raw, "commit", path)
-    return CommitRecord(_nonneg(d, "step", path), _nonneg(d, "rank", path),
-                        _nonneg(d, "world_size", path), _req(d, "save_id", str, path),
-                        _req(d, "committed_unix", float, path))
+    return CommitRecord(*_placement(d, path), _req(d, "committed_unix", float, path))

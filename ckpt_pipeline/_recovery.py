@@ -11,6 +11,7 @@ import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import torch
@@ -28,24 +29,30 @@ from ._format import (
     decode_header,
     decode_manifest,
     decode_preamble,
+    decode_tree,
     manifest_name,
     parse_rank_file,
     parse_step_dir,
+    rejected_dir_name,
     shard_name,
 )
 from ._hostmem import byte_view
 from ._serialize import run_groups, split_balanced, tensor_chunks
-from .errors import CheckpointIntegrityError, StorageError
+from .errors import CheckpointIntegrityError, StateError, StorageError
 from .storage import Storage
+from .train_state import TrainState
 
 __all__ = (
     "LoadedShard",
     "StepStatus",
     "committed_steps",
+    "decode_contents",
     "quarantine",
+    "read_header",
     "read_shard",
     "scan",
     "scrub",
+    "step_dirs",
 )
 
 _SMALL_LIMIT = 1024 * 1024
@@ -138,7 +145,7 @@ def scrub(storage: Storage, rank: int) -> list[tuple[str, int]]:
             if (own_temp or own_uncommitted) and not entry.is_dir:
                 storage.unlink(os.path.join(dir_name, entry.name))
                 removed.append((os.path.join(storage.root, dir_name, entry.name), entry.size))
-        if removed:
+        if any(os.path.dirname(p) == os.path.join(storage.root, dir_name) for p, _ in removed):
             storage.fsync_dir(dir_name)
         if not storage.list_dir(dir_name):
             storage.rmdir(dir_name)
@@ -233,7 +240,11 @@ async def read_shard(
     limiter: anyio.CapacityLimiter,
     progress: Callable[[int], None] | None = None,
 ) -> LoadedShard:
-    """Read all tensor data, verifying each chunk's checksum as it arrives."""
+    """Read all tensor data, verifying each chunk's checksum as it arrives.
+
+    ``progress(bytes)`` is called from several worker threads at once; it must be thread-safe.
+    The whole data region of the shard is held in host memory.
+    """
     header = status.header
     if header is None:
         raise CheckpointIntegrityError("step was not validated", step=status.step, rank=rank,
@@ -254,7 +265,11 @@ async def read_shard(
             for start, end, i, k in group:
                 view = byte_view(buffer, start, end)
                 if end > start:
-                    storage.pread_into(fd, view, base + start)
+                    try:
+                        storage.pread_into(fd, view, base + start)
+                    except StorageError as exc:
+                        raise StorageError(exc.message, step=status.step, rank=rank,
+                                           path=path, hint=exc.hint) from exc
                 if checksum(view) != header.tensors[i].checksums[k]:
                     bad.append(header.tensors[i].path)
                 if progress is not None:
@@ -274,9 +289,48 @@ async def read_shard(
     return LoadedShard(header, buffer, tensors)
 
 
-def quarantine(storage: Storage, dir_name: str) -> str:
-    """Move a step directory aside (kept for inspection, invisible to scans). Worker thread."""
-    target = f"{dir_name}.rejected-{secrets.token_hex(4)}"
-    storage.rename_dir(dir_name, target)
-    storage.fsync_dir("")
+def decode_contents(status: StepStatus, rank: int) -> tuple[dict[str, Any], TrainState]:
+    """Decode and validate the state tree and TrainState of a validated step."""
+    header = status.header
+    if header is None:
+        raise CheckpointIntegrityError("step was not validated", step=status.step, rank=rank,
+                                       path=status.path)
+    try:
+        tree = decode_tree(header.tree, status.path, len(header.tensors))
+        train_state = TrainState.from_plain(header.train_state)
+    except CheckpointIntegrityError as exc:
+        raise CheckpointIntegrityError(exc.message, step=status.step, rank=rank,
+                                       path=status.path) from exc
+    except (StateError, TypeError, ValueError) as exc:
+        message = exc.message if isinstance(exc, StateError) else str(exc)
+        raise CheckpointIntegrityError(f"train state is invalid: {message}", step=status.step,
+                                       rank=rank, path=status.path) from exc
+    if train_state.step != status.step:
+        raise CheckpointIntegrityError(f"train state says step {train_state.step}",
+                                       step=status.step, rank=rank, path=status.path)
+    return tree, train_state
+
+
+def quarantine(storage: Storage, step: int, dir_name: str, rank: int) -> str | None:
+    """Move this rank's files of a step aside (kept for inspection, invisible to scans).
+
+    Only this rank's files move, into a directory of this rank's own, so ranks sharing a root
+    never touch each other's files. Returns the new directory, or None if nothing was there.
+    Runs in a worker thread.
+    """
+    prefix = f".rank-{rank:05d}."
+    own = [e.name for e in storage.list_dir(dir_name)
+           if (parse_rank_file(e.name) or (-1, ""))[0] == rank
+           or (e.name.startswith(prefix) and TEMP_FILE.match(e.name))]
+    if not own:
+        return None
+    target = rejected_dir_name(step, rank, secrets.token_hex(4))
+    storage.make_dir(target)
+    for name in own:
+        storage.move(os.path.join(dir_name, name), os.path.join(target, name))
+    storage.fsync_dir(target)
+    storage.fsync_dir(dir_name)
+    if not storage.list_dir(dir_name):
+        storage.rmdir(dir_name)
+        storage.fsync_dir("")
     return os.path.join(storage.root, target)

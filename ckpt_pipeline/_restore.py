@@ -17,7 +17,6 @@ import structlog
 import torch
 
 from . import _recovery
-from ._format import TensorRef, decode_tree
 from ._tree import apply_state, check_structure
 from .config import PipelineConfig
 from .coordination import Coordinator
@@ -122,21 +121,7 @@ class Recovery:
         shard = await _recovery.read_shard(self.storage, status, self.rank, pinned=pinned,
                                            threads=self.config.io_threads,
                                            limiter=limiter)
-        tree = decode_tree(header.tree, status.path)
-        if not isinstance(tree, dict):
-            raise CheckpointIntegrityError("state tree is not a map", step=status.step,
-                                           rank=self.rank, path=status.path)
-        _check_refs(tree, len(shard.tensors), status)
-        try:
-            train_state = TrainState.from_plain(header.train_state)
-        except StateError as exc:
-            raise CheckpointIntegrityError(f"train state is invalid: {exc.message}",
-                                           step=status.step, rank=self.rank,
-                                           path=status.path) from exc
-        if train_state.step != status.step:
-            raise CheckpointIntegrityError(
-                f"train state says step {train_state.step}", step=status.step,
-                rank=self.rank, path=status.path)
+        tree, train_state = _recovery.decode_contents(status, self.rank)
         tensors = [_to_saved_device(t, rec.device) for t, rec in
                    zip(shard.tensors, header.tensors)]
         check_structure(state, tree, tensors, step=status.step)
@@ -158,9 +143,10 @@ class Recovery:
         dirs = await self._thread(_recovery.step_dirs, self.storage, limiter=limiter)
         for step, dir_name in sorted(dirs.items()):
             if step > loaded.step:
-                moved = await self._thread(_recovery.quarantine, self.storage, dir_name,
-                                           limiter=limiter)
-                _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
+                moved = await self._thread(_recovery.quarantine, self.storage, step, dir_name,
+                                           self.rank, limiter=limiter)
+                if moved is not None:
+                    _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
                              path=moved)
         seconds = time.perf_counter() - loaded.started
         self._emit(CheckpointRestored(step=loaded.step, rank=self.rank, save_id=loaded.save_id,
@@ -182,17 +168,3 @@ def _to_saved_device(t: torch.Tensor, device: str) -> torch.Tensor:
         return t.to(dev, non_blocking=True)
     return t
 
-
-def _check_refs(tree: Any, count: int, status: _recovery.StepStatus) -> None:
-    """Every TensorRef in the tree must point into the tensor index."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, TensorRef):
-            if node.index >= count:
-                raise CheckpointIntegrityError("state tree refers to a missing tensor",
-                                               step=status.step, path=status.path)
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -24,18 +23,15 @@ from . import _recovery
 from ._format import (
     CommitRecord,
     ShardHeader,
-    TensorRef,
     commit_name,
     decode_commit,
-    decode_tree,
     manifest_name,
     parse_rank_file,
-    parse_step_dir,
+    parse_rejected_dir,
     shard_name,
 )
-from .errors import CheckpointError, CheckpointIntegrityError, StateError
+from .errors import CheckpointError, CheckpointIntegrityError
 from .storage import LocalStorage, Storage
-from .train_state import TrainState
 
 __all__ = ("main",)
 
@@ -44,7 +40,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 _PROG = "ckpt-pipeline"
-_REJECTED_DIR = re.compile(r"^(step-[0-9]{10,})\.rejected-[0-9a-f]{1,32}$")
 _SMALL_FILE_MAX = 1024 * 1024
 _VERIFY_THREADS = 4
 _PROGRESS_MIN_BYTES = 64 * 1024 * 1024
@@ -87,8 +82,8 @@ def _list_steps(storage: Storage, rank: int) -> list[_Listing]:
     """Every step directory, and every one that recovery moved aside, newest first."""
     rows = [_listing(storage, rank, s.step, s.dir_name, s) for s in _recovery.scan(storage, rank)]
     for entry in storage.list_dir(""):
-        m = _REJECTED_DIR.match(entry.name)
-        step = None if m is None else parse_step_dir(m.group(1))
+        parsed = parse_rejected_dir(entry.name)
+        step = None if parsed is None else parsed[0]
         if step is not None and entry.is_dir and not entry.is_symlink:
             rows.append(_listing(storage, rank, step, entry.name, None))
     rows.sort(key=lambda r: (r.step, r.status != "rejected", r.dir_name), reverse=True)
@@ -269,8 +264,11 @@ def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
 
     def outcome(result: str, reason: str | None, nbytes: int = 0,
                 seconds: float = 0.0) -> _Verified:
-        return _Verified(status.step, result, reason, nbytes, seconds, status.save_id,
-                         status.path)
+        save_id = status.save_id
+        if save_id is None:
+            record = _commit_record(storage, status.dir_name, status.step, rank)
+            save_id = None if record is None else record.save_id
+        return _Verified(status.step, result, reason, nbytes, seconds, save_id, status.path)
 
     if not status.complete:
         return outcome("failed" if explicit else "skipped", status.reason)
@@ -297,32 +295,7 @@ def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
 
 def _check_contents(status: _recovery.StepStatus, header: ShardHeader, rank: int) -> None:
     """The state tree decodes to a map whose tensor references all exist; the TrainState too."""
-    tree = decode_tree(header.tree, status.path)
-    if not isinstance(tree, dict) or not all(isinstance(k, str) for k in tree):
-        raise CheckpointIntegrityError("state tree is not a map of names", step=status.step,
-                                       rank=rank, path=status.path)
-    count = len(header.tensors)
-    stack: list[Any] = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, TensorRef):
-            if node.index >= count:
-                raise CheckpointIntegrityError(
-                    f"state tree refers to tensor #{node.index}, the shard holds {count}",
-                    step=status.step, rank=rank, path=status.path)
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-    try:
-        train_state = TrainState.from_plain(header.train_state)
-    except (StateError, TypeError, ValueError) as exc:
-        message = exc.message if isinstance(exc, StateError) else str(exc)
-        raise CheckpointIntegrityError(f"train state is invalid: {message}", step=status.step,
-                                       rank=rank, path=status.path) from exc
-    if train_state.step != status.step:
-        raise CheckpointIntegrityError(f"train state says step {train_state.step}",
-                                       step=status.step, rank=rank, path=status.path)
+    _recovery.decode_contents(status, rank)
 
 
 def _was_pruned(storage: Storage, status: _recovery.StepStatus, rank: int) -> bool:
@@ -342,7 +315,7 @@ def _select(storage: Storage, rank: int, step: int | None,
         match = [s for s in statuses if s.step == step]
         if not match:
             hint = ""
-            if any(_REJECTED_DIR.match(e.name) and e.name.startswith(f"step-{step:010d}.")
+            if any((parse_rejected_dir(e.name) or (None,))[0] == step
                    for e in storage.list_dir("")):
                 hint = " (only a directory that recovery moved aside holds it)"
             raise _UsageError(f"step {step} not found under {storage.root}{hint}")
@@ -367,7 +340,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     step_width = max(len("STEP"), *(len(str(s.step)) for s in targets))
     columns = f"{{:>{step_width}}}  {{:<7}}  {{:>10}}  {{:>7}}  {{:>6}}  {{}}"
     if not args.json:
-        print(columns.format("STEP", "RESULT", "VERIFIED", "SECONDS", "GB/S", "REASON").rstrip(),
+        print(columns.format("STEP", "RESULT", "READ", "SECONDS", "GB/S", "REASON").rstrip(),
               flush=True)
     results: list[_Verified] = []
     for status in targets:

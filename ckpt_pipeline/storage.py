@@ -83,8 +83,8 @@ class Storage(Protocol):
     def rmdir(self, rel: str) -> None:
         """Remove an empty directory (missing is not an error)."""
 
-    def rename_dir(self, rel_src: str, rel_dst: str) -> None:
-        """Move a directory aside under a new name that must not exist."""
+    def move(self, rel_src: str, rel_dst: str) -> None:
+        """Rename a file or directory to a new name that must not exist."""
 
     def free_bytes(self) -> int:
         """Bytes available to this user on the root's file system."""
@@ -279,7 +279,7 @@ class LocalStorage:
         except OSError as exc:
             raise self._fail("rmdir", rel, exc) from exc
 
-    def rename_dir(self, rel_src: str, rel_dst: str) -> None:
+    def move(self, rel_src: str, rel_dst: str) -> None:
         dst = self._path(rel_dst)
         if os.path.lexists(dst):
             raise StorageError("target exists", path=dst)

@@ -1,0 +1,149 @@
+"""The format: names, tree encoding and hostile-input decoding (property-based)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_pipeline import CheckpointIntegrityError
+from ckpt_pipeline._format import (
+    ALIGN,
+    TensorRef,
+    decode_commit,
+    decode_header,
+    decode_manifest,
+    decode_preamble,
+    decode_tree,
+    encode_tree,
+    parse_rank_file,
+    parse_step_dir,
+    step_dir_name,
+)
+from ckpt_pipeline._tree import flatten_state, materialize
+
+plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False) | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=5) | st.integers(-5, 5), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.integers(min_value=0, max_value=10**30))
+def test_step_directory_names_parse_back_without_a_digit_limit(step: int) -> None:
+    assert parse_step_dir(step_dir_name(step)) == step
+
+
+@pytest.mark.parametrize("name", ["step-00000000050", "step-50", "step-000000005x",
+                                  "step-0000000050/..", "../step-0000000050", "step--000000005"])
+def test_non_canonical_step_names_are_ignored(name: str) -> None:
+    assert parse_step_dir(name) is None
+
+
+@pytest.mark.parametrize("name", ["rank-0.shard", "rank-000000.shard", "rank-00000.shard.bak",
+                                  "rank-00000.pickle", "/rank-00000.shard"])
+def test_non_canonical_rank_files_are_ignored(name: str) -> None:
+    assert parse_rank_file(name) is None
+
+
+@given(plain)
+def test_plain_values_round_trip_through_the_tree_encoding(value: Any) -> None:
+    flat = flatten_state({"v": value}, step=1)
+    assert decode_tree(encode_tree(flat.skeleton), "x") == {"v": value}
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=6))
+def test_tensor_references_round_trip_in_order(indices: list[int]) -> None:
+    tensors = [torch.full((2,), float(i)) for i in range(4)]
+    state = {"ts": [tensors[i] for i in indices]}
+    flat = flatten_state(state, step=1)
+    tree = decode_tree(encode_tree(flat.skeleton), "x")
+    assert all(isinstance(r, TensorRef) for r in tree["ts"])
+    back = materialize(tree, list(flat.tensors))
+    for got, i in zip(back["ts"], indices, strict=True):
+        assert torch.equal(got, tensors[i])
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=512))
+def test_garbage_header_bytes_fail_with_an_integrity_error(raw: bytes) -> None:
+    with pytest.raises(CheckpointIntegrityError):
+        decode_header(raw, "x", file_size=1 << 20, header_offset=ALIGN)
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=256))
+def test_garbage_manifest_and_commit_bytes_fail_with_an_integrity_error(raw: bytes) -> None:
+    with pytest.raises(CheckpointIntegrityError):
+        decode_manifest(raw, "x")
+    with pytest.raises(CheckpointIntegrityError):
+        decode_commit(raw, "x")
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=4096))
+def test_garbage_tree_bytes_decode_or_fail_with_an_integrity_error(raw: bytes) -> None:
+    with contextlib.suppress(CheckpointIntegrityError):
+        decode_tree(raw, "x")
+
+
+@given(st.binary(min_size=40, max_size=64), st.integers(0, 1 << 40))
+def test_garbage_preamble_never_points_outside_the_file(raw: bytes, size: int) -> None:
+    try:
+        offset, length, _ = decode_preamble(raw, size, "x")
+    except CheckpointIntegrityError:
+        return
+    assert offset + length == size and offset % ALIGN == 0
+
+
+def test_declared_lengths_larger_than_the_input_are_refused() -> None:
+    bomb = b"\xdd\xff\xff\xff\xff"  # array32 declaring 4 billion items, then nothing
+    with pytest.raises(CheckpointIntegrityError):
+        decode_tree(bomb, "x")
+
+
+def test_deep_nesting_is_refused_without_crashing() -> None:
+    deep = b"\x91" * 100_000 + b"\xc0"  # 100k nested one-element arrays
+    with pytest.raises(CheckpointIntegrityError):
+        decode_tree(deep, "x")
+
+
+def test_header_with_dtype_off_the_allow_list_is_refused() -> None:
+    from ckpt_pipeline._format import ShardHeader, TensorRecord, encode_header
+
+    header = ShardHeader(step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0,
+                         chunk_bytes=ALIGN, data_offset=ALIGN, data_length=8,
+                         tensors=(TensorRecord("w", "object", (2,), ALIGN, 8, (0,), "cpu"),),
+                         tree=b"\x80", train_state={})
+    with pytest.raises(CheckpointIntegrityError, match="allow-list"):
+        decode_header(encode_header(header), "x", file_size=3 * ALIGN, header_offset=2 * ALIGN)
+
+
+def test_header_with_tensor_outside_the_data_region_is_refused() -> None:
+    from ckpt_pipeline._format import ShardHeader, TensorRecord, encode_header
+
+    header = ShardHeader(step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0,
+                         chunk_bytes=ALIGN, data_offset=ALIGN, data_length=8,
+                         tensors=(TensorRecord("w", "float32", (2,), 10 * ALIGN, 8, (0,), "cpu"),),
+                         tree=b"\x80", train_state={})
+    with pytest.raises(CheckpointIntegrityError, match="outside"):
+        decode_header(encode_header(header), "x", file_size=3 * ALIGN, header_offset=2 * ALIGN)
+
+
+def test_shape_that_disagrees_with_the_length_is_refused() -> None:
+    from ckpt_pipeline._format import ShardHeader, TensorRecord, encode_header
+
+    header = ShardHeader(step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0,
+                         chunk_bytes=ALIGN, data_offset=ALIGN, data_length=8,
+                         tensors=(TensorRecord("w", "float32", (3,), ALIGN, 8, (0,), "cpu"),),
+                         tree=b"\x80", train_state={})
+    with pytest.raises(CheckpointIntegrityError, match="length"):
+        decode_header(encode_header(header), "x", file_size=3 * ALIGN, header_offset=2 * ALIGN)
+    assert math.prod((3,)) * 4 != 8
