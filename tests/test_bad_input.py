@@ -56,7 +56,7 @@ def test_negative_or_non_int_step_is_refused(root: Path) -> None:
 
 
 def test_train_state_for_another_step_is_refused(root: Path) -> None:
-    with cp.CheckpointPipeline(root) as pipe, pytest.raises(cp.StateError, match="train_state.step is 3"):
+    with cp.CheckpointPipeline(root) as pipe, pytest.raises(cp.StateError, match=r"train_state\.step is 3"):
         pipe.save(4, {"x": torch.ones(1)}, cp.TrainState(step=3))
     assert _nothing_written(root)
 

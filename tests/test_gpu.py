@@ -1,0 +1,116 @@
+"""CUDA snapshot and restore on a real GPU (skipped without one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same_state, make_training_state
+
+import ckpt_pipeline as cp
+
+pytestmark = pytest.mark.gpu
+
+
+def _delay_caller_stream(ms: float = 200.0) -> None:
+    """Keep the caller's stream busy so the side-stream copies start late (they wait on it)."""
+    cycles = int(ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+    torch.cuda._sleep(cycles)
+
+
+def test_cuda_state_saves_and_restores_onto_its_device(root: Path) -> None:
+    state = make_training_state(seed=1, device="cuda")
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.save(1, state, cp.TrainState(step=1)).result(60)
+        assert pipe.host_memory_pinned
+    fresh = make_training_state(seed=2, device="cuda")
+    with cp.CheckpointPipeline(root) as pipe:
+        result = pipe.restore_latest(fresh)
+    assert result is not None and result.step == 1
+    assert all(p.device.type == "cuda" for p in fresh["model"].parameters())
+    for group in fresh["optimizer"].state.values():
+        for value in group.values():
+            if value.dim() > 0:
+                assert value.device.type == "cuda"
+    assert_same_state(state, fresh)
+
+
+def test_plain_cuda_tensors_come_back_on_their_device_in_place(root: Path) -> None:
+    src = torch.randn(1024, 1024, device="cuda")
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.save(1, {"t": src, "nested": {"ids": torch.arange(10, device="cuda")}}).result(60)
+    live_t = torch.zeros(1024, 1024, device="cuda")
+    live = {"t": live_t, "nested": {"ids": torch.zeros(10, dtype=torch.int64, device="cuda")}}
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.restore_latest(live)
+    assert live["t"] is live_t and live_t.device.type == "cuda"
+    assert torch.equal(live_t, src)
+    assert torch.equal(live["nested"]["ids"], torch.arange(10, device="cuda"))
+
+
+def test_mutation_after_wait_snapshot_does_not_leak_into_the_checkpoint(root: Path) -> None:
+    t = torch.full((4096, 4096), 1.0, device="cuda")  # 64 MiB
+    with cp.CheckpointPipeline(root) as pipe:
+        _delay_caller_stream()
+        handle = pipe.save(1, {"t": t})
+        pipe.wait_snapshot()  # the caller's stream now waits for the copies (GPU side)
+        t.add_(1.0)  # queued after the copies on the GPU
+        handle.result(60)
+    live = {"t": torch.zeros(4096, 4096, device="cuda")}
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.restore_latest(live)
+    assert torch.equal(live["t"], torch.full((4096, 4096), 1.0, device="cuda"))
+    assert torch.equal(t, torch.full((4096, 4096), 2.0, device="cuda"))
+
+
+def test_mutation_before_wait_snapshot_fails_the_save_instead_of_writing_it(root: Path) -> None:
+    t = torch.full((4096, 4096), 1.0, device="cuda")
+    events: list[cp.Event] = []
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.subscribe(events.append)
+        _delay_caller_stream()
+        handle = pipe.save(1, {"t": t})
+        t.add_(1.0)  # in place, while the copy has not started yet
+        pipe.wait_snapshot()
+        with pytest.raises(cp.SnapshotTornError, match="wait_snapshot"):
+            handle.result(60)
+    assert [e.step for e in events if isinstance(e, cp.SaveFailed)] == [1]
+    assert not any(p.name.startswith("step-") for p in root.iterdir())
+
+
+def test_ordered_mode_needs_no_wait_snapshot(root: Path) -> None:
+    t = torch.full((4096, 4096), 1.0, device="cuda")
+    with cp.CheckpointPipeline(root, snapshot_mode="ordered") as pipe:
+        _delay_caller_stream()
+        handle = pipe.save(1, {"t": t})
+        t.add_(1.0)  # the caller's stream already waits for the copies
+        handle.result(60)
+    live = {"t": torch.zeros(4096, 4096, device="cuda")}
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.restore_latest(live)
+    assert torch.equal(live["t"], torch.full((4096, 4096), 1.0, device="cuda"))
+
+
+def test_save_returns_before_the_copies_finish(root: Path) -> None:
+    t = torch.full((4096, 4096), 3.0, device="cuda")
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.save(1, {"t": t}).result(60)  # allocate the pinned pool first
+        _delay_caller_stream(500.0)
+        handle = pipe.save(2, {"t": t})
+        assert not handle.done(), "save() did not wait for the GPU"
+        pipe.wait_snapshot()
+        handle.result(60)
+
+
+def test_pinned_pool_stays_flat_across_saves(root: Path) -> None:
+    state = {"t": torch.randn(1024, 1024, device="cuda")}
+    with cp.CheckpointPipeline(root, keep_last=1) as pipe:
+        pipe.save(1, state).result(60)
+        first = pipe.host_memory_bytes
+        for step in range(2, 22):
+            pipe.save(step, state)
+            pipe.wait_snapshot()
+        pipe.wait(60)
+        assert pipe.host_memory_bytes == first
+        assert pipe.host_memory_pinned
