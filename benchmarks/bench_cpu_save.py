@@ -2,8 +2,11 @@
 
 Every method writes the same bytes of the same state to the same disk, in one run, and counts
 as done only once the data and its name are on disk (fsync of the file, rename, fsync of the
-directory). Methods run round-robin, one repeat of each per round, so that drift of the disk
-or of the machine spreads over all of them.
+directory). Methods run round-robin, one repeat of each per round, in an order shuffled anew
+each round (seeded), so that drift of the disk or of the machine, and whatever one method leaves
+behind for the next, spread over all of them. Untimed warm-up rounds come first
+(``--warmup-rounds``): the first writes of a run, while the files on disk still grow towards
+their steady footprint, are much slower.
 
 - ``plain_write_fsync``: the tensors' bytes written with ``os.pwrite`` in large chunks from one
   thread, then fsync, close, rename and fsync of the directory. The floor; every ratio is
@@ -16,7 +19,7 @@ or of the machine spreads over all of them.
 - ``host_copy``: a copy of the tensors into a preallocated host buffer; the floor for the time
   ``save()`` blocks on a CPU state.
 - ``ckpt_pipeline``: ``save()`` until ``result()`` returns (time to durable), on a pipeline
-  opened once; its first save allocates the host buffer and is reported apart as the warm-up.
+  opened once; its first save allocates the host buffer and is reported apart (``first_save``).
   ``ckpt_pipeline_blocking`` is the part of it spent in ``save()`` and ``wait_snapshot()``.
 
 Reads are not measured: a read benchmark needs a cold page cache, which this one does not
@@ -29,27 +32,36 @@ Run ``python benchmarks/bench_cpu_save.py --help`` for the options; results go t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
-import datetime
 import gc
+import importlib.util
 import json
 import os
-import platform
+import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from _baselines import (
+    aiofiles_write_fsync,
+    byte_views,
+    chunked,
+    iter_tensors,
+    make_state,
+    plain_write_fsync,
+    pwrite_threads_fsync,
+    torch_save,
+)
+from _machine import filesystem_of, machine_info
 
 GB = 1e9  # decimal gigabytes, for sizes and for GB/s
 MiB = 1 << 20
@@ -57,6 +69,14 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "cpu_save.json"
 BASELINE = "plain_write_fsync"
 BLOCKING = "ckpt_pipeline_blocking"
+KEEP_LAST = 2
+# The pipeline's events that carry a stage's duration, and the name it gets in the JSON.
+STAGE_EVENTS = {
+    "SaveRequested": "save_call",
+    "SnapshotTaken": "snapshot",
+    "ShardSerialized": "serialize",
+    "ShardWritten": "write",
+}
 ALL_METHODS = (
     "plain_write_fsync",
     "pwrite_threads_fsync",
@@ -81,122 +101,6 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-# --- the state --------------------------------------------------------------------------------
-
-
-def make_state(total_bytes: int, tensors: int, seed: int = 0) -> dict[str, Any]:
-    """A nested dict of float32 CPU tensors of random values, about ``total_bytes`` in all."""
-    numel = max(1, total_bytes // tensors // 4)
-    gen = torch.Generator().manual_seed(seed)
-    half = tensors // 2
-    model = {f"layer{i}.weight": torch.randn(numel, generator=gen) for i in range(half)}
-    optim = {f"exp_avg.{i}": torch.randn(numel, generator=gen) for i in range(tensors - half)}
-    return {"model": model, "optim": optim}
-
-
-def iter_tensors(state: Any) -> Iterator[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for value in state.values():
-            yield from iter_tensors(value)
-
-
-def byte_views(state: Any) -> list[memoryview]:
-    return [memoryview(t.numpy()).cast("B") for t in iter_tensors(state)]
-
-
-def chunked(views: list[memoryview], chunk_bytes: int) -> list[tuple[int, memoryview]]:
-    """(file offset, bytes) pieces of at most ``chunk_bytes``, the views laid end to end."""
-    pieces = []
-    offset = 0
-    for view in views:
-        for start in range(0, view.nbytes, chunk_bytes):
-            piece = view[start:start + chunk_bytes]
-            pieces.append((offset, piece))
-            offset += piece.nbytes
-    return pieces
-
-
-# --- durable writes ---------------------------------------------------------------------------
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data.nbytes:
-        written = os.pwrite(fd, data, offset)
-        data = data[written:]
-        offset += written
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def plain_write_fsync(pieces: list[tuple[int, memoryview]], final: Path) -> None:
-    tmp = final.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for offset, piece in pieces:
-            _pwrite_all(fd, piece, offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _publish(tmp, final)
-
-
-def pwrite_threads_fsync(
-    pieces: list[tuple[int, memoryview]], final: Path, pool: ThreadPoolExecutor
-) -> None:
-    tmp = final.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        futures = [pool.submit(_pwrite_all, fd, piece, offset) for offset, piece in pieces]
-        for future in futures:
-            future.result()
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _publish(tmp, final)
-
-
-async def _aiofiles_write(pieces: list[tuple[int, memoryview]], final: Path) -> None:
-    import aiofiles
-    import aiofiles.os
-
-    tmp = final.with_suffix(".tmp")
-    async with aiofiles.open(tmp, "wb") as f:
-        for _, piece in pieces:
-            await f.write(piece)
-        await f.flush()
-        await asyncio.to_thread(os.fsync, f.fileno())
-    await aiofiles.os.rename(tmp, final)
-    await asyncio.to_thread(_fsync_dir, final.parent)
-
-
-def aiofiles_write_fsync(pieces: list[tuple[int, memoryview]], final: Path) -> None:
-    asyncio.run(_aiofiles_write(pieces, final))
-
-
-def torch_save(state: dict[str, Any], final: Path) -> None:
-    tmp = final.with_suffix(".tmp")
-    torch.save(state, tmp)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _publish(tmp, final)
-
-
 # --- ckpt_pipeline ----------------------------------------------------------------------------
 
 
@@ -211,7 +115,13 @@ def import_ckpt_pipeline() -> Any:
 
 
 class PipelineRunner:
-    """One pipeline, opened once, saving the same state at increasing steps."""
+    """One pipeline, opened once, saving the same state at increasing steps.
+
+    Retention prunes the step ``KEEP_LAST`` back after each commit, in the background. A save
+    is over, for the benchmark, once that prune is done too (its ``CheckpointPruned`` event), so
+    that deleting a checkpoint is not charged to whichever method runs next. The prune is not
+    part of the time to durable.
+    """
 
     def __init__(self, cp: Any, root: Path, state: dict[str, Any], args: argparse.Namespace):
         self.cp = cp
@@ -220,20 +130,41 @@ class PipelineRunner:
         self.args = args
         self.step = 0
         self.stack = contextlib.ExitStack()
-        self.settings: dict[str, Any] = {"keep_last": 2}
+        self.settings: dict[str, Any] = {"keep_last": KEEP_LAST}
+        self.pruned: dict[int, float] = {}
+        self.stages: dict[int, dict[str, float]] = {}
+        self.pruned_changed = threading.Condition()
+
+    def _on_event(self, event: Any) -> None:
+        name = type(event).__name__
+        if name in STAGE_EVENTS:
+            seconds = getattr(event, "seconds", getattr(event, "blocking_seconds", None))
+            self.stages.setdefault(event.step, {})[STAGE_EVENTS[name]] = seconds
+        if name == "CheckpointPruned":
+            with self.pruned_changed:
+                self.pruned[event.step] = event.seconds
+                self.pruned_changed.notify_all()
+
+    def _wait_pruned(self, step: int, timeout: float = 120.0) -> float | None:
+        with self.pruned_changed:
+            self.pruned_changed.wait_for(lambda: step in self.pruned, timeout=timeout)
+            return self.pruned.get(step)
 
     def open(self) -> None:
-        kwargs: dict[str, Any] = {"keep_last": 2}
+        kwargs: dict[str, Any] = {"keep_last": KEEP_LAST}
         overrides = {}
         if self.args.io_threads is not None:
             overrides["io_threads"] = self.args.io_threads
         if self.args.pipeline_chunk_mb is not None:
             overrides["chunk_bytes"] = self.args.pipeline_chunk_mb * MiB
         if overrides:
-            config = self.cp.PipelineConfig(keep_last=2, **overrides)
+            config = self.cp.PipelineConfig(keep_last=KEEP_LAST, **overrides)
             kwargs = {"config": config}
-            self.settings = {"keep_last": 2, **overrides}
+            self.settings = {"keep_last": KEEP_LAST, **overrides}
         self.pipe = self.stack.enter_context(self.cp.CheckpointPipeline(self.root, **kwargs))
+        self.can_wait_prune = hasattr(self.pipe, "subscribe")
+        if self.can_wait_prune:
+            self.pipe.subscribe(self._on_event)
         config = getattr(self.pipe, "config", None)
         if config is not None:
             with contextlib.suppress(TypeError):
@@ -255,6 +186,11 @@ class PipelineRunner:
         info = handle.result(timeout=None)
         t3 = time.perf_counter()
         self.pipe.wait()
+        prune_s = None
+        if self.can_wait_prune and self.step > KEEP_LAST:
+            prune_s = self._wait_pruned(self.step - KEEP_LAST)
+            if prune_s is None:
+                _log(f"ckpt_pipeline: step {self.step - KEEP_LAST} was not pruned within 120 s")
         return {
             "step": self.step,
             "durable_s": t3 - t0,
@@ -263,6 +199,8 @@ class PipelineRunner:
             "wait_snapshot_s": t2 - t1,
             "commit_info_seconds": getattr(info, "seconds", None),
             "bytes_written": getattr(info, "bytes", None),
+            "prune_seconds": prune_s,
+            "stage_seconds": self.stages.pop(self.step, None),
         }
 
     def verify_restore(self) -> dict[str, Any]:
@@ -302,6 +240,22 @@ def summarize(seconds: list[float], nbytes: int, baseline_median: float | None) 
     }
 
 
+def stage_medians(saves: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds of each pipeline stage; ``commit_and_queues`` is the rest of durable."""
+    rows = []
+    for save in saves:
+        stages = dict(save.get("stage_seconds") or {})
+        if save.get("commit_info_seconds") is not None and stages:
+            stages["commit_and_queues"] = save["commit_info_seconds"] - sum(
+                v for v in stages.values() if v is not None)
+        if save.get("prune_seconds") is not None:
+            stages["prune_after_commit"] = save["prune_seconds"]
+        rows.append(stages)
+    names = [n for n in (*STAGE_EVENTS.values(), "commit_and_queues", "prune_after_commit")
+             if any(row.get(n) is not None for row in rows)]
+    return {n: statistics.median(r[n] for r in rows if r.get(n) is not None) for n in names}
+
+
 def settle() -> None:
     """Let the previous method's deletes and writeback finish outside the next measurement."""
     gc.collect()
@@ -314,6 +268,11 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     nbytes = sum(v.nbytes for v in views)
     pieces = chunked(views, args.chunk_mb * MiB)
     methods = [m for m in ALL_METHODS if m not in set(args.skip)]
+    skipped = {m: "--skip" for m in args.skip}
+    if "aiofiles_write_fsync" in methods and importlib.util.find_spec("aiofiles") is None:
+        methods.remove("aiofiles_write_fsync")
+        skipped["aiofiles_write_fsync"] = "aiofiles is not installed"
+        _log("aiofiles is not installed: aiofiles_write_fsync is left out")
     samples: dict[str, list[float]] = {m: [] for m in methods}
     errors: dict[str, str] = {}
     pipeline: dict[str, Any] = {}
@@ -328,8 +287,8 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             runner = PipelineRunner(cp, workdir / "pipeline", state, args)
             runner.open()
             pipeline["settings"] = runner.settings
-            _log("ckpt_pipeline: warm-up save (allocates the host buffer)")
-            pipeline["warmup"] = runner.save()
+            _log("ckpt_pipeline: first save (allocates the host buffer)")
+            pipeline["first_save"] = runner.save()
             settle()
         except Exception:
             errors["ckpt_pipeline"] = traceback.format_exc()
@@ -343,6 +302,7 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if runner is not None:
         samples[BLOCKING] = []
         pipeline["saves"] = []
+    warmup: dict[str, list[float]] = {m: [] for m in methods}
 
     def host_copy() -> None:
         assert host_buffer is not None
@@ -372,10 +332,18 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         final.unlink(missing_ok=True)
         return seconds
 
+    shuffler = random.Random(args.seed)
+    orders: list[dict[str, Any]] = []
+    rounds = [("warm-up", i) for i in range(args.warmup_rounds)]
+    rounds += [("round", i) for i in range(args.repeats)]
     try:
-        for repeat in range(args.repeats):
-            shift = repeat % len(methods)
-            for method in methods[shift:] + methods[:shift]:
+        for index, (kind, repeat) in enumerate(rounds):
+            measured = kind == "round"
+            total = args.repeats if measured else args.warmup_rounds
+            order = methods[:]
+            shuffler.shuffle(order)
+            orders.append({"round": f"{kind} {repeat + 1}", "order": order})
+            for method in order:
                 if method == "ckpt_pipeline" and runner is not None:
                     try:
                         sample = runner.save()
@@ -387,16 +355,17 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                             runner.close()
                         runner = None
                         continue
-                    pipeline["saves"].append(sample)
-                    samples["ckpt_pipeline"].append(sample["durable_s"])
-                    samples[BLOCKING].append(sample["blocking_s"])
                     seconds = sample["durable_s"]
+                    sample["warmup"] = not measured
+                    pipeline["saves"].append(sample)
+                    if measured:
+                        samples[BLOCKING].append(sample["blocking_s"])
                 elif method == "ckpt_pipeline":
                     continue
                 else:
-                    seconds = run_one(method, repeat)
-                    samples[method].append(seconds)
-                _log(f"round {repeat + 1}/{args.repeats}  {method:<22} {seconds:8.3f} s")
+                    seconds = run_one(method, index)
+                (samples if measured else warmup)[method].append(seconds)
+                _log(f"{kind} {repeat + 1}/{total}  {method:<22} {seconds:8.3f} s")
                 settle()
         if runner is not None:
             try:
@@ -412,6 +381,9 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 errors["ckpt_pipeline.close"] = traceback.format_exc()
         pool.shutdown()
 
+    measured_saves = [x for x in pipeline.get("saves", []) if not x["warmup"]]
+    if measured_saves:
+        pipeline["stage_medians"] = stage_medians(measured_saves)
     baseline = samples.get(BASELINE)
     baseline_median = statistics.median(baseline) if baseline else None
     results = {
@@ -432,67 +404,12 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "layout": "{'model': {...}, 'optim': {...}}, equal 1-D tensors",
         },
         "results": results,
+        "skipped": skipped,
+        "warmup_seconds": {name: secs for name, secs in warmup.items() if secs},
+        "round_orders": orders,
         "ckpt_pipeline": pipeline,
         "errors": errors,
     }
-
-
-# --- where and on what ------------------------------------------------------------------------
-
-
-def filesystem_of(path: Path) -> dict[str, Any]:
-    real = os.path.realpath(path)
-    best: dict[str, Any] = {}
-    with contextlib.suppress(OSError), open("/proc/mounts") as mounts:
-        for line in mounts:
-            device, mount_point, fstype, options, *_ = line.split()
-            inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-            if inside and len(mount_point) >= len(best.get("mount_point", "")):
-                best = {"device": device, "mount_point": mount_point, "type": fstype,
-                        "options": options}
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        df = subprocess.run(["df", "-T", "-B1", real], capture_output=True, text=True, timeout=10)
-        if df.returncode == 0:
-            best["df_T"] = df.stdout.strip()
-    return best
-
-
-def machine_info(workdir: Path) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "filesystem": filesystem_of(workdir),
-        "loadavg_at_start": os.getloadavg(),
-    }
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemTotal:"):
-                info["mem_total_gb"] = round(int(line.split()[1]) * 1024 / GB, 1)
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    for package in ("numpy", "aiofiles", "anyio", "msgpack", "xxhash"):
-        with contextlib.suppress(Exception):
-            from importlib.metadata import version
-
-            info[package] = version(package)
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            info["git_commit"] = head.stdout.strip()
-            info["git_dirty"] = bool(dirty.stdout.strip())
-    return info
 
 
 # --- output -----------------------------------------------------------------------------------
@@ -527,10 +444,14 @@ def format_table(report: dict[str, Any]) -> str:
               f"{report['config']['repeats']} repeats, {fs.get('type', '?')} at "
               f"{fs.get('mount_point', '?')}")
     footer = []
-    warmup = report["ckpt_pipeline"].get("warmup")
-    if warmup:
-        footer.append(f"ckpt_pipeline warm-up save (excluded): {warmup['durable_s']:.3f} s to "
-                      f"durable, {warmup['blocking_s']:.3f} s blocking")
+    first = report["ckpt_pipeline"].get("first_save")
+    if first:
+        footer.append(f"ckpt_pipeline first save (allocates the host buffer; excluded): "
+                      f"{first['durable_s']:.3f} s to durable, {first['blocking_s']:.3f} s blocking")
+    stages = report["ckpt_pipeline"].get("stage_medians")
+    if stages:
+        footer.append("ckpt_pipeline stages, median s: " + ", ".join(
+            f"{name} {seconds:.3f}" for name, seconds in stages.items()))
     check = report["ckpt_pipeline"].get("restore_check")
     if check:
         footer.append(f"restore_latest check: step {check['step']}, tensors equal: "
@@ -583,6 +504,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="total size of the state in GB (1e9 bytes); default 1.0")
     parser.add_argument("--tensors", type=int, default=16, help="number of tensors; default 16")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each method; default 3")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the method order within each round; default 0")
+    parser.add_argument("--warmup-rounds", type=int, default=2,
+                        help="untimed rounds of every method before the measured ones; default 2")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where to write; a fresh subdirectory is made and removed "
                              "(default: under the current directory)")
@@ -605,8 +530,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true",
                         help="print the JSON report on stdout instead of the table")
     args = parser.parse_args(argv)
-    if args.size_gb <= 0 or args.tensors < 1 or args.repeats < 1:
-        parser.error("--size-gb, --tensors and --repeats must be positive")
+    if args.size_gb <= 0 or args.tensors < 1 or args.repeats < 1 or args.warmup_rounds < 0:
+        parser.error("--size-gb, --tensors and --repeats must be positive, "
+                     "--warmup-rounds not negative")
     if args.chunk_mb < 1 or args.threads < 1:
         parser.error("--chunk-mb and --threads must be positive")
     if BASELINE in args.skip:

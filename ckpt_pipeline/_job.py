@@ -40,6 +40,7 @@ class SaveJob:
     temp_names: list[str] = field(default_factory=list)
     published: list[str] = field(default_factory=list)
     shard_size: int = 0
+    committed: bool = False
 
     @property
     def data_bytes(self) -> int:

@@ -291,6 +291,7 @@ class AsyncCheckpointPipeline:
                                    hint="save less often, or use buffer_slots=2 or "
                                         "when_busy='block'"))
         self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
+        handle._settled.set()
         return handle
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
@@ -366,10 +367,10 @@ class AsyncCheckpointPipeline:
         await commit(job, self.storage, self.coordinator, limiter=self._limiter)
         seconds = time.perf_counter() - job.requested_at
         path = os.path.join(str(self.storage.root), job.dir_name)
+        job.committed = True
         with self._lock:
             if self._latest_committed is None or job.step > self._latest_committed:
                 self._latest_committed = job.step
-            self._pending.pop(job.step, None)
         info = CommitInfo(step=job.step, rank=self.rank, save_id=job.save_id, path=path,
                           bytes=job.shard_size, seconds=seconds)
         self._emit(CheckpointCommitted(step=job.step, rank=self.rank, save_id=job.save_id,
@@ -377,16 +378,26 @@ class AsyncCheckpointPipeline:
         job.handle._resolve(info)
 
     async def _retain_stage(self, job: SaveJob) -> None:
+        """Prune older steps. Never fails the save: it is committed already."""
         started = time.perf_counter()
         try:
             pruned = await self._thread(prune, self.storage, self.rank, self.config.keep_last)
-        except CheckpointError as exc:
-            _log.warning("ckpt.retain.failed", step=job.step, rank=self.rank, error=str(exc))
-            return
+        except Exception as exc:
+            _log.warning("ckpt.retain.failed", step=job.step, rank=self.rank,
+                         error=f"{type(exc).__name__}: {exc}")
+            pruned = []
+        finally:
+            self._settle(job)
         for item in pruned:
             self._emit(CheckpointPruned(step=item.step, rank=self.rank, path=item.path,
                                         bytes=item.bytes,
                                         seconds=time.perf_counter() - started))
+
+    def _settle(self, job: SaveJob) -> None:
+        """The job has left the pipeline (retained after its commit, or failed)."""
+        with self._lock:
+            self._pending.pop(job.step, None)
+        job.handle._settled.set()
 
     async def _fail(self, job: SaveJob, stage: str, exc: Exception) -> None:
         if isinstance(exc, CheckpointError):
@@ -397,6 +408,11 @@ class AsyncCheckpointPipeline:
             error = SaveError(f"{stage} failed: {type(exc).__name__}: {exc}", step=job.step,
                               rank=self.rank, path=str(self.storage.root))
             error.__cause__ = exc
+        if job.committed:  # a committed step is never removed by a later failure
+            _log.error("ckpt.pipeline.bug", step=job.step, rank=self.rank, stage=stage,
+                       error=str(error))
+            self._settle(job)
+            return
         with anyio.CancelScope(shield=True):
             try:
                 await self._thread(remove_published, job, self.storage)
@@ -405,16 +421,18 @@ class AsyncCheckpointPipeline:
 
     def _abandon(self, job: SaveJob, error: CheckpointError, stage: str = "submit") -> None:
         self._pool.release(job.slot)
-        with self._lock:
-            self._pending.pop(job.step, None)
         self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id, stage=stage,
                               error=str(error)))
         job.handle._fail(error)
+        self._settle(job)
 
     # ------------------------------------------------------------------ waiting
 
     async def wait(self, timeout: float | None = None) -> None:
-        """Wait until every pending save is committed; raise the first failure among them."""
+        """Wait until every pending save is committed and retention after it is done.
+
+        Raises the first failure among those saves, or TimeoutError.
+        """
         await self._wait_pending(timeout, raise_errors=True)
 
     async def _wait_pending(self, timeout: float | None, *, raise_errors: bool) -> None:
@@ -424,17 +442,18 @@ class AsyncCheckpointPipeline:
         first: BaseException | None = None
         for handle in handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                await anyio.to_thread.run_sync(handle.result, left, abandon_on_cancel=True)
-            except TimeoutError:
-                raise
-            except CheckpointError as exc:
-                first = first or exc
+            settled = await anyio.to_thread.run_sync(handle._settled.wait, left,
+                                                     abandon_on_cancel=True)
+            if not settled:
+                raise TimeoutError(f"save of step {handle.step} not finished after {timeout} s")
+            error = handle.exception(0)
+            if first is None and isinstance(error, CheckpointError):
+                first = error
         if first is not None and raise_errors:
             raise first
 
     def pending_steps(self) -> list[int]:
-        """Steps saved but not yet committed or failed."""
+        """Steps still in the pipeline (not yet committed and retained, or failed)."""
         with self._lock:
             return sorted(self._pending)
 

@@ -148,7 +148,7 @@ class CheckpointPipeline:
         self._pipe.wait_snapshot(block_cpu=block_cpu)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is committed; raise the first failure among them."""
+        """Block until every pending save is committed and retained; raise the first failure."""
         self._call(self._pipe.wait, timeout)
 
     def restore_latest(self, state: MutableMapping[str, Any]) -> RestoreResult | None:
@@ -166,7 +166,7 @@ class CheckpointPipeline:
         return step
 
     def pending_steps(self) -> list[int]:
-        """Steps saved but not yet committed or failed."""
+        """Steps still in the pipeline (not yet committed and retained, or failed)."""
         return self._pipe.pending_steps()
 
     @property

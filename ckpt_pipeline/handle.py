@@ -61,6 +61,7 @@ class SaveHandle:
         self._snapshot = snapshot
         self._future: concurrent.futures.Future[CommitInfo] = concurrent.futures.Future()
         self._lock = threading.Lock()
+        self._settled = threading.Event()  # set once retention after the commit is done too
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Order the caller's CUDA streams after this save's copies; check nothing was mutated.

@@ -140,6 +140,15 @@ def test_retention_keeps_the_newest_keep_last_steps(root: Path) -> None:
     assert sorted(pruned) == [1, 2, 3]
 
 
+def test_wait_returns_after_retention_has_pruned(root: Path) -> None:
+    with cp.CheckpointPipeline(root, keep_last=1) as pipe:
+        for step in (1, 2, 3):
+            pipe.save(step, {"x": torch.full((4,), float(step))})
+        pipe.wait(60)
+        assert sorted(os.listdir(root)) == ["step-0000000003"]
+        assert pipe.pending_steps() == []
+
+
 def test_latest_step_follows_commits(root: Path) -> None:
     with cp.CheckpointPipeline(root) as pipe:
         pipe.save(3, {"x": torch.ones(1)}).result(30)
