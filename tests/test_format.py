@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import pytest
@@ -14,12 +13,15 @@ from hypothesis import strategies as st
 from ckpt_pipeline import CheckpointIntegrityError
 from ckpt_pipeline._format import (
     ALIGN,
+    ShardHeader,
+    TensorRecord,
     TensorRef,
     decode_commit,
     decode_header,
     decode_manifest,
     decode_preamble,
     decode_tree,
+    encode_header,
     encode_tree,
     parse_rank_file,
     parse_step_dir,
@@ -115,35 +117,21 @@ def test_deep_nesting_is_refused_without_crashing() -> None:
         decode_tree(deep, "x")
 
 
-def test_header_with_dtype_off_the_allow_list_is_refused() -> None:
-    from ckpt_pipeline._format import ShardHeader, TensorRecord, encode_header
-
-    header = ShardHeader(step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0,
-                         chunk_bytes=ALIGN, data_offset=ALIGN, data_length=8,
-                         tensors=(TensorRecord("w", "object", (2,), ALIGN, 8, (0,), "cpu"),),
-                         tree=b"\x80", train_state={})
-    with pytest.raises(CheckpointIntegrityError, match="allow-list"):
-        decode_header(encode_header(header), "x", file_size=3 * ALIGN, header_offset=2 * ALIGN)
+def _one_tensor_header(record: TensorRecord) -> bytes:
+    return encode_header(ShardHeader(
+        step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0, chunk_bytes=ALIGN,
+        data_offset=ALIGN, data_length=8, tensors=(record,), tree=b"\x80", train_state={}))
 
 
-def test_header_with_tensor_outside_the_data_region_is_refused() -> None:
-    from ckpt_pipeline._format import ShardHeader, TensorRecord, encode_header
-
-    header = ShardHeader(step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0,
-                         chunk_bytes=ALIGN, data_offset=ALIGN, data_length=8,
-                         tensors=(TensorRecord("w", "float32", (2,), 10 * ALIGN, 8, (0,), "cpu"),),
-                         tree=b"\x80", train_state={})
-    with pytest.raises(CheckpointIntegrityError, match="outside"):
-        decode_header(encode_header(header), "x", file_size=3 * ALIGN, header_offset=2 * ALIGN)
-
-
-def test_shape_that_disagrees_with_the_length_is_refused() -> None:
-    from ckpt_pipeline._format import ShardHeader, TensorRecord, encode_header
-
-    header = ShardHeader(step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0,
-                         chunk_bytes=ALIGN, data_offset=ALIGN, data_length=8,
-                         tensors=(TensorRecord("w", "float32", (3,), ALIGN, 8, (0,), "cpu"),),
-                         tree=b"\x80", train_state={})
-    with pytest.raises(CheckpointIntegrityError, match="length"):
-        decode_header(encode_header(header), "x", file_size=3 * ALIGN, header_offset=2 * ALIGN)
-    assert math.prod((3,)) * 4 != 8
+@pytest.mark.parametrize(("record", "message"), [
+    (TensorRecord("w", "object", (2,), ALIGN, 8, (0,), "cpu"), "allow-list"),
+    (TensorRecord("w", "float32", (2,), 10 * ALIGN, 8, (0,), "cpu"), "outside"),
+    (TensorRecord("w", "float32", (3,), ALIGN, 8, (0,), "cpu"), "length"),
+    (TensorRecord("w", "float32", (2,), ALIGN, 8, (0, 1), "cpu"), "checksums"),
+    (TensorRecord("w", "float32", (2,), ALIGN + 1, 8, (0,), "cpu"), "outside"),
+])
+def test_header_with_an_impossible_tensor_record_is_refused(record: TensorRecord,
+                                                            message: str) -> None:
+    with pytest.raises(CheckpointIntegrityError, match=message):
+        decode_header(_one_tensor_header(record), "x", file_size=3 * ALIGN,
+                      header_offset=2 * ALIGN)
