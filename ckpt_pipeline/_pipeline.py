@@ -294,12 +294,16 @@ class AsyncCheckpointPipeline:
         handle._settled.set()
         return handle
 
-    def wait_snapshot(self, *, block_cpu: bool = False) -> None:
+    async def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Make the caller's streams wait for every pending snapshot copy; check for mutation.
 
         Call it before the next in-place update of saved tensors (``optimizer.step()``).
         Returns at once when nothing is being copied.
         """
+        self._wait_snapshot(block_cpu=block_cpu)
+
+    def _wait_snapshot(self, *, block_cpu: bool) -> None:
+        """Runs on the caller's thread: its current CUDA streams are the ones to order."""
         with self._lock:
             handles, self._snapshots = self._snapshots, []
         for handle in handles:

@@ -145,7 +145,7 @@ class CheckpointPipeline:
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Order the caller's CUDA streams after pending snapshot copies (see the async face)."""
-        self._pipe.wait_snapshot(block_cpu=block_cpu)
+        self._pipe._wait_snapshot(block_cpu=block_cpu)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is committed and retained; raise the first failure."""

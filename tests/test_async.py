@@ -21,6 +21,7 @@ async def test_async_pipeline_saves_and_restores_in_the_callers_loop(root: Path)
         handles = []
         for step in (1, 2, 3):
             handles.append(await pipe.save(step, state, cp.TrainState(step=step)))
+            await pipe.wait_snapshot()
         await pipe.wait(timeout=30)
         assert [h.result(0).step for h in handles] == [1, 2, 3]
         assert await pipe.latest_step() == 3
