@@ -6,10 +6,12 @@ from .config import BusyPolicy as BusyPolicy
 from .config import PipelineConfig as PipelineConfig
 from .config import SnapshotMode as SnapshotMode
 from .coordination import Coordinator as Coordinator
+from .coordination import DistributedCoordinator as DistributedCoordinator
 from .coordination import LocalCoordinator as LocalCoordinator
 from .errors import CheckpointError as CheckpointError
 from .errors import CheckpointIntegrityError as CheckpointIntegrityError
 from .errors import ConfigError as ConfigError
+from .errors import CoordinationError as CoordinationError
 from .errors import PipelineClosedError as PipelineClosedError
 from .errors import PoolBusyError as PoolBusyError
 from .errors import RestoreError as RestoreError
@@ -54,7 +56,9 @@ __all__ = (
     "CheckpointRestored",
     "CommitInfo",
     "ConfigError",
+    "CoordinationError",
     "Coordinator",
+    "DistributedCoordinator",
     "Event",
     "LocalCoordinator",
     "LocalStorage",

@@ -6,6 +6,7 @@ import time
 
 import anyio
 
+from ._agree import agree_outcome
 from ._format import CommitRecord, commit_name, encode_commit
 from ._job import SaveJob
 from ._write import publish_small
@@ -18,17 +19,25 @@ __all__ = ("commit",)
 
 async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                  limiter: anyio.CapacityLimiter) -> None:
-    """Write this rank's commit record if every rank's shard is durable; raise otherwise.
+    """Vote with the other ranks; write this rank's commit record if every rank succeeded.
 
-    Shielded from cancellation: once agreement starts, the commit finishes or fails cleanly.
+    A job that failed earlier still votes (with its error), so the other ranks learn of it and
+    no rank commits. Shielded from cancellation: once the vote starts, the commit finishes or
+    fails cleanly.
     """
     with anyio.CancelScope(shield=True):
-        failures = await coordinator.agree_commit(job.step, job.save_id, None)
+        own = None if job.error is None else f"{job.failed_stage}: {job.error.message}"
+        failures, _ = await agree_outcome(coordinator, job.step, job.save_id, own,
+                                          what="commit")
+        if job.error is not None:
+            return
         if failures:
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
-            raise SaveError(f"ranks {sorted(failures)} failed this save ({detail}); "
-                            "nothing was committed", step=job.step, rank=job.rank,
-                            path=job.dir_name, hint="the previous checkpoint is intact")
+            error = SaveError(f"rank(s) {sorted(failures)} failed this save ({detail}); no "
+                              "rank committed it", step=job.step, rank=job.rank,
+                              path=job.dir_name, hint="the previous checkpoint is intact")
+            error.ranks = tuple(sorted(failures))
+            raise error
         record = encode_commit(CommitRecord(job.step, job.rank, job.world_size, job.save_id,
                                             time.time()))
         await publish_small(job, storage, commit_name(job.rank), record, limiter=limiter)

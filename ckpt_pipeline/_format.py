@@ -34,11 +34,13 @@ __all__ = (
     "decode_commit",
     "decode_header",
     "decode_manifest",
+    "decode_message",
     "decode_preamble",
     "decode_tree",
     "encode_commit",
     "encode_header",
     "encode_manifest",
+    "encode_message",
     "encode_preamble",
     "encode_tree",
     "manifest_name",
@@ -236,6 +238,19 @@ def decode_tree(data: bytes, path: str, tensor_count: int | None = None) -> dict
             elif isinstance(node, (list, tuple)):
                 stack.extend(node)
     return tree
+
+
+def encode_message(message: dict[str, Any]) -> bytes:
+    """A control-plane message between ranks (msgpack, never pickle)."""
+    return _pack(message)
+
+
+def decode_message(data: bytes, what: str) -> dict[str, Any]:
+    """Decode a control-plane message with the same limits as files; it must be a map."""
+    value = _decode(data, what, "<control plane>")
+    if not isinstance(value, dict):
+        raise CheckpointIntegrityError(f"{what} is not a map")
+    return value
 
 
 # --------------------------------------------------------------------------- shard

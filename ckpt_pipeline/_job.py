@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._snapshot import Slot, Snapshot
+from .errors import CheckpointError
 from .handle import SaveHandle
 
 __all__ = ("SaveJob",)
@@ -20,8 +21,8 @@ class SaveJob:
     world_size: int
     save_id: str
     handle: SaveHandle
-    slot: Slot
-    snapshot: Snapshot
+    slot: Slot | None
+    snapshot: Snapshot | None
     paths: tuple[str, ...]
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -41,7 +42,19 @@ class SaveJob:
     published: list[str] = field(default_factory=list)
     shard_size: int = 0
     committed: bool = False
+    # set by the first stage that fails; the job still reaches commit to take part in the vote
+    error: CheckpointError | None = None
+    failed_stage: str = ""
 
     @property
     def data_bytes(self) -> int:
         return sum(self.sizes)
+
+    @classmethod
+    def placeholder(cls, step: int, rank: int, world_size: int, save_id: str,
+                    handle: SaveHandle, error: CheckpointError, stage: str) -> SaveJob:
+        """A save that failed before it had data: it only takes part in the commit vote."""
+        return cls(step=step, rank=rank, world_size=world_size, save_id=save_id,
+                   handle=handle, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),
+                   devices=(), offsets=[], sizes=(), data_length=0, tree=b"",
+                   train_state={}, requested_at=0.0, error=error, failed_stage=stage)

@@ -20,6 +20,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import _recovery
+from ._agree import agree_run_id
 from ._commit import commit
 from ._format import DTYPE_NAMES, encode_tree
 from ._job import SaveJob
@@ -30,7 +31,7 @@ from ._snapshot import HostPool, plan_layout, take_snapshot
 from ._tree import flatten_state
 from ._write import remove_published, write_shard
 from .config import PipelineConfig
-from .coordination import Coordinator, LocalCoordinator
+from .coordination import Coordinator, DistributedCoordinator, LocalCoordinator
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -60,6 +61,15 @@ __all__ = ("AsyncCheckpointPipeline",)
 
 _log = structlog.get_logger("ckpt_pipeline")
 Subscriber = Callable[[Event], None]
+
+
+def default_coordinator(config: PipelineConfig) -> Coordinator:
+    """A DistributedCoordinator when torch.distributed is initialized, else a local one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return DistributedCoordinator(timeout_s=config.coordination_timeout_s)
+    return LocalCoordinator()
 
 
 def make_config(keep_last: int | None, config: PipelineConfig | None,
@@ -96,8 +106,8 @@ class AsyncCheckpointPipeline:
     ) -> None:
         self.config = make_config(keep_last, config, options)
         self.storage: Storage = storage if storage is not None else LocalStorage(root)
-        self.coordinator: Coordinator = coordinator if coordinator is not None else (
-            LocalCoordinator())
+        self.coordinator: Coordinator = (
+            coordinator if coordinator is not None else default_coordinator(self.config))
         if (self.coordinator.rank, self.coordinator.world_size) != (
             self.config.rank, self.config.world_size
         ):
@@ -134,7 +144,7 @@ class AsyncCheckpointPipeline:
             raise PipelineClosedError("a pipeline can be opened once", rank=self.rank)
         self._limiter = anyio.CapacityLimiter(self.config.io_threads)
         await self._thread(self.storage.ensure_root)
-        self._run_id = await self.coordinator.start()
+        self._run_id = await agree_run_id(self.coordinator)
         for path, size in await self._thread(_recovery.scrub, self.storage, self.rank):
             self._emit(TemporariesScrubbed(step=-1, rank=self.rank, path=path, bytes=size))
         committed = await self._thread(_recovery.committed_steps, self.storage, self.rank)
@@ -187,8 +197,6 @@ class AsyncCheckpointPipeline:
         if job_or_handle is None:
             job_or_handle = await anyio.to_thread.run_sync(
                 lambda: self._prepare_save(step, state, train_state, block=True))
-        if isinstance(job_or_handle, SaveHandle):
-            return job_or_handle
         if job_or_handle is None:  # only a non-blocking attempt returns None
             raise PoolBusyError("no host buffer became free", step=step, rank=self.rank)
         return await self._submit(job_or_handle)
@@ -203,7 +211,7 @@ class AsyncCheckpointPipeline:
 
     def _prepare_save(self, step: int, state: Mapping[str, Any],
                       train_state: TrainState | None, *,
-                      block: bool) -> SaveJob | SaveHandle | None:
+                      block: bool) -> SaveJob | None:
         """The training-thread part of a save: validate, flatten, take a slot, start copies.
 
         Returns None when ``block`` is False and the policy asks to wait for a slot.
@@ -284,15 +292,20 @@ class AsyncCheckpointPipeline:
                                  blocking_seconds=time.perf_counter() - started))
         return job
 
-    def _skip(self, step: int) -> SaveHandle:
-        handle = SaveHandle(step, "")
+    def _skip(self, step: int) -> SaveJob:
+        """A save dropped by the ``skip`` policy: it fails now, and still votes at commit."""
+        save_id = f"{self._run_id}-{step}"
+        handle = SaveHandle(step, save_id)
         reason = "every host buffer is busy with an earlier save"
-        handle._fail(PoolBusyError(f"save skipped: {reason}", step=step, rank=self.rank,
-                                   hint="save less often, or use buffer_slots=2 or "
-                                        "when_busy='block'"))
+        error = PoolBusyError(f"save skipped: {reason}", step=step, rank=self.rank,
+                              hint="save less often, or use buffer_slots=2 or "
+                                   "when_busy='block'")
+        handle._fail(error)
+        with self._lock:
+            self._last_step = step
         self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
-        handle._settled.set()
-        return handle
+        return SaveJob.placeholder(step, self.rank, self.config.world_size, save_id, handle,
+                                   error, "snapshot")
 
     async def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Make the caller's streams wait for every pending snapshot copy; check for mutation.
@@ -320,25 +333,46 @@ class AsyncCheckpointPipeline:
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Consume jobs in order; a job that fails here goes no further."""
+        """Consume jobs in order.
+
+        A job that failed in an earlier stage skips the work of the stages before commit but
+        still reaches commit, where every rank votes; there it leaves the pipeline as failed.
+        """
+        deciding = name == "commit"
         async with receive:
             task_status.started()
             try:
                 async for job in receive:
-                    try:
-                        await work(job)
-                    except Exception as exc:
-                        await self._fail(job, name, exc)
-                        continue
+                    if job.error is None or deciding:
+                        try:
+                            await work(job)
+                        except Exception as exc:
+                            if job.error is None:
+                                job.error = self._as_error(job, name, exc)
+                                job.failed_stage = name
+                            else:
+                                _log.error("ckpt.commit.vote_failed", step=job.step,
+                                           rank=self.rank, error=str(exc))
+                    if job.error is not None:
+                        self._release_slot(job)
+                        if deciding:
+                            await self._fail(job)
+                            continue
                     if send is not None:
                         await send.send(job)
             finally:
                 if send is not None:
                     await send.aclose()
 
+    def _release_slot(self, job: SaveJob) -> None:
+        if job.slot is not None:
+            self._pool.release(job.slot)
+            job.slot = None
+
     async def _snapshot_stage(self, job: SaveJob) -> None:
         started = time.perf_counter()
         snap = job.snapshot
+        assert snap is not None
         if snap.has_device_copies:
             await self._thread(snap.release_by_pipeline)
         if snap.torn is not None:
@@ -361,7 +395,7 @@ class AsyncCheckpointPipeline:
         assert self._limiter is not None
         await write_shard(job, self.storage, chunk_bytes=self.config.chunk_bytes,
                           threads=self.config.io_threads, limiter=self._limiter)
-        self._pool.release(job.slot)
+        self._release_slot(job)
         self._emit(ShardWritten(step=job.step, rank=self.rank, save_id=job.save_id,
                                 path=os.path.join(str(self.storage.root), job.dir_name),
                                 bytes=job.shard_size, seconds=time.perf_counter() - started))
@@ -369,6 +403,8 @@ class AsyncCheckpointPipeline:
     async def _commit_stage(self, job: SaveJob) -> None:
         assert self._limiter is not None
         await commit(job, self.storage, self.coordinator, limiter=self._limiter)
+        if job.error is not None:
+            return
         seconds = time.perf_counter() - job.requested_at
         path = os.path.join(str(self.storage.root), job.dir_name)
         job.committed = True
@@ -403,28 +439,35 @@ class AsyncCheckpointPipeline:
             self._pending.pop(job.step, None)
         job.handle._settled.set()
 
-    async def _fail(self, job: SaveJob, stage: str, exc: Exception) -> None:
+    def _as_error(self, job: SaveJob, stage: str, exc: Exception) -> CheckpointError:
         if isinstance(exc, CheckpointError):
-            error = exc
-            if error.step is None:
-                error.step = job.step
-        else:
-            error = SaveError(f"{stage} failed: {type(exc).__name__}: {exc}", step=job.step,
-                              rank=self.rank, path=str(self.storage.root))
-            error.__cause__ = exc
+            if exc.step is None:
+                exc.step = job.step
+            return exc
+        error = SaveError(f"{stage} failed: {type(exc).__name__}: {exc}", step=job.step,
+                          rank=self.rank, path=str(self.storage.root))
+        error.__cause__ = exc
+        return error
+
+    async def _fail(self, job: SaveJob) -> None:
+        """Remove what the failed save left on disk, then fail its handle."""
+        assert job.error is not None
         if job.committed:  # a committed step is never removed by a later failure
-            _log.error("ckpt.pipeline.bug", step=job.step, rank=self.rank, stage=stage,
-                       error=str(error))
+            _log.error("ckpt.pipeline.bug", step=job.step, rank=self.rank,
+                       stage=job.failed_stage, error=str(job.error))
             self._settle(job)
             return
         with anyio.CancelScope(shield=True):
             try:
                 await self._thread(remove_published, job, self.storage)
             finally:
-                self._abandon(job, error, stage)
+                self._abandon(job, job.error, job.failed_stage)
 
     def _abandon(self, job: SaveJob, error: CheckpointError, stage: str = "submit") -> None:
-        self._pool.release(job.slot)
+        self._release_slot(job)
+        if job.handle.done():  # failed already (a skipped save): no second report
+            self._settle(job)
+            return
         self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id, stage=stage,
                               error=str(error)))
         job.handle._fail(error)
@@ -487,8 +530,7 @@ class AsyncCheckpointPipeline:
         loaded = await self._load_latest(state)
         if loaded is None:
             return None
-        self._apply(loaded, state)
-        return await self._finish_restore(loaded)
+        return await self._finish_restore(loaded, self._apply(loaded, state))
 
     async def _load_latest(self, state: Mapping[str, Any]) -> Loaded | None:
         if self._state != "open":
@@ -498,12 +540,18 @@ class AsyncCheckpointPipeline:
         assert self._limiter is not None
         return await self._recovery.load_latest(state, self._limiter)
 
-    def _apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> None:
-        self._recovery.apply(loaded, state)
+    def _apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> CheckpointError | None:
+        """Load into the live state on the caller's thread; return the error, if any."""
+        try:
+            self._recovery.apply(loaded, state)
+        except CheckpointError as exc:
+            return exc
+        return None
 
-    async def _finish_restore(self, loaded: Loaded) -> RestoreResult:
+    async def _finish_restore(self, loaded: Loaded,
+                              apply_error: CheckpointError | None) -> RestoreResult:
         assert self._limiter is not None
-        result = await self._recovery.finish(loaded, self._limiter)
+        result = await self._recovery.finish(loaded, apply_error, self._limiter)
         with self._lock:
             self._latest_committed = loaded.step
             self._last_step = loaded.step

@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from . import _recovery
+from ._agree import Candidates, agree_barrier, agree_candidates, agree_outcome
 from ._tree import apply_state, check_structure
 from .config import PipelineConfig
 from .coordination import Coordinator
@@ -44,6 +45,7 @@ class Loaded:
     bytes: int
     started: float
     rejected: tuple[RejectedStep, ...]
+    valid_by_rank: dict[int, tuple[int, ...]]
 
 
 class Recovery:
@@ -75,45 +77,64 @@ class Recovery:
             if status.complete and not status.valid:
                 rejected.append(self._reject(status.step, status.path, status.reason or "?"))
         valid = {s.step: s for s in statuses if s.valid}
-        for status in valid.values():
-            if status.world_size != self.config.world_size:
-                raise RestoreError(
-                    f"step {status.step} was saved by {status.world_size} rank(s), this job "
-                    f"has {self.config.world_size}", step=status.step, rank=self.rank,
-                    path=status.path, hint="restore with the same world size (resharding is "
-                                           "not supported)")
-        candidates = await self.coordinator.agree_candidates(
-            {step: s.save_id or "" for step, s in valid.items()})
-        for step, save_id in candidates:
+        agreed = await agree_candidates(
+            self.coordinator, {step: (s.save_id or "", s.world_size or 0)
+                               for step, s in valid.items()},
+            held_any=any(s.complete for s in statuses))
+        self._check_world_size(agreed)
+        for step, save_id in agreed.steps:
             status = valid.get(step)
-            error: str | None = None
+            error: CheckpointError | None = None
             loaded: Loaded | None = None
             try:
                 if status is None or status.save_id != save_id:
                     raise CheckpointIntegrityError("this rank holds no matching save",
                                                    step=step, rank=self.rank)
-                loaded = await self._read_candidate(status, state, started, rejected, limiter)
-            except StateError:
-                raise  # the live state does not fit: the user's mistake, not a bad checkpoint
-            except (CheckpointError, OSError) as exc:
-                error = str(exc)
-            failures = await self.coordinator.agree_loaded(step, error)
+                loaded = await self._read_candidate(status, state, started, rejected, agreed,
+                                                    limiter)
+            except CheckpointError as exc:
+                error = exc
+            fatal = isinstance(error, StateError)
+            failures, any_fatal = await agree_outcome(
+                self.coordinator, step, save_id, None if error is None else error.message,
+                what="restore load", fatal=fatal)
+            if any_fatal:
+                if error is not None and fatal:
+                    raise error  # the live state does not fit: a usage error, nothing rejected
+                raise RestoreError(
+                    f"step {step} does not fit the live state on rank(s) "
+                    f"{sorted(failures)}: {_listing(failures)}", step=step, rank=self.rank,
+                    hint="restore into the same state layout that was saved")
             if not failures and loaded is not None:
                 return loaded
             path = status.path if status is not None else ""
-            reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
-            rejected.append(self._reject(step, path, reason))
-        if rejected:
+            rejected.append(self._reject(step, path, _listing(failures)))
+        if agreed.held_any:
+            held = "; ".join(f"rank {r}: {list(steps) or 'none'}"
+                             for r, steps in sorted(agreed.valid_by_rank.items()))
             listing = "; ".join(f"step {r.step}: {r.reason}" for r in rejected)
-            raise RestoreError(f"no checkpoint could be loaded ({listing})", rank=self.rank,
-                               path=str(self.storage.root),
-                               hint="inspect with `ckpt-pipeline verify`; move the root aside "
-                                    "to start fresh")
+            raise RestoreError(
+                f"no checkpoint could be loaded on every rank (valid steps by rank: {held}"
+                + (f"; rejected: {listing}" if listing else "") + ")", rank=self.rank,
+                path=str(self.storage.root),
+                hint="inspect with `ckpt-pipeline verify`; move the roots aside to start fresh")
         return None
+
+    def _check_world_size(self, agreed: Candidates) -> None:
+        """Refuse when the newest step any rank holds was saved by another world size."""
+        newest = max((s for steps in agreed.valid_by_rank.values() for s in steps),
+                     default=None)
+        if newest is not None and newest in agreed.world_sizes:
+            saved = agreed.world_sizes[newest]
+            raise RestoreError(
+                f"step {newest} was saved by {saved} rank(s), this job has "
+                f"{self.config.world_size}", step=newest, rank=self.rank,
+                path=str(self.storage.root),
+                hint=f"restore with {saved} ranks (resharding is not supported)")
 
     async def _read_candidate(self, status: _recovery.StepStatus, state: Mapping[str, Any],
                               started: float, rejected: list[RejectedStep],
-                              limiter: anyio.CapacityLimiter) -> Loaded:
+                              agreed: Candidates, limiter: anyio.CapacityLimiter) -> Loaded:
         assert status.header is not None
         header = status.header
         cuda = torch.cuda.is_available()
@@ -127,7 +148,8 @@ class Recovery:
         check_structure(state, tree, tensors, step=status.step)
         return Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
                        tensors=tensors, train_state=train_state,
-                       bytes=status.shard_size, started=started, rejected=tuple(rejected))
+                       bytes=status.shard_size, started=started, rejected=tuple(rejected),
+                      valid_by_rank=dict(agreed.valid_by_rank))
 
     def apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> None:
         """Load into the live objects; runs on the caller's thread (its CUDA streams)."""
@@ -138,8 +160,23 @@ class Recovery:
             torch.cuda.synchronize()
         loaded.tensors = []
 
-    async def finish(self, loaded: Loaded, limiter: anyio.CapacityLimiter) -> RestoreResult:
-        """Move newer, unusable steps aside so that training can save them again; report."""
+    async def finish(self, loaded: Loaded, apply_error: CheckpointError | None,
+                     limiter: anyio.CapacityLimiter) -> RestoreResult:
+        """Vote on the apply; move this rank's newer, unusable steps aside; wait for all ranks.
+
+        Every rank must call it, also when its apply failed (``apply_error``): then every rank
+        raises instead of going on with a state that differs between ranks.
+        """
+        failures, _ = await agree_outcome(
+            self.coordinator, loaded.step, loaded.save_id,
+            None if apply_error is None else apply_error.message, what="restore apply")
+        if apply_error is not None:
+            raise apply_error
+        if failures:
+            raise RestoreError(f"loading step {loaded.step} failed on rank(s) "
+                               f"{sorted(failures)}: {_listing(failures)}", step=loaded.step,
+                               rank=self.rank, hint="the live state may be partly loaded on "
+                                                    "those ranks; restart the job")
         dirs = await self._thread(_recovery.step_dirs, self.storage, limiter=limiter)
         for step, dir_name in sorted(dirs.items()):
             if step > loaded.step:
@@ -147,13 +184,15 @@ class Recovery:
                                            self.rank, limiter=limiter)
                 if moved is not None:
                     _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
-                             path=moved)
+                                 path=moved)
+        await agree_barrier(self.coordinator, what="restore done", step=loaded.step)
         seconds = time.perf_counter() - loaded.started
         self._emit(CheckpointRestored(step=loaded.step, rank=self.rank, save_id=loaded.save_id,
                                       path=loaded.path, bytes=loaded.bytes, seconds=seconds))
         return RestoreResult(step=loaded.step, save_id=loaded.save_id, path=loaded.path,
                              train_state=loaded.train_state, bytes=loaded.bytes,
-                             seconds=seconds, rejected=loaded.rejected)
+                             seconds=seconds, rejected=loaded.rejected,
+                             valid_by_rank=loaded.valid_by_rank)
 
     def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
         self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))
@@ -168,3 +207,6 @@ def _to_saved_device(t: torch.Tensor, device: str) -> torch.Tensor:
         return t.to(dev, non_blocking=True)
     return t
 
+
+def _listing(failures: Mapping[int, str]) -> str:
+    return "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))

@@ -38,6 +38,7 @@ def split_balanced(ranges: list[R], parts: int) -> list[list[R]]:
 async def serialize(job: SaveJob, *, chunk_bytes: int, threads: int,
                     limiter: anyio.CapacityLimiter) -> None:
     """Fill ``job.checksums`` (one xxh3 per chunk of each tensor) and ``job.header``."""
+    assert job.slot is not None
     buffer = job.slot.buffer
     chunks = tensor_chunks(job.offsets, job.sizes, chunk_bytes)
     per_tensor: list[list[int]] = [[0] * max(1, -(-n // chunk_bytes)) for n in job.sizes]

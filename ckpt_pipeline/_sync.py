@@ -136,11 +136,9 @@ class CheckpointPipeline:
         if self._closed or self._portal is None:
             raise PipelineClosedError("save() after close()", step=step,
                                       hint="open a new pipeline")
-        result = self._pipe._prepare_save(step, state, train_state, block=True)
-        if isinstance(result, SaveHandle):
-            return result
-        assert result is not None
-        handle: SaveHandle = self._call(self._pipe._submit, result)
+        job = self._pipe._prepare_save(step, state, train_state, block=True)
+        assert job is not None  # a blocking attempt always returns a job
+        handle: SaveHandle = self._call(self._pipe._submit, job)
         return handle
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
@@ -156,8 +154,8 @@ class CheckpointPipeline:
         loaded = self._call(self._pipe._load_latest, state)
         if loaded is None:
             return None
-        self._pipe._apply(loaded, state)
-        result: RestoreResult = self._call(self._pipe._finish_restore, loaded)
+        apply_error = self._pipe._apply(loaded, state)
+        result: RestoreResult = self._call(self._pipe._finish_restore, loaded, apply_error)
         return result
 
     def latest_step(self) -> int | None:

@@ -61,6 +61,7 @@ async def write_shard(job: SaveJob, storage: Storage, *, chunk_bytes: int, threa
     job.temp_names.append(temp)
     try:
         header_offset = align_up(PREAMBLE_SIZE + job.data_length)
+        assert job.slot is not None
         buffer = job.slot.buffer
         ranges = [(s, min(s + chunk_bytes, job.data_length))
                   for s in range(0, job.data_length, chunk_bytes)]

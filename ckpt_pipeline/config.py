@@ -32,7 +32,10 @@ class PipelineConfig:
     - ``chunk_bytes``: granularity of checksums and of writes.
     - ``io_threads``: worker threads for checksums and file I/O.
     - ``queue_depth``: capacity of each stream between stages.
-    - ``rank`` / ``world_size``: this process's place in the job (single process: 0 and 1).
+    - ``rank`` / ``world_size``: this process's place in the job (single process: 0 and 1);
+      taken from the coordinator (torch.distributed when it is initialized).
+    - ``coordination_timeout_s``: bound on every exchange between ranks; a rank that does not
+      answer in time fails that save or restore with a CoordinationError naming it.
     """
 
     keep_last: int = 3
@@ -46,6 +49,7 @@ class PipelineConfig:
     queue_depth: int = 4
     rank: int = 0
     world_size: int = 1
+    coordination_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _positive_int("keep_last", self.keep_last, "keep at least one checkpoint: keep_last=1")
@@ -69,6 +73,10 @@ class PipelineConfig:
         ):
             raise ConfigError(f"rank={self.rank!r} is outside world_size={self.world_size}",
                               hint="rank must be in [0, world_size)")
+        timeout = self.coordination_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"coordination_timeout_s={timeout!r} must be a positive number",
+                              hint="for example 300 (seconds)")
         for name in ("capture_rng", "restore_rng"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")

@@ -13,6 +13,7 @@ __all__ = (
     "CheckpointError",
     "CheckpointIntegrityError",
     "ConfigError",
+    "CoordinationError",
     "PipelineClosedError",
     "PoolBusyError",
     "RestoreError",
@@ -85,6 +86,16 @@ class SnapshotTornError(CheckpointError):
 
 class SaveError(CheckpointError):
     """A save failed in the pipeline (serialize, write or commit); nothing was committed."""
+
+    ranks: tuple[int, ...] = ()
+    """The ranks that failed, when the failure was another rank's."""
+
+
+class CoordinationError(CheckpointError):
+    """The ranks could not agree in time: a rank died, hung, or the control plane failed."""
+
+    ranks: tuple[int, ...] = ()
+    """The ranks that did not answer, when known."""
 
 
 class StorageError(CheckpointError):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointError
@@ -50,6 +51,8 @@ class RestoreResult:
     seconds: float
     rejected: tuple[RejectedStep, ...] = ()
     """Newer steps that were found corrupt or incomplete and skipped (each was also reported)."""
+    valid_by_rank: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """What each rank reported: the steps it held complete and valid, newest first."""
 
 
 class SaveHandle:
