@@ -11,7 +11,7 @@ from ._format import CommitRecord, commit_name, encode_commit
 from ._job import SaveJob
 from ._write import publish_small
 from .coordination import Coordinator
-from .errors import SaveError
+from .errors import CheckpointError, SaveError
 from .storage import Storage
 
 __all__ = ("commit",)
@@ -22,8 +22,10 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
     """Vote with the other ranks; write this rank's commit record if every rank succeeded.
 
     A job that failed earlier still votes (with its error), so the other ranks learn of it and
-    no rank commits. Shielded from cancellation: once the vote starts, the commit finishes or
-    fails cleanly.
+    no rank commits. After writing the record the ranks vote again, so that a step counts as
+    complete (and older steps may be pruned) only when every rank's record is durable. On any
+    failure the caller removes this rank's files of the step, commit record first. Shielded
+    from cancellation: once the vote starts, the commit finishes or fails cleanly.
     """
     with anyio.CancelScope(shield=True):
         own = None if job.error is None else f"{job.failed_stage}: {job.error.message}"
@@ -40,4 +42,23 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             raise error
         record = encode_commit(CommitRecord(job.step, job.rank, job.world_size, job.save_id,
                                             time.time()))
-        await publish_small(job, storage, commit_name(job.rank), record, limiter=limiter)
+        written: CheckpointError | None = None
+        try:
+            await publish_small(job, storage, commit_name(job.rank), record, limiter=limiter)
+        except CheckpointError as exc:
+            written = exc
+        # Second vote: the step is complete only once every rank's commit record is durable.
+        # Until then no rank prunes an older step for it.
+        failures, _ = await agree_outcome(coordinator, job.step, job.save_id,
+                                          None if written is None else written.message,
+                                          what="commit confirm")
+        if written is not None:
+            raise written
+        if failures:
+            detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+            error = SaveError(f"rank(s) {sorted(failures)} could not write their commit "
+                              f"record ({detail}); the step is not complete on every rank",
+                              step=job.step, rank=job.rank, path=job.dir_name,
+                              hint="the previous checkpoint is intact")
+            error.ranks = tuple(sorted(failures))
+            raise error

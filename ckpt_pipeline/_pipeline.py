@@ -421,7 +421,8 @@ class AsyncCheckpointPipeline:
         """Prune older steps. Never fails the save: it is committed already."""
         started = time.perf_counter()
         try:
-            pruned = await self._thread(prune, self.storage, self.rank, self.config.keep_last)
+            pruned = await self._thread(prune, self.storage, self.rank, self.config.keep_last,
+                                        job.step)
         except Exception as exc:
             _log.warning("ckpt.retain.failed", step=job.step, rank=self.rank,
                          error=f"{type(exc).__name__}: {exc}")

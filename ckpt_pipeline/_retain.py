@@ -19,16 +19,20 @@ class Pruned:
     bytes: int
 
 
-def prune(storage: Storage, rank: int, keep_last: int) -> list[Pruned]:
-    """Remove this rank's files of committed steps older than the newest ``keep_last``.
+def prune(storage: Storage, rank: int, keep_last: int, complete: int) -> list[Pruned]:
+    """Remove this rank's files of committed steps beyond the newest ``keep_last``.
 
-    Steps are ordered by the step recorded in the commit record, not by names or times. The
-    commit record goes first, so a step being pruned is never mistaken for complete. Runs in a
-    worker thread.
+    Only steps older than ``complete``, a step known to be committed on every rank, are ever
+    removed: the newest complete set survives whatever happened to the newer ones. Steps are
+    ordered by the step recorded in the commit record, not by names or times. The commit
+    record goes first, so a step being pruned is never mistaken for complete. Runs in a worker
+    thread.
     """
     steps = committed_steps(storage, rank)
     out: list[Pruned] = []
     for step, dir_name in sorted(steps.items(), reverse=True)[keep_last:]:
+        if step >= complete:
+            continue
         sizes = {e.name: e.size for e in storage.list_dir(dir_name)}
         size = 0
         for name in (commit_name(rank), manifest_name(rank), shard_name(rank)):
