@@ -24,6 +24,7 @@ __all__ = (
     "DTYPES",
     "FORMAT_VERSION",
     "CommitRecord",
+    "DistLayout",
     "Manifest",
     "ShardHeader",
     "TensorRecord",
@@ -257,6 +258,24 @@ def decode_message(data: bytes, what: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class DistLayout:
+    """Where a rank's local shard sits in a DTensor: mesh, placements, global size."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    """``"R"`` (replicate) or ``"S<dim>"`` (shard on dim), one per mesh dimension."""
+    global_shape: tuple[int, ...]
+    global_stride: tuple[int, ...]
+
+    def to_plain(self) -> list[Any]:
+        return [list(self.mesh_shape), list(self.placements), list(self.global_shape),
+                list(self.global_stride)]
+
+
+_PLACEMENT = re.compile(r"^(R|S[0-9]{1,2})$")
+
+
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     """One tensor in a shard: where its bytes are and how to check them."""
 
@@ -267,6 +286,8 @@ class TensorRecord:
     nbytes: int
     checksums: tuple[int, ...]
     device: str
+    dist: DistLayout | None = None
+    """Set when the tensor is a rank's local shard of a DTensor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +328,8 @@ def encode_header(h: ShardHeader) -> bytes:
         "data_offset": h.data_offset,
         "data_length": h.data_length,
         "tensors": [
-            [t.path, t.dtype, list(t.shape), t.offset, t.nbytes, list(t.checksums), t.device]
+            [t.path, t.dtype, list(t.shape), t.offset, t.nbytes, list(t.checksums), t.device,
+             None if t.dist is None else t.dist.to_plain()]
             for t in h.tensors
         ],
         "tree": h.tree,
@@ -399,9 +421,9 @@ def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int) 
 
 def _decode_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: str) -> TensorRecord:
     where = f"tensor #{index}"
-    if not isinstance(raw, list) or len(raw) != 7:
+    if not isinstance(raw, list) or len(raw) != 8:
         raise CheckpointIntegrityError(f"{where} record is malformed", path=path)
-    tpath, dtype, shape, offset, nbytes, sums, device = raw
+    tpath, dtype, shape, offset, nbytes, sums, device, dist = raw
     if not isinstance(tpath, str) or len(tpath) > MAX_PATH_LEN:
         raise CheckpointIntegrityError(f"{where} path is malformed", path=path)
     if dtype not in DTYPES:
@@ -426,7 +448,28 @@ def _decode_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: str
         raise CheckpointIntegrityError(f"{where} ({tpath}) checksums are malformed", path=path)
     if not isinstance(device, str) or len(device) > 64:
         raise CheckpointIntegrityError(f"{where} ({tpath}) device is malformed", path=path)
-    return TensorRecord(tpath, dtype, tuple(shape), offset, nbytes, tuple(sums), device)
+    layout = None if dist is None else _decode_dist(dist, len(shape), f"{where} ({tpath})", path)
+    return TensorRecord(tpath, dtype, tuple(shape), offset, nbytes, tuple(sums), device, layout)
+
+
+def _ints(value: Any, *, positive: bool = False) -> bool:
+    return isinstance(value, list) and len(value) <= MAX_NDIM and all(
+        isinstance(v, int) and not isinstance(v, bool) and (v > 0 if positive else v >= 0)
+        for v in value)
+
+
+def _decode_dist(raw: Any, ndim: int, where: str, path: str) -> DistLayout:
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise CheckpointIntegrityError(f"{where} DTensor layout is malformed", path=path)
+    mesh, placements, gshape, gstride = raw
+    if (not _ints(mesh, positive=True) or not mesh or not isinstance(placements, list)
+            or len(placements) != len(mesh)
+            or not all(isinstance(p, str) and _PLACEMENT.match(p) for p in placements)
+            or not _ints(gshape) or len(gshape) != ndim or not _ints(gstride)
+            or len(gstride) != ndim
+            or any(p != "R" and int(p[1:]) >= ndim for p in placements)):
+        raise CheckpointIntegrityError(f"{where} DTensor layout is malformed", path=path)
+    return DistLayout(tuple(mesh), tuple(placements), tuple(gshape), tuple(gstride))
 
 
 # --------------------------------------------------------------------------- manifest, commit

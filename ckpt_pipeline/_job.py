@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._format import DistLayout
 from ._snapshot import Slot, Snapshot
 from .errors import CheckpointError
 from .handle import SaveHandle
@@ -27,6 +28,7 @@ class SaveJob:
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     devices: tuple[str, ...]
+    layouts: tuple[DistLayout | None, ...]
     offsets: list[int]
     sizes: tuple[int, ...]
     data_length: int
@@ -56,5 +58,5 @@ class SaveJob:
         """A save that failed before it had data: it only takes part in the commit vote."""
         return cls(step=step, rank=rank, world_size=world_size, save_id=save_id,
                    handle=handle, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),
-                   devices=(), offsets=[], sizes=(), data_length=0, tree=b"",
+                   devices=(), layouts=(), offsets=[], sizes=(), data_length=0, tree=b"",
                    train_state={}, requested_at=0.0, error=error, failed_stage=stage)

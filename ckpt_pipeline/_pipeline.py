@@ -279,7 +279,7 @@ class AsyncCheckpointPipeline:
             handle=handle, slot=slot, snapshot=snap, paths=flat.paths,
             dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
             shapes=tuple(tuple(t.shape) for t in flat.tensors),
-            devices=tuple(str(t.device) for t in flat.tensors),
+            devices=tuple(str(t.device) for t in flat.tensors), layouts=flat.layouts,
             offsets=offsets, sizes=tuple(t.numel() * t.element_size() for t in flat.tensors),
             data_length=data_length, tree=tree, train_state=ts_plain, requested_at=started,
         )

@@ -18,7 +18,8 @@ import torch
 
 from . import _recovery
 from ._agree import Candidates, agree_barrier, agree_candidates, agree_outcome
-from ._tree import apply_state, check_structure
+from ._format import TensorRecord
+from ._tree import apply_state, check_structure, find_mesh, to_dtensor
 from .config import PipelineConfig
 from .coordination import Coordinator
 from .errors import CheckpointError, CheckpointIntegrityError, RestoreError, StateError
@@ -143,7 +144,7 @@ class Recovery:
                                            threads=self.config.io_threads,
                                            limiter=limiter)
         tree, train_state = _recovery.decode_contents(status, self.rank)
-        tensors = [_to_saved_device(t, rec.device) for t, rec in
+        tensors = [_to_live(t, rec, state, status) for t, rec in
                    zip(shard.tensors, header.tensors)]
         check_structure(state, tree, tensors, step=status.step)
         return Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
@@ -197,6 +198,20 @@ class Recovery:
     def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
         self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))
         return RejectedStep(step, path, reason)
+
+
+def _to_live(t: torch.Tensor, record: TensorRecord, state: Mapping[str, Any],
+             status: _recovery.StepStatus) -> torch.Tensor:
+    """A loaded tensor where the live state wants it: its device, or a DTensor on its mesh."""
+    if record.dist is None:
+        return _to_saved_device(t, record.device)
+    found = find_mesh(state, record.dist.mesh_shape)
+    if found is None:
+        raise StateError(
+            f"the checkpoint holds a DTensor on a mesh of shape {list(record.dist.mesh_shape)}, "
+            "the live state has no DTensor on such a mesh", step=status.step,
+            path=record.path, hint="shard the model the same way (fully_shard) before restoring")
+    return to_dtensor(t, record.dist, *found)
 
 
 def _to_saved_device(t: torch.Tensor, device: str) -> torch.Tensor:

@@ -50,10 +50,10 @@ async def serialize(job: SaveJob, *, chunk_bytes: int, threads: int,
     await run_groups(run, split_balanced(chunks, threads), limiter)
     job.checksums = [tuple(c) for c in per_tensor]
     records = tuple(
-        TensorRecord(path, dtype, shape, PREAMBLE_SIZE + offset, nbytes, sums, device)
-        for path, dtype, shape, offset, nbytes, sums, device in zip(
+        TensorRecord(path, dtype, shape, PREAMBLE_SIZE + offset, nbytes, sums, device, layout)
+        for path, dtype, shape, offset, nbytes, sums, device, layout in zip(
             job.paths, job.dtypes, job.shapes, job.offsets, job.sizes, job.checksums,
-            job.devices)
+            job.devices, job.layouts)
     )
     job.header = encode_header(ShardHeader(
         step=job.step, rank=job.rank, world_size=job.world_size, save_id=job.save_id,

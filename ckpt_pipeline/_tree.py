@@ -13,10 +13,19 @@ from typing import Any
 
 import torch
 
-from ._format import DTYPE_NAMES, TensorRef
+from ._format import DTYPE_NAMES, DistLayout, TensorRef
 from .errors import StateError
 
-__all__ = ("FlatState", "apply_state", "flatten_state", "materialize")
+__all__ = (
+    "FlatState",
+    "apply_state",
+    "check_structure",
+    "dist_layout",
+    "find_mesh",
+    "flatten_state",
+    "materialize",
+    "to_dtensor",
+)
 
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
@@ -29,6 +38,8 @@ class FlatState:
     skeleton: dict[str, Any]
     paths: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
+    """Plain tensors; for a DTensor, this rank's local shard."""
+    layouts: tuple[DistLayout | None, ...]
 
 
 def _join(path: str, key: object) -> str:
@@ -49,6 +60,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
                          hint='pass for example {"model": model, "optimizer": optimizer}')
     paths: list[str] = []
     tensors: list[torch.Tensor] = []
+    layouts: list[DistLayout | None] = []
 
     def walk(obj: Any, path: str, depth: int) -> Any:
         if depth > 64:
@@ -95,10 +107,14 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
                  "lists, tuples, or objects with state_dict()/load_state_dict()")
 
     def tensor_leaf(t: torch.Tensor, path: str) -> TensorRef:
+        layout: DistLayout | None = None
+        if _is_dtensor(t):
+            layout = dist_layout(t, step=step, path=path)
+            t = t.to_local()  # type: ignore[attr-defined]
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise StateError(f"tensor subclass {type(t).__name__} is not supported yet",
+            raise StateError(f"tensor subclass {type(t).__name__} is not supported",
                              step=step, path=path,
-                             hint="save its local tensor (e.g. DTensor.to_local())")
+                             hint="save a plain tensor or a DTensor")
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
             raise StateError(f"tensor layout {t.layout} is not supported", step=step,
                              path=path, hint="convert it to a dense tensor")
@@ -109,6 +125,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
             raise StateError(f"dtype {t.dtype} is not supported", step=step, path=path)
         paths.append(path)
         tensors.append(t.detach())
+        layouts.append(layout)
         return TensorRef(len(tensors) - 1)
 
     skeleton = {}
@@ -116,7 +133,65 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
         if not isinstance(name, str):
             raise StateError(f"top-level key {name!r} is not a string", step=step)
         skeleton[name] = walk(value, name, 0)
-    return FlatState(skeleton, tuple(paths), tuple(tensors))
+    return FlatState(skeleton, tuple(paths), tuple(tensors), tuple(layouts))
+
+
+def _is_dtensor(t: object) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
+
+
+def dist_layout(t: Any, *, step: int, path: str) -> DistLayout:
+    """The layout of a DTensor's local shard; only Shard(dim) and Replicate are supported."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements: list[str] = []
+    for p in t.placements:
+        if type(p) is Shard:
+            placements.append(f"S{p.dim}")
+        elif type(p) is Replicate:
+            placements.append("R")
+        else:
+            raise StateError(f"DTensor placement {p} is not supported", step=step, path=path,
+                             hint="redistribute to Shard or Replicate before saving")
+    return DistLayout(tuple(t.device_mesh.shape), tuple(placements), tuple(t.shape),
+                      tuple(t.stride()))
+
+
+def find_mesh(live: Mapping[str, Any], mesh_shape: tuple[int, ...]
+              ) -> tuple[Any, torch.device] | None:
+    """A DeviceMesh of this shape used by a DTensor of the live state, and the device of that
+    DTensor's local shard on this rank (None if there is none)."""
+    stack: list[Any] = list(live.values())
+    seen: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if _is_dtensor(obj):
+            if tuple(obj.device_mesh.shape) == mesh_shape:
+                return obj.device_mesh, obj.to_local().device
+        elif isinstance(obj, torch.nn.Module):
+            stack.extend(obj.parameters())
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack.extend(p for g in obj.param_groups for p in g["params"])
+        elif isinstance(obj, Mapping):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return None
+
+
+def to_dtensor(local: torch.Tensor, layout: DistLayout, mesh: Any,
+               device: torch.device) -> torch.Tensor:
+    """Rebuild a DTensor from this rank's local shard on the live mesh and device."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placements = [Replicate() if p == "R" else Shard(int(p[1:])) for p in layout.placements]
+    local = local.to(device, non_blocking=True)
+    return DTensor.from_local(local, mesh, placements, run_check=False,
+                              shape=torch.Size(layout.global_shape),
+                              stride=layout.global_stride)
 
 
 def materialize(tree: Any, tensors: list[torch.Tensor]) -> Any:

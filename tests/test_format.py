@@ -124,11 +124,11 @@ def _one_tensor_header(record: TensorRecord) -> bytes:
 
 
 @pytest.mark.parametrize(("record", "message"), [
-    (TensorRecord("w", "object", (2,), ALIGN, 8, (0,), "cpu"), "allow-list"),
-    (TensorRecord("w", "float32", (2,), 10 * ALIGN, 8, (0,), "cpu"), "outside"),
-    (TensorRecord("w", "float32", (3,), ALIGN, 8, (0,), "cpu"), "length"),
-    (TensorRecord("w", "float32", (2,), ALIGN, 8, (0, 1), "cpu"), "checksums"),
-    (TensorRecord("w", "float32", (2,), ALIGN + 1, 8, (0,), "cpu"), "outside"),
+    (TensorRecord("w", "object", (2,), ALIGN, 8, (0,), "cpu", None), "allow-list"),
+    (TensorRecord("w", "float32", (2,), 10 * ALIGN, 8, (0,), "cpu", None), "outside"),
+    (TensorRecord("w", "float32", (3,), ALIGN, 8, (0,), "cpu", None), "length"),
+    (TensorRecord("w", "float32", (2,), ALIGN, 8, (0, 1), "cpu", None), "checksums"),
+    (TensorRecord("w", "float32", (2,), ALIGN + 1, 8, (0,), "cpu", None), "outside"),
 ])
 def test_header_with_an_impossible_tensor_record_is_refused(record: TensorRecord,
                                                             message: str) -> None:
