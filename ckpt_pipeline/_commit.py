@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import anyio
@@ -37,7 +38,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
             error = SaveError(f"rank(s) {sorted(failures)} failed this save ({detail}); no "
                               "rank committed it", step=job.step, rank=job.rank,
-                              path=job.dir_name, hint="the previous checkpoint is intact")
+                              path=os.path.join(storage.root, job.dir_name), hint="the previous checkpoint is intact")
             error.ranks = tuple(sorted(failures))
             raise error
         record = encode_commit(CommitRecord(job.step, job.rank, job.world_size, job.save_id,
@@ -58,7 +59,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
             error = SaveError(f"rank(s) {sorted(failures)} could not write their commit "
                               f"record ({detail}); the step is not complete on every rank",
-                              step=job.step, rank=job.rank, path=job.dir_name,
+                              step=job.step, rank=job.rank, path=os.path.join(storage.root, job.dir_name),
                               hint="the previous checkpoint is intact")
             error.ranks = tuple(sorted(failures))
             raise error

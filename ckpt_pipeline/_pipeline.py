@@ -444,6 +444,8 @@ class AsyncCheckpointPipeline:
         if isinstance(exc, CheckpointError):
             if exc.step is None:
                 exc.step = job.step
+            if exc.rank is None:
+                exc.rank = self.rank
             return exc
         error = SaveError(f"{stage} failed: {type(exc).__name__}: {exc}", step=job.step,
                           rank=self.rank, path=str(self.storage.root))

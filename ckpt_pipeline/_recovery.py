@@ -7,6 +7,7 @@ of tensor data is checked against its xxh3 checksum before it is used.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from collections.abc import Callable
@@ -53,6 +54,7 @@ __all__ = (
     "scan",
     "scrub",
     "step_dirs",
+    "tidy_step_dir",
 )
 
 _SMALL_LIMIT = 1024 * 1024
@@ -145,12 +147,29 @@ def scrub(storage: Storage, rank: int) -> list[tuple[str, int]]:
             if (own_temp or own_uncommitted) and not entry.is_dir:
                 storage.unlink(os.path.join(dir_name, entry.name))
                 removed.append((os.path.join(storage.root, dir_name, entry.name), entry.size))
-        if any(os.path.dirname(p) == os.path.join(storage.root, dir_name) for p, _ in removed):
-            storage.fsync_dir(dir_name)
-        if not storage.list_dir(dir_name):
-            storage.rmdir(dir_name)
-            storage.fsync_dir("")
+        here = os.path.join(storage.root, dir_name)
+        tidy_step_dir(storage, dir_name,
+                      changed=any(os.path.dirname(p) == here for p, _ in removed))
     return removed
+
+
+def tidy_step_dir(storage: Storage, dir_name: str, *, changed: bool = True) -> None:
+    """After this rank removed files from a step directory: fsync it, remove it if empty.
+
+    Ranks sharing a root do this at the same time: the directory may vanish (another rank
+    removed it) or gain files (another rank is saving) between two calls; both are fine.
+    """
+    try:
+        if changed:
+            storage.fsync_dir(dir_name)
+        if storage.list_dir(dir_name):
+            return
+        storage.rmdir(dir_name)
+    except StorageError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+            return
+        raise
+    storage.fsync_dir("")
 
 
 def scan(storage: Storage, rank: int) -> list[StepStatus]:
@@ -329,8 +348,5 @@ def quarantine(storage: Storage, step: int, dir_name: str, rank: int) -> str | N
     for name in own:
         storage.move(os.path.join(dir_name, name), os.path.join(target, name))
     storage.fsync_dir(target)
-    storage.fsync_dir(dir_name)
-    if not storage.list_dir(dir_name):
-        storage.rmdir(dir_name)
-        storage.fsync_dir("")
+    tidy_step_dir(storage, dir_name)
     return os.path.join(storage.root, target)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from ._format import commit_name, manifest_name, shard_name
-from ._recovery import committed_steps
+from ._recovery import committed_steps, tidy_step_dir
 from .storage import Storage
 
 __all__ = ("Pruned", "prune")
@@ -38,9 +38,6 @@ def prune(storage: Storage, rank: int, keep_last: int, complete: int) -> list[Pr
         for name in (commit_name(rank), manifest_name(rank), shard_name(rank)):
             size += sizes.get(name, 0)
             storage.unlink(os.path.join(dir_name, name))
-        storage.fsync_dir(dir_name)
-        if not storage.list_dir(dir_name):
-            storage.rmdir(dir_name)
-            storage.fsync_dir("")
+        tidy_step_dir(storage, dir_name)
         out.append(Pruned(step, os.path.join(str(storage.root), dir_name), size))
     return out

@@ -27,6 +27,7 @@ from ._format import (
 )
 from ._hostmem import byte_view
 from ._job import SaveJob
+from ._recovery import tidy_step_dir
 from ._serialize import run_groups, split_balanced
 from .errors import StorageError
 from .storage import Storage
@@ -134,9 +135,5 @@ def remove_published(job: SaveJob, storage: Storage) -> None:
             storage.unlink(os.path.join(job.dir_name, name))
     job.published.clear()
     job.temp_names.clear()
-    try:
-        if not storage.list_dir(job.dir_name):
-            storage.rmdir(job.dir_name)
-        storage.fsync_dir("")
-    except StorageError:
-        pass
+    with contextlib.suppress(StorageError):
+        tidy_step_dir(storage, job.dir_name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
@@ -99,15 +100,19 @@ class DistributedCoordinator:
             raise CoordinationError(
                 f"{what}: the control plane failed earlier ({self._broken})", step=step,
                 rank=self.rank, hint="restart the job; checkpoints committed so far are intact")
+        started = time.monotonic()
         try:
             return await anyio.to_thread.run_sync(self._gather, payload, seq)
         except Exception as exc:
+            elapsed = time.monotonic() - started
             missing = self._missing(seq)
             self._broken = f"{what} at step {step}: {type(exc).__name__}"
-            who = (f"rank(s) {missing} did not answer" if missing
+            who = (f"rank(s) {missing} did not take part" if missing
                    else "the exchange failed")
+            when = (f"after the {self.timeout_s:g} s timeout"
+                    if elapsed >= 0.9 * self.timeout_s else f"after {elapsed:.1f} s")
             error = CoordinationError(
-                f"{what}: {who} within {self.timeout_s:g} s ({type(exc).__name__}: {exc})",
+                f"{what}: {who} ({when}; {type(exc).__name__}: {exc})",
                 step=step, rank=self.rank,
                 hint="a rank died or is stuck; restart the job, it resumes from the newest "
                      "checkpoint committed on every rank")
@@ -117,7 +122,7 @@ class DistributedCoordinator:
     def _gather(self, payload: bytes, seq: int) -> list[bytes]:
         dist = self._dist
         if self._store is not None:
-            self._store.set(self._key(seq, self.rank), "1")
+            self._store.set(self._key(self.rank), str(seq))
         size = torch.tensor([len(payload)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(sizes, size, group=self.group)
@@ -130,8 +135,9 @@ class DistributedCoordinator:
         return [bytes(g[:int(s.item())].numpy().tobytes()) if int(s.item()) else b""
                 for g, s in zip(gathered, sizes, strict=True)]
 
-    def _key(self, seq: int, rank: int) -> str:
-        return f"ckpt_pipeline/{getattr(self.group, 'group_name', 'control')}/{seq}/{rank}"
+    def _key(self, rank: int) -> str:
+        """One key per rank in the job's store: the number of its latest exchange."""
+        return f"ckpt_pipeline/{getattr(self.group, 'group_name', 'control')}/{rank}"
 
     def _missing(self, seq: int) -> list[int]:
         """Ranks that never entered exchange ``seq`` (best effort, through the default store)."""
@@ -140,7 +146,8 @@ class DistributedCoordinator:
         missing = []
         for rank in range(self.world_size):
             try:
-                if not self._store.check([self._key(seq, rank)]):
+                key = self._key(rank)
+                if not self._store.check([key]) or int(self._store.get(key)) < seq:
                     missing.append(rank)
             except Exception:
                 return []

@@ -42,18 +42,22 @@ class CheckpointError(Exception):
         self.rank = rank
         self.path = None if path is None else str(path)
         self.hint = hint
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        # Built when shown, so that step or rank filled in later by the pipeline appear too.
         where = [
             f"{name}={value}"
-            for name, value in (("step", step), ("rank", rank), ("path", self.path))
+            for name, value in (("step", self.step), ("rank", self.rank), ("path", self.path))
             if value is not None
         ]
-        text = message
+        text = self.message
         if where:
             text += f" [{', '.join(where)}]"
-        if hint:
-            text += f". {hint}"
-        self.message = message
-        super().__init__(text)
+        if self.hint:
+            text += f". {self.hint}"
+        return text
 
 
 class ConfigError(CheckpointError):
