@@ -14,12 +14,12 @@ python3 -m pytest tests/test_gpu.py tests/test_fsdp.py -v -p no:cacheprovider 2>
   | tee "$out/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed"
 
 run_example() {
-  torchrun --nproc-per-node 2 examples/train_distributed.py --device cuda --root "$root" \
+  python3 -m torch.distributed.run --nproc-per-node 2 examples/train_distributed.py --device cuda --root "$root" \
     --steps 400 --save-every 50 "$@"
 }
 
 # 1. a run killed with SIGKILL once two saves are committed
-setsid torchrun --nproc-per-node 2 examples/train_distributed.py --device cuda --root "$root" \
+setsid python3 -m torch.distributed.run --nproc-per-node 2 examples/train_distributed.py --device cuda --root "$root" \
   --steps 400 --save-every 50 --fresh --sleep-per-step 0.02 >"$log" 2>&1 &
 leader=$!
 for _ in $(seq 1 600); do
