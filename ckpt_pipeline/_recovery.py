@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from ._format import (
     shard_name,
 )
 from ._hostmem import byte_view
-from ._serialize import run_groups, split_balanced, tensor_chunks
+from ._serialize import run_groups, split_balanced
 from .errors import CheckpointIntegrityError, StateError, StorageError
 from .storage import Storage
 from .train_state import TrainState
@@ -254,57 +254,102 @@ async def read_shard(
     status: StepStatus,
     rank: int,
     *,
-    pinned: bool,
+    devices: Sequence[torch.device] | None = None,
     threads: int,
     limiter: anyio.CapacityLimiter,
     progress: Callable[[int], None] | None = None,
 ) -> LoadedShard:
     """Read all tensor data, verifying each chunk's checksum as it arrives.
 
-    ``progress(bytes)`` is called from several worker threads at once; it must be thread-safe.
-    The whole data region of the shard is held in host memory.
+    ``devices`` says where each tensor goes (default: all on the CPU). Tensors for a CUDA
+    device are read chunk by chunk into small pinned staging buffers (two per thread) and
+    copied to the device while the next chunk is read, so no pinned buffer of the whole shard
+    is allocated and the copies overlap the reads. Tensors for the CPU land in one host buffer.
+    Nothing here touches the live state. ``progress(bytes)`` is called from several worker
+    threads at once; it must be thread-safe.
     """
     header = status.header
     if header is None:
         raise CheckpointIntegrityError("step was not validated", step=status.step, rank=rank,
                                        path=status.path)
+    records = header.tensors
+    targets = list(devices) if devices is not None else [torch.device("cpu")] * len(records)
     rel = os.path.join(status.dir_name, shard_name(rank))
     path = os.path.join(storage.root, rel)
+    base = header.data_offset
+    chunk = header.chunk_bytes
+    on_host = [i for i, d in enumerate(targets) if d.type != "cuda"]
+    buffer = torch.empty(max(header.data_length, 1) if on_host else 0, dtype=torch.uint8)
+    tensors: list[torch.Tensor] = []
+    for rec, device in zip(records, targets, strict=True):
+        start = rec.offset - base
+        if device.type == "cuda":
+            tensors.append(torch.empty(rec.shape, dtype=DTYPES[rec.dtype], device=device))
+        else:
+            tensors.append(buffer[start:start + rec.nbytes].view(DTYPES[rec.dtype])
+                           .view(rec.shape))
+    bad: list[str] = []
     fd, _size = await anyio.to_thread.run_sync(storage.open_read, rel, status.shard_size,
                                                limiter=limiter)
+
+    def read(view: memoryview, offset: int) -> None:
+        try:
+            storage.pread_into(fd, view, offset)
+        except StorageError as exc:
+            raise StorageError(exc.message, step=status.step, rank=rank, path=path,
+                               hint=exc.hint) from exc
+
+    def run(group: list[tuple[int, int, int]]) -> None:
+        staging: list[torch.Tensor] = []
+        pending: list[Any] = [None, None]
+        stream: Any = None
+        try:
+            for start, end, i in group:
+                rec = records[i]
+                device = targets[i]
+                if device.type == "cuda" and end > start:
+                    if not staging:
+                        staging = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+                                   for _ in range(2)]
+                        stream = torch.cuda.Stream(device=device)
+                    out = tensors[i].reshape(-1).view(torch.uint8)
+                for k, lo in enumerate(range(start, max(end, start + 1), chunk)):
+                    n = min(chunk, end - lo)
+                    if device.type == "cuda" and n > 0:
+                        slot = k % 2
+                        if pending[slot] is not None:
+                            pending[slot].synchronize()
+                        host = staging[slot][:n]
+                        view = byte_view(host)
+                        read(view, base + lo)
+                        ok = checksum(view) == rec.checksums[k]
+                        with torch.cuda.stream(stream):
+                            out[lo - start:lo - start + n].copy_(host, non_blocking=True)
+                            pending[slot] = torch.cuda.Event()
+                            pending[slot].record(stream)
+                    else:
+                        view = byte_view(buffer, lo, lo + n) if n > 0 else memoryview(b"")
+                        if n > 0:
+                            read(view, base + lo)
+                        ok = checksum(view) == rec.checksums[k]
+                    if not ok:
+                        bad.append(rec.path)
+                    if progress is not None:
+                        progress(n)
+        finally:
+            for event in pending:
+                if event is not None:
+                    event.synchronize()
+
+    items = [(r.offset - base, r.offset - base + r.nbytes, i) for i, r in enumerate(records)]
     try:
-        buffer = torch.empty(max(header.data_length, 1), dtype=torch.uint8,
-                             pin_memory=pinned and torch.cuda.is_available())
-        base = header.data_offset
-        chunks = tensor_chunks([r.offset - base for r in header.tensors],
-                               [r.nbytes for r in header.tensors], header.chunk_bytes)
-        bad: list[str] = []
-
-        def run(group: list[tuple[int, int, int, int]]) -> None:
-            for start, end, i, k in group:
-                view = byte_view(buffer, start, end)
-                if end > start:
-                    try:
-                        storage.pread_into(fd, view, base + start)
-                    except StorageError as exc:
-                        raise StorageError(exc.message, step=status.step, rank=rank,
-                                           path=path, hint=exc.hint) from exc
-                if checksum(view) != header.tensors[i].checksums[k]:
-                    bad.append(header.tensors[i].path)
-                if progress is not None:
-                    progress(end - start)
-
-        await run_groups(run, split_balanced(chunks, threads), limiter)
+        await run_groups(run, split_balanced(items, threads), limiter)
     finally:
         await anyio.to_thread.run_sync(storage.close, fd, limiter=limiter)
     if bad:
         raise CheckpointIntegrityError(
             f"checksum mismatch in {len(bad)} chunk(s), first in tensor {bad[0]!r}",
             step=status.step, rank=rank, path=path, hint="the shard is corrupt")
-    tensors = []
-    for rec in header.tensors:
-        start = rec.offset - header.data_offset
-        tensors.append(buffer[start:start + rec.nbytes].view(DTYPES[rec.dtype]).view(rec.shape))
     return LoadedShard(header, buffer, tensors)
 
 

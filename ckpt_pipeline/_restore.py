@@ -138,11 +138,9 @@ class Recovery:
                               agreed: Candidates, limiter: anyio.CapacityLimiter) -> Loaded:
         assert status.header is not None
         header = status.header
-        cuda = torch.cuda.is_available()
-        pinned = cuda and any(r.device.startswith("cuda") for r in header.tensors)
-        shard = await _recovery.read_shard(self.storage, status, self.rank, pinned=pinned,
-                                           threads=self.config.io_threads,
-                                           limiter=limiter)
+        devices = [_target_device(rec, state, status) for rec in header.tensors]
+        shard = await _recovery.read_shard(self.storage, status, self.rank, devices=devices,
+                                           threads=self.config.io_threads, limiter=limiter)
         tree, train_state = _recovery.decode_contents(status, self.rank)
         tensors = [_to_live(t, rec, state, status) for t, rec in
                    zip(shard.tensors, header.tensors)]
@@ -200,28 +198,35 @@ class Recovery:
         return RejectedStep(step, path, reason)
 
 
-def _to_live(t: torch.Tensor, record: TensorRecord, state: Mapping[str, Any],
-             status: _recovery.StepStatus) -> torch.Tensor:
-    """A loaded tensor where the live state wants it: its device, or a DTensor on its mesh."""
-    if record.dist is None:
-        return _to_saved_device(t, record.device)
-    found = find_mesh(state, record.dist.mesh_shape)
-    if found is None:
-        raise StateError(
-            f"the checkpoint holds a DTensor on a mesh of shape {list(record.dist.mesh_shape)}, "
-            "the live state has no DTensor on such a mesh", step=status.step,
-            path=record.path, hint="shard the model the same way (fully_shard) before restoring")
-    return to_dtensor(t, record.dist, *found)
-
-
-def _to_saved_device(t: torch.Tensor, device: str) -> torch.Tensor:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        dev = torch.device(device)
+def _target_device(record: TensorRecord, state: Mapping[str, Any],
+                   status: _recovery.StepStatus) -> torch.device:
+    """Where a loaded tensor goes: its DTensor's live device, or the device it was saved from
+    when this machine has it (another CUDA device when not), else the CPU."""
+    if record.dist is not None:
+        found = find_mesh(state, record.dist.mesh_shape)
+        if found is None:
+            raise StateError(
+                f"the checkpoint holds a DTensor on a mesh of shape "
+                f"{list(record.dist.mesh_shape)}, the live state has no DTensor on such a mesh",
+                step=status.step, path=record.path,
+                hint="shard the model the same way (fully_shard) before restoring")
+        return torch.device(found[1])
+    if record.device.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device(record.device)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             dev = torch.device("cuda", torch.cuda.current_device())
-        return t.to(dev, non_blocking=True)
-    return t
+        return dev
+    return torch.device("cpu")
 
+
+def _to_live(t: torch.Tensor, record: TensorRecord, state: Mapping[str, Any],
+             status: _recovery.StepStatus) -> torch.Tensor:
+    """A loaded tensor as the live state wants it: a DTensor on its mesh, or as read."""
+    if record.dist is None:
+        return t
+    found = find_mesh(state, record.dist.mesh_shape)
+    assert found is not None  # checked by _target_device before reading
+    return to_dtensor(t, record.dist, *found)
 
 def _listing(failures: Mapping[int, str]) -> str:
     return "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))

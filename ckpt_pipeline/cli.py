@@ -253,7 +253,7 @@ def _progress_text(done: int, total: int, width: int = _PROGRESS_WIDTH) -> str:
 async def _read_shard(storage: Storage, status: _recovery.StepStatus, rank: int,
                       progress: Callable[[int], None]) -> _recovery.LoadedShard:
     limiter = anyio.CapacityLimiter(_VERIFY_THREADS)
-    return await _recovery.read_shard(storage, status, rank, pinned=False,
+    return await _recovery.read_shard(storage, status, rank,
                                       threads=_VERIFY_THREADS, limiter=limiter,
                                       progress=progress)
 

@@ -45,7 +45,7 @@ class PipelineConfig:
     capture_rng: bool = True
     restore_rng: bool = True
     chunk_bytes: int = 64 * _MiB
-    io_threads: int = 4
+    io_threads: int = 8
     queue_depth: int = 4
     rank: int = 0
     world_size: int = 1
@@ -54,7 +54,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         _positive_int("keep_last", self.keep_last, "keep at least one checkpoint: keep_last=1")
         _positive_int("buffer_slots", self.buffer_slots, "use 1, or 2 for double buffering")
-        _positive_int("io_threads", self.io_threads, "for example io_threads=4")
+        _positive_int("io_threads", self.io_threads, "for example io_threads=8")
         _positive_int("queue_depth", self.queue_depth, "for example queue_depth=4")
         _positive_int("world_size", self.world_size, "world_size=1 for a single process")
         if self.when_busy not in ("block", "skip"):
