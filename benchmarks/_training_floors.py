@@ -1,0 +1,153 @@
+"""The floors of ``bench_training.py``: what the machine does with the same bytes, plainly.
+
+- ``plain_copy``: device-to-host copy of the state's tensors into a preallocated pinned buffer.
+- ``plain_write``: those bytes written from host memory with ``os.pwrite`` in 64 MiB pieces (one
+  thread, or a pool of threads into disjoint ranges), fsync, rename, fsync of the directory.
+- ``plain_read``: a freshly written file read back with ``os.preadv`` from a pool of threads into
+  the pinned buffer, then one host-to-device copy; the file's pages are dropped from the page
+  cache first (``POSIX_FADV_DONTNEED`` after fsync), which a VM's host cache may still defeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from _baselines import chunked, plain_write_fsync, pwrite_threads_fsync
+from _training_workload import HostMirror, sync
+
+__all__ = ("drop_page_cache", "drop_page_cache_tree", "plain_copy", "plain_read", "plain_write")
+
+MiB = 1 << 20
+
+
+def plain_copy(mirror: HostMirror, device: torch.device, repeats: int = 3) -> list[float]:
+    """Seconds of each device-to-host copy of every tensor into the mirror (after one warm-up)."""
+    mirror.copy_from_device()
+    sync(device)
+    samples = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        mirror.copy_from_device()
+        sync(device)
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def plain_write(mirror: HostMirror, workdir: Path, *, thread_counts: tuple[int, ...],
+                repeats: int, chunk_bytes: int = 64 * MiB,
+                keep: Path | None = None) -> dict[int, list[float]]:
+    """Seconds of each durable write of the mirror's bytes, per thread count, interleaved.
+
+    Every file is deleted (untimed, then ``os.sync()``) except the very last, which is moved to
+    ``keep`` when given, for ``plain_read``.
+    """
+    pieces = chunked([mirror.byte_view()], chunk_bytes)
+    samples: dict[int, list[float]] = {n: [] for n in thread_counts}
+    pools = {n: ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"plain-write-{n}")
+             for n in thread_counts if n > 1}
+    try:
+        runs = [(r, n) for r in range(repeats) for n in thread_counts]
+        for index, (_, n) in enumerate(runs):
+            final = workdir / f"plain-write-{n}-{index}.bin"
+            t0 = time.perf_counter()
+            if n == 1:
+                plain_write_fsync(pieces, final)
+            else:
+                pwrite_threads_fsync(pieces, final, pools[n])
+            samples[n].append(time.perf_counter() - t0)
+            if keep is not None and index == len(runs) - 1:
+                os.replace(final, keep)
+            else:
+                final.unlink(missing_ok=True)
+            os.sync()
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
+    return samples
+
+
+def drop_page_cache(path: Path) -> bool:
+    """Ask the kernel to drop a file's (clean) pages from the page cache; False if it can't."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def drop_page_cache_tree(root: Path) -> int:
+    """``drop_page_cache`` for every regular file under ``root``; the number of files dropped."""
+    dropped = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            dropped += drop_page_cache(Path(dirpath) / name)
+    return dropped
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise OSError(f"short read at offset {offset}")
+        view = view[n:]
+        offset += n
+
+
+def plain_read(mirror: HostMirror, path: Path, device: torch.device, *, threads: int,
+               repeats: int, chunk_bytes: int = 64 * MiB) -> list[dict[str, Any]]:
+    """Read ``path`` (the mirror's bytes) into the mirror, then copy it to the device.
+
+    Each repeat drops the file from the page cache first. The device copy goes into one
+    preallocated device buffer of the same size (not into the live tensors).
+    """
+    size = path.stat().st_size
+    if size > mirror.nbytes:
+        raise ValueError(f"{path} holds {size} bytes, more than the {mirror.nbytes} of the buffer")
+    target = torch.empty(mirror.nbytes, dtype=torch.uint8, device=device) \
+        if device.type == "cuda" else None
+    views = [(offset, piece) for offset, piece in chunked([mirror.byte_view(0, size)],
+                                                          chunk_bytes)]
+    out = []
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="plain-read") as pool:
+        for _ in range(repeats):
+            dropped = drop_page_cache(path)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                t0 = time.perf_counter()
+                futures = [pool.submit(_pread_all, fd, piece, offset) for offset, piece in views]
+                for future in futures:
+                    future.result()
+                t1 = time.perf_counter()
+            finally:
+                os.close(fd)
+            if target is not None:
+                sync(device)
+                t2 = time.perf_counter()
+                target.copy_(mirror.buffer, non_blocking=mirror.pinned)
+                sync(device)
+                h2d = time.perf_counter() - t2
+            else:
+                h2d = 0.0
+            out.append({"read_s": t1 - t0, "h2d_s": h2d, "total_s": t1 - t0 + h2d,
+                        "bytes": size, "page_cache_dropped": dropped})
+    del target
+    with contextlib.suppress(Exception):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out

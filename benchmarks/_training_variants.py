@@ -1,0 +1,582 @@
+"""The checkpointing variants of ``bench_training.py`` and the timed training loop they share.
+
+Every variant sees the same loop: ``steps`` training steps, a save after the optimizer step of
+every ``every``-th one, the training stream synchronized at the end. A variant hooks in at three
+points: ``before_update()`` (just before ``optimizer.step()``: where the training thread must
+wait for a snapshot or a staging copy before the state is updated in place), ``save(step)``
+(after the update), and ``finish()`` (after the loop, timed apart: until the last save is
+durable). ``prepare()`` and ``close()`` are untimed.
+
+Peers keep at most ``keep`` checkpoints plus the one being written: once save ``k`` is durable, a
+background thread deletes save ``k - keep`` (ckpt_pipeline does the same with ``keep_last``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from _baselines import torch_save
+from _training_floors import drop_page_cache_tree
+from _training_workload import (
+    Workload,
+    host_memory_stats,
+    release_cached_pinned_memory,
+    rss_bytes,
+    state_tensors,
+)
+
+__all__ = (
+    "VARIANTS",
+    "CkptPipeline",
+    "DcpAsyncSave",
+    "DcpSave",
+    "NoCheckpoint",
+    "TorchSave",
+    "Variant",
+    "make_variant",
+    "restore_check",
+    "run_loop",
+)
+
+VARIANTS = (
+    "none",
+    "ckpt_pipeline",
+    "torch_save",
+    "dcp_save",
+    "dcp_async_save",
+    "dcp_async_save_pinned",
+)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class Retainer:
+    """Deletes old checkpoints of a peer in a background thread, keeping the newest ``keep``."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.paths: list[Path] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-retain")
+        self._lock = threading.Lock()
+
+    def add(self, path: Path) -> int:
+        with self._lock:
+            self.paths.append(path)
+            return len(self.paths) - 1
+
+    def durable(self, index: int) -> None:
+        """Save ``index`` is durable: delete save ``index - keep``. Callable from any thread."""
+        old = index - self.keep
+        if old >= 0:
+            self._pool.submit(_remove, self.paths[old])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class Variant:
+    """No checkpointing: the baseline. Subclasses add saves."""
+
+    name = "none"
+    uses_before_update = False
+
+    def __init__(self, work: Workload, root: Path, args: Any) -> None:
+        self.work = work
+        self.root = root
+        self.args = args
+        self.saves: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}
+
+    def prepare(self) -> None:
+        """Untimed set-up before the loop."""
+
+    def before_update(self) -> None:
+        """Just before ``optimizer.step()`` in every step."""
+
+    def save(self, step: int) -> None:
+        """After ``optimizer.step()`` of a save step."""
+
+    def finish(self) -> None:
+        """After the loop: wait until the last save is durable (timed apart)."""
+
+    def after_finish(self) -> None:
+        """Untimed, after ``finish()``: collect results, extra measurements."""
+
+    def close(self) -> None:
+        """Untimed clean-up."""
+
+    def report(self) -> dict[str, Any]:
+        return {"saves": self.saves, **self.extra}
+
+
+NoCheckpoint = Variant
+
+
+class TorchSave(Variant):
+    """``torch.save({model, optim state dicts})`` to a temp file, fsync, rename, fsync the dir."""
+
+    name = "torch_save"
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.retain = Retainer(self.args.keep)
+
+    def save(self, step: int) -> None:
+        path = self.root / f"step-{step}.pt"
+        index = self.retain.add(path)
+        t0 = time.perf_counter()
+        torch_save(self.work.state_dicts(), path)
+        seconds = time.perf_counter() - t0
+        self.saves.append({"step": step, "blocking_s": seconds, "durable_s": seconds})
+        self.retain.durable(index)
+
+    def close(self) -> None:
+        retain = getattr(self, "retain", None)
+        if retain is not None:
+            retain.close()
+
+
+class DcpSave(Variant):
+    """``torch.distributed.checkpoint.save`` (synchronous; FileSystemWriter fsyncs its files)."""
+
+    name = "dcp_save"
+
+    def prepare(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp = dcp
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.retain = Retainer(self.args.keep)
+
+    def save(self, step: int) -> None:
+        path = self.root / f"step-{step}"
+        index = self.retain.add(path)
+        t0 = time.perf_counter()
+        self.dcp.save(self.work.state_dicts(), checkpoint_id=str(path))
+        seconds = time.perf_counter() - t0
+        self.saves.append({"step": step, "blocking_s": seconds, "durable_s": seconds})
+        self.retain.durable(index)
+
+    def close(self) -> None:
+        retain = getattr(self, "retain", None)
+        if retain is not None:
+            retain.close()
+
+
+def _split_response(response: Any) -> tuple[Future[Any] | None, Future[Any]]:
+    """(staging future or None, upload future) of what ``dcp.async_save`` returned."""
+    upload = getattr(response, "upload_completion", None)
+    if upload is None:
+        return None, response
+    return getattr(response, "staging_completion", None), upload
+
+
+class DcpAsyncSave(Variant):
+    """``dcp.async_save``; the previous save is awaited before the next one.
+
+    ``pinned``: with ``async_stager=DefaultStager(StagingOptions(True, True, True, True))``, a
+    new stager per save (torch 2.11 cannot reuse one after a save), closed once its upload is
+    done. Its staging copies run on the stager's own stream from a thread; that stream is made
+    to wait for the training stream first, and the staging future is awaited before the next
+    ``optimizer.step()``, as the in-place update would otherwise race with the copies.
+    """
+
+    def __init__(self, work: Workload, root: Path, args: Any, *, pinned: bool) -> None:
+        super().__init__(work, root, args)
+        self.pinned = pinned
+        self.name = "dcp_async_save_pinned" if pinned else "dcp_async_save"
+        self.upload: Future[Any] | None = None
+        self.staging: tuple[Future[Any], dict[str, Any]] | None = None
+        self.uses_before_update = True
+
+    def prepare(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp = dcp
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.retain = Retainer(self.args.keep)
+        self.extra["return_types"] = []
+        self.extra["stream_ordering"] = []
+        if self.pinned:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.make_stager = lambda: DefaultStager(
+                StagingOptions(True, self.args.dcp_shared_memory, True, True))
+            self.extra["staging_options"] = {
+                "use_pinned_memory": True, "use_shared_memory": self.args.dcp_shared_memory,
+                "use_async_staging": True, "use_non_blocking_copy": True}
+
+    def _order_stager_stream(self, stager: Any) -> str:
+        if self.work.device.type != "cuda":
+            return "none (cpu)"
+        stream = getattr(stager, "_staging_stream", None)
+        if stream is not None and hasattr(stream, "wait_stream"):
+            stream.wait_stream(torch.cuda.current_stream())
+            return "staging_stream.wait_stream(current_stream)"
+        torch.cuda.current_stream().synchronize()
+        return "current_stream.synchronize()"
+
+    def _wait_staging(self) -> None:
+        if self.staging is None:
+            return
+        future, record = self.staging
+        self.staging = None
+        t0 = time.perf_counter()
+        future.result()
+        record["staging_wait_s"] = time.perf_counter() - t0
+        record["blocking_s"] += record["staging_wait_s"]
+
+    def before_update(self) -> None:
+        self._wait_staging()
+
+    def save(self, step: int) -> None:
+        path = self.root / f"step-{step}"
+        index = self.retain.add(path)
+        t0 = time.perf_counter()
+        if self.upload is not None:
+            self.upload.result()
+        t1 = time.perf_counter()
+        kwargs: dict[str, Any] = {}
+        stager = None
+        if self.pinned:
+            stager = self.make_stager()
+            ordering = self._order_stager_stream(stager)
+            if ordering not in self.extra["stream_ordering"]:
+                self.extra["stream_ordering"].append(ordering)
+            kwargs["async_stager"] = stager
+        t2 = time.perf_counter()
+        response = self.dcp.async_save(self.work.state_dicts(), checkpoint_id=str(path),
+                                       **kwargs)
+        t3 = time.perf_counter()
+        kind = type(response).__name__
+        if kind not in self.extra["return_types"]:
+            self.extra["return_types"].append(kind)
+        staging, upload = _split_response(response)
+        record: dict[str, Any] = {
+            "step": step,
+            "wait_previous_s": t1 - t0,
+            "stager_init_s": t2 - t1,
+            "call_s": t3 - t2,
+            "staging_wait_s": 0.0,
+            "blocking_s": t3 - t0,
+        }
+        self.saves.append(record)
+        if staging is not None:
+            staging.add_done_callback(
+                lambda _f, r=record: r.__setitem__("staged_s", time.perf_counter() - t2))
+            self.staging = (staging, record)
+        upload.add_done_callback(lambda f, r=record, s=stager, i=index: self._uploaded(f, r,
+                                                                                     t2, s, i))
+        self.upload = upload
+
+    def _uploaded(self, future: Future[Any], record: dict[str, Any], started: float,
+                  stager: Any, index: int) -> None:
+        record["durable_s"] = time.perf_counter() - started
+        error = future.exception()
+        if error is not None:
+            record["error"] = f"{type(error).__name__}: {error}"
+        if stager is not None:
+            t0 = time.perf_counter()
+            try:
+                stager.close()
+            except Exception as exc:
+                record["stager_close_error"] = f"{type(exc).__name__}: {exc}"
+            record["stager_close_s"] = time.perf_counter() - t0
+        if error is None:
+            self.retain.durable(index)
+
+    def finish(self) -> None:
+        self._wait_staging()
+        if self.upload is not None:
+            self.upload.result()
+
+    def close(self) -> None:
+        if self.upload is not None:
+            self.upload.exception()  # wait; an error was recorded by the callback
+        retain = getattr(self, "retain", None)
+        if retain is not None:
+            retain.close()
+
+
+class CkptPipeline(Variant):
+    """``cp.CheckpointPipeline(root, keep_last=keep)``: ``wait_snapshot()`` before the optimizer
+    step, ``save()`` after it, ``wait()`` at the end.
+
+    Untimed around the loop: a first save at step 0 (it allocates the pinned pool: reported as
+    ``first_save``), and after ``finish()`` one more save with the GPU idle (its snapshot stage
+    is the copy speed without the queued training step in front of it).
+    """
+
+    name = "ckpt_pipeline"
+    uses_before_update = True
+
+    def __init__(self, work: Workload, root: Path, args: Any, cp: Any) -> None:
+        super().__init__(work, root, args)
+        self.cp = cp
+        self.events: list[Any] = []
+        self.pending: dict[str, Any] | None = None
+        self.handles: dict[int, Any] = {}
+        self.idle_waits: list[float] = []
+
+    def _options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"keep_last": self.args.keep}
+        if self.args.io_threads is not None:
+            options["io_threads"] = self.args.io_threads
+        if self.args.buffer_slots is not None:
+            options["buffer_slots"] = self.args.buffer_slots
+        if self.args.pipeline_chunk_mb is not None:
+            options["chunk_bytes"] = self.args.pipeline_chunk_mb << 20
+        if self.args.pipeline_coordinator == "local":
+            options["coordinator"] = self.cp.LocalCoordinator()
+        return options
+
+    def _memory(self) -> dict[str, Any]:
+        return {"host_memory_bytes": self.pipe.host_memory_bytes,
+                "host_memory_pinned": self.pipe.host_memory_pinned,
+                "rss": rss_bytes(), "torch_host_memory_stats": host_memory_stats()}
+
+    def _untimed_save(self, step: int, *, block_cpu: bool = False) -> dict[str, Any]:
+        """One save with the GPU idle, awaited until settled. With ``block_cpu``, the
+        ``wait_snapshot`` returns once the copies are done, so ``blocking_s`` is the wall time
+        from ``save()`` to the snapshot in host memory."""
+        self.work.sync()
+        t0 = time.perf_counter()
+        handle = self.pipe.save(step, self.work.state(), self.cp.TrainState(step=step))
+        t1 = time.perf_counter()
+        self.pipe.wait_snapshot(block_cpu=block_cpu)
+        t2 = time.perf_counter()
+        info = handle.result()
+        self.pipe.wait()
+        t3 = time.perf_counter()
+        return {"step": step, "save_call_s": t1 - t0, "wait_snapshot_s": t2 - t1,
+                "blocking_s": t2 - t0, "durable_s": info.seconds, "settled_s": t3 - t0}
+
+    def prepare(self) -> None:
+        options = self._options()
+        settings = {k: v for k, v in options.items() if k != "coordinator"}
+        settings["coordinator"] = self.args.pipeline_coordinator
+        self.extra["options"] = settings
+        self.pipe = self.cp.CheckpointPipeline(self.root, **options)
+        self.pipe.open()
+        self.pipe.subscribe(self.events.append)
+        self.extra["memory_before_first_save"] = {"rss": rss_bytes(),
+                                                  "torch_host_memory_stats":
+                                                      host_memory_stats()}
+        self.extra["first_save"] = self._untimed_save(0)
+        self.extra["first_save_s"] = self.extra["first_save"]["blocking_s"]
+        self.extra["memory_after_first_save"] = self._memory()
+
+    def before_update(self) -> None:
+        t0 = time.perf_counter()
+        self.pipe.wait_snapshot()
+        seconds = time.perf_counter() - t0
+        if self.pending is not None:
+            self.pending["wait_snapshot_s"] = seconds
+            self.pending["blocking_s"] += seconds
+            self.pending = None
+        else:
+            self.idle_waits.append(seconds)
+
+    def save(self, step: int) -> None:
+        t0 = time.perf_counter()
+        handle = self.pipe.save(step, self.work.state(), self.cp.TrainState(step=step))
+        seconds = time.perf_counter() - t0
+        record = {"step": step, "save_call_s": seconds, "wait_snapshot_s": None,
+                  "blocking_s": seconds}
+        self.handles[step] = handle
+        self.saves.append(record)
+        self.pending = record
+
+    def finish(self) -> None:
+        self.before_update()  # the last save's wait_snapshot, had training gone on
+        self.pipe.wait()
+
+    def after_finish(self) -> None:
+        """Untimed: memory after the timed saves, then the save with the GPU idle."""
+        for record in self.saves:
+            info = self.handles[record["step"]].result(0)
+            record["durable_s"] = info.seconds
+            record["bytes"] = info.bytes
+        self.extra["memory_after_timed_saves"] = self._memory()
+        last = self.saves[-1]["step"] if self.saves else 0
+        self.extra["isolated_save"] = self._untimed_save(last + 1, block_cpu=True)
+        self.extra["memory_at_end"] = self._memory()
+        self.extra["last_step"] = last + 1
+
+    def close(self) -> None:
+        pipe = getattr(self, "pipe", None)
+        if pipe is not None:
+            pipe.close()
+
+    def report(self) -> dict[str, Any]:
+        stages: dict[int, dict[str, Any]] = {}
+        for event in list(self.events):
+            kind = type(event).__name__
+            row = stages.setdefault(event.step, {})
+            if kind == "SaveRequested":
+                row["save_call_s"] = event.blocking_seconds
+                row["bytes"] = event.bytes
+            elif kind in ("SnapshotTaken", "ShardSerialized", "ShardWritten",
+                          "CheckpointCommitted"):
+                row[{"SnapshotTaken": "snapshot_s", "ShardSerialized": "serialize_s",
+                     "ShardWritten": "write_s", "CheckpointCommitted": "commit_s"}[kind]] = \
+                    event.seconds
+            elif kind == "CheckpointPruned":  # this step was pruned after a later commit
+                row["pruned_s"] = event.seconds
+            elif kind == "SaveFailed":
+                row["failed"] = f"{event.stage}: {event.error}"
+        for record in self.saves:
+            record["stages"] = stages.get(record["step"], {})
+        for key in ("first_save", "isolated_save"):
+            if key in self.extra:
+                self.extra[key]["stages"] = stages.get(self.extra[key]["step"], {})
+        return {
+            "saves": self.saves,
+            "idle_wait_snapshot": {"calls": len(self.idle_waits),
+                                   "total_s": sum(self.idle_waits),
+                                   "median_s": _median(self.idle_waits)},
+            "events": sorted({type(e).__name__ for e in self.events}),
+            **self.extra,
+        }
+
+
+def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> Variant:
+    if name == "none":
+        return Variant(work, root, args)
+    if name == "torch_save":
+        return TorchSave(work, root, args)
+    if name == "dcp_save":
+        return DcpSave(work, root, args)
+    if name in ("dcp_async_save", "dcp_async_save_pinned"):
+        return DcpAsyncSave(work, root, args, pinned=name.endswith("pinned"))
+    if name == "ckpt_pipeline":
+        return CkptPipeline(work, root, args, cp)
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def run_loop(variant: Variant, *, steps: int, every: int, warmup_steps: int,
+             sync_mode: str, log: Callable[[str], None], label: str | None = None
+             ) -> dict[str, Any]:
+    """prepare, warm-up steps, the timed loop, the timed final wait; returns the raw record.
+
+    The loop ends when the training stream is done (``total_stream_s``) and then when every
+    stream of the device is (``total_device_s``, ``torch.cuda.synchronize()``: this also waits
+    for copies a save queued on a side stream); ``total_s`` is the one ``sync_mode`` names.
+    """
+    work = variant.work
+    t_prepare = time.perf_counter()
+    variant.prepare()
+    prepare_s = time.perf_counter() - t_prepare
+    for _ in range(warmup_steps):
+        work.step()
+    work.sync()
+    hook = variant.before_update if variant.uses_before_update else None
+    step_ends: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        work.step(hook)
+        if step % every == 0:
+            variant.save(step)
+        step_ends.append(time.perf_counter() - t0)
+    if work.device.type == "cuda":
+        torch.cuda.current_stream(work.device).synchronize()
+    total_stream = time.perf_counter() - t0
+    work.sync()
+    total_device = time.perf_counter() - t0
+    total = total_device if sync_mode == "device" else total_stream
+    t1 = time.perf_counter()
+    variant.finish()
+    work.sync()
+    final_wait = time.perf_counter() - t1
+    variant.after_finish()
+    log(f"{label or variant.name}: {steps} steps in {total:.3f} s, then {final_wait:.3f} s "
+        f"until the last save was durable")
+    return {
+        "total_s": total,
+        "total_stream_s": total_stream,
+        "total_device_s": total_device,
+        "end_sync": sync_mode,
+        "final_wait_s": final_wait,
+        "prepare_s": prepare_s,
+        "steps": steps,
+        "every": every,
+        "step_end_s": step_ends,
+    }
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def restore_check(cp: Any, root: Path, reference: Workload,
+                  build_fresh: Callable[[], Workload], options: dict[str, Any],
+                  expected_step: int) -> dict[str, Any]:
+    """Restore the newest checkpoint into a fresh model and optimizer (no optimizer state yet)
+    after dropping the files from the page cache; time it, compare it, take one step with it.
+    """
+    dropped = drop_page_cache_tree(root)
+    fresh = build_fresh()
+    out: dict[str, Any] = {"files_dropped_from_page_cache": dropped,
+                           "expected_step": expected_step,
+                           # as in a restarted process: no pinned blocks cached by the saves
+                           "released_cached_pinned_memory": release_cached_pinned_memory()}
+    with cp.CheckpointPipeline(root, **options) as pipe:
+        fresh.sync()
+        t0 = time.perf_counter()
+        result = pipe.restore_latest(fresh.state())
+        fresh.sync()
+        out["restore_s"] = time.perf_counter() - t0
+    out["step"] = getattr(result, "step", None)
+    out["bytes"] = getattr(result, "bytes", None)
+    out["library_seconds"] = getattr(result, "seconds", None)
+    ref_params = list(reference.model.parameters())
+    new_params = list(fresh.model.parameters())
+    out["params_equal"] = len(ref_params) == len(new_params) and all(
+        _equal(a.detach(), b.detach()) for a, b in zip(ref_params, new_params))
+    optim_equal = True
+    compared = 0
+    for a, b in zip(ref_params, new_params):
+        ref_state = reference.optim.state.get(a, {})
+        new_state = fresh.optim.state.get(b, {})
+        if set(ref_state) != set(new_state):
+            optim_equal = False
+            continue
+        for key, value in ref_state.items():
+            if isinstance(value, torch.Tensor):
+                compared += 1
+                optim_equal = optim_equal and _equal(value.detach(), new_state[key].detach())
+            else:
+                optim_equal = optim_equal and value == new_state[key]
+    out["optim_state_equal"] = optim_equal
+    out["optim_tensors_compared"] = compared
+    out["state_tensors"] = len(state_tensors(fresh))
+    try:
+        fresh.step()
+        fresh.sync()
+        out["step_after_restore_ok"] = True
+    except Exception as exc:
+        out["step_after_restore_ok"] = False
+        out["step_after_restore_error"] = f"{type(exc).__name__}: {exc}"
+    out["ok"] = bool(out["step"] == expected_step and out["params_equal"] and optim_equal
+                     and compared > 0 and out["step_after_restore_ok"])
+    del fresh
+    return out
