@@ -38,7 +38,8 @@ class SaveJob:
     # filled by serialize
     header: bytes = b""
     checksums: list[tuple[int, ...]] = field(default_factory=list)
-    # filled by write
+    # filled by serialize (the temporary shard stays open until write closes it) and write
+    fd: int | None = None
     dir_name: str = ""
     temp_names: list[str] = field(default_factory=list)
     published: list[str] = field(default_factory=list)

@@ -384,8 +384,9 @@ class AsyncCheckpointPipeline:
     async def _serialize_stage(self, job: SaveJob) -> None:
         started = time.perf_counter()
         assert self._limiter is not None
-        await serialize(job, chunk_bytes=self.config.chunk_bytes,
+        await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
                         threads=self.config.io_threads, limiter=self._limiter)
+        self._release_slot(job)  # the bytes are in the file now: the next save may copy
         self._emit(ShardSerialized(step=job.step, rank=self.rank, save_id=job.save_id,
                                    bytes=job.data_bytes, header_bytes=len(job.header),
                                    seconds=time.perf_counter() - started))
@@ -393,9 +394,7 @@ class AsyncCheckpointPipeline:
     async def _write_stage(self, job: SaveJob) -> None:
         started = time.perf_counter()
         assert self._limiter is not None
-        await write_shard(job, self.storage, chunk_bytes=self.config.chunk_bytes,
-                          threads=self.config.io_threads, limiter=self._limiter)
-        self._release_slot(job)
+        await write_shard(job, self.storage, limiter=self._limiter)
         self._emit(ShardWritten(step=job.step, rank=self.rank, save_id=job.save_id,
                                 path=os.path.join(str(self.storage.root), job.dir_name),
                                 bytes=job.shard_size, seconds=time.perf_counter() - started))

@@ -39,7 +39,7 @@ from ._format import (
     shard_name,
 )
 from ._hostmem import byte_view
-from ._serialize import run_groups, split_balanced
+from ._parallel import run_groups, split_balanced
 from .errors import CheckpointIntegrityError, StateError, StorageError
 from .storage import Storage
 from .train_state import TrainState

@@ -1,43 +1,61 @@
-"""Stage 2, serialize: checksum the host copy chunk by chunk and encode the shard header."""
+"""Stage 2, serialize: the host copy into a temporary shard file, hashed as it is written."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import anyio
 
-from ._format import PREAMBLE_SIZE, ShardHeader, TensorRecord, checksum, encode_header
+from ._format import (
+    ALIGN,
+    PREAMBLE_SIZE,
+    ShardHeader,
+    TensorRecord,
+    align_up,
+    checksum,
+    encode_header,
+    encode_tree,
+    shard_name,
+    step_dir_name,
+)
 from ._hostmem import byte_view
 from ._job import SaveJob
+from ._parallel import run_groups, split_balanced, tensor_chunks
+from .errors import StorageError
+from .storage import Storage
 
-__all__ = ("run_groups", "serialize", "split_balanced", "tensor_chunks")
-
-
-R = TypeVar("R", bound=tuple[int, ...])
-
-
-def split_balanced(ranges: list[R], parts: int) -> list[list[R]]:
-    """Split ranges (start, end, ...) into at most ``parts`` contiguous groups of similar bytes."""
-    if not ranges:
-        return []
-    total = sum(r[1] - r[0] for r in ranges)
-    target = max(1, total // max(1, parts))
-    groups: list[list[R]] = [[]]
-    acc = 0
-    for r in ranges:
-        if acc >= target and len(groups) < parts:
-            groups.append([])
-            acc = 0
-        groups[-1].append(r)
-        acc += r[1] - r[0]
-    return groups
+__all__ = ("required_bytes", "serialize")
 
 
-async def serialize(job: SaveJob, *, chunk_bytes: int, threads: int,
+def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
+    """Bytes a save needs on disk (an upper bound): shard data, header, preamble, small files."""
+    chunks = sum(max(1, -(-n // chunk_bytes)) for n in job.sizes)
+    header = (len(job.tree) + 4 * ALIGN + sum(len(p) + 128 for p in job.paths) + 9 * chunks
+              + len(encode_tree(job.train_state)))
+    return align_up(PREAMBLE_SIZE + job.data_length) + header + 3 * ALIGN
+
+
+async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
                     limiter: anyio.CapacityLimiter) -> None:
-    """Fill ``job.checksums`` (one xxh3 per chunk of each tensor) and ``job.header``."""
+    """Stream the host copy into a new temporary shard file, then encode the shard header.
+
+    One pass over host memory: each chunk is hashed (xxh3) right before it is written with
+    ``pwrite`` at its offset, by several threads at once. Fills ``job.fd`` (left open for the
+    write stage), ``job.checksums`` and ``job.header``.
+    """
+    job.dir_name = step_dir_name(job.step)
+    need = required_bytes(job, chunk_bytes)
+    free = await anyio.to_thread.run_sync(storage.free_bytes, limiter=limiter)
+    if free < need:
+        raise StorageError(
+            f"not enough free space: the save needs {need} bytes, {free} are free",
+            step=job.step, rank=job.rank, path=str(storage.root),
+            hint="free disk space, lower keep_last, or use a larger disk")
+    await anyio.to_thread.run_sync(storage.make_dir, job.dir_name, limiter=limiter)
+    fd, temp = await anyio.to_thread.run_sync(storage.create_temp, job.dir_name,
+                                              shard_name(job.rank), limiter=limiter)
+    job.temp_names.append(temp)
+    job.fd = fd
     assert job.slot is not None
     buffer = job.slot.buffer
     chunks = tensor_chunks(job.offsets, job.sizes, chunk_bytes)
@@ -45,7 +63,10 @@ async def serialize(job: SaveJob, *, chunk_bytes: int, threads: int,
 
     def run(group: list[tuple[int, int, int, int]]) -> None:
         for start, end, i, k in group:
-            per_tensor[i][k] = checksum(byte_view(buffer, start, end))
+            view = byte_view(buffer, start, end)
+            per_tensor[i][k] = checksum(view)
+            if end > start:
+                storage.pwrite(fd, view, PREAMBLE_SIZE + start)
 
     await run_groups(run, split_balanced(chunks, threads), limiter)
     job.checksums = [tuple(c) for c in per_tensor]
@@ -61,42 +82,3 @@ async def serialize(job: SaveJob, *, chunk_bytes: int, threads: int,
         data_length=job.data_length, tensors=records, tree=job.tree,
         train_state=job.train_state,
     ))
-
-
-def tensor_chunks(offsets: list[int], sizes: tuple[int, ...] | list[int],
-                  chunk_bytes: int) -> list[tuple[int, int, int, int]]:
-    """(start, end, tensor index, chunk index) of every checksum chunk; empty tensors get one."""
-    out: list[tuple[int, int, int, int]] = []
-    for i, (offset, nbytes) in enumerate(zip(offsets, sizes)):
-        if nbytes == 0:
-            out.append((offset, offset, i, 0))
-        for k, start in enumerate(range(offset, offset + nbytes, chunk_bytes)):
-            out.append((start, min(start + chunk_bytes, offset + nbytes), i, k))
-    return out
-
-
-async def run_groups(fn: Callable[[list[R]], None], groups: list[list[R]],
-                     limiter: anyio.CapacityLimiter) -> None:
-    """Run ``fn`` on each group in its own worker thread, all at once, under ``limiter``.
-
-    The first error of a group is raised as it is (not wrapped in an exception group).
-    """
-    try:
-        async with anyio.create_task_group() as tg:
-            for group in groups:
-                tg.start_soon(_run_sync, fn, group, limiter)
-    except Exception as exc:
-        raise _first_leaf(exc) from None
-
-
-def _first_leaf(exc: BaseException) -> BaseException:
-    inner = getattr(exc, "exceptions", None)
-    while inner:
-        exc = inner[0]
-        inner = getattr(exc, "exceptions", None)
-    return exc
-
-
-async def _run_sync(fn: Callable[[list[R]], None], group: list[R],
-                    limiter: anyio.CapacityLimiter) -> None:
-    await anyio.to_thread.run_sync(fn, group, limiter=limiter)

@@ -14,7 +14,6 @@ from typing import Any
 import anyio
 
 from ._format import (
-    ALIGN,
     PREAMBLE_SIZE,
     Manifest,
     align_up,
@@ -23,66 +22,45 @@ from ._format import (
     encode_preamble,
     manifest_name,
     shard_name,
-    step_dir_name,
 )
-from ._hostmem import byte_view
 from ._job import SaveJob
 from ._recovery import tidy_step_dir
-from ._serialize import run_groups, split_balanced
 from .errors import StorageError
 from .storage import Storage
 
-__all__ = ("publish_small", "remove_published", "required_bytes", "write_shard")
+__all__ = ("publish_small", "remove_published", "write_shard")
 
 
 async def _thread(fn: Callable[..., Any], *args: Any, limiter: anyio.CapacityLimiter) -> Any:
     return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
-def required_bytes(job: SaveJob) -> int:
-    """Bytes a save needs on disk: shard (data, header, preamble) plus small files."""
-    return align_up(PREAMBLE_SIZE + job.data_length) + len(job.header) + 3 * ALIGN
-
-
-async def write_shard(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
+async def write_shard(job: SaveJob, storage: Storage, *,
                       limiter: anyio.CapacityLimiter) -> None:
-    """Write the shard and the manifest; on return both are durable under final names."""
-    job.dir_name = step_dir_name(job.step)
-    need = required_bytes(job)
-    free = await _thread(storage.free_bytes, limiter=limiter)
-    if free < need:
-        raise StorageError(
-            f"not enough free space: the save needs {need} bytes, {free} are free",
-            step=job.step, rank=job.rank, path=str(storage.root),
-            hint="free disk space, lower keep_last, or use a larger disk")
-    await _thread(storage.make_dir, job.dir_name, limiter=limiter)
+    """Finish the shard the serialize stage streamed, publish it, then the manifest.
 
-    final = shard_name(job.rank)
-    fd, temp = await _thread(storage.create_temp, job.dir_name, final, limiter=limiter)
-    job.temp_names.append(temp)
+    Header and preamble go after the data, then fsync, close, link to the final name; on
+    return the shard and the manifest are durable under their final names.
+    """
+    fd = job.fd
+    assert fd is not None
+    header_offset = align_up(PREAMBLE_SIZE + job.data_length)
     try:
-        header_offset = align_up(PREAMBLE_SIZE + job.data_length)
-        assert job.slot is not None
-        buffer = job.slot.buffer
-        ranges = [(s, min(s + chunk_bytes, job.data_length))
-                  for s in range(0, job.data_length, chunk_bytes)]
-
-        def write_group(group: list[tuple[int, int]]) -> None:
-            for start, end in group:
-                storage.pwrite(fd, byte_view(buffer, start, end), PREAMBLE_SIZE + start)
-
-        await run_groups(write_group, split_balanced(ranges, threads), limiter)
-        header = memoryview(job.header)
-        await _thread(storage.pwrite, fd, header, header_offset, limiter=limiter)
+        await _thread(storage.pwrite, fd, memoryview(job.header), header_offset,
+                      limiter=limiter)
         preamble = memoryview(encode_preamble(header_offset, job.header))
         await _thread(storage.pwrite, fd, preamble, 0, limiter=limiter)
         await _thread(storage.fsync, fd, limiter=limiter)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await _thread(_close_quietly, storage, fd, limiter=limiter)
+        job.fd = None
         raise
+    job.fd = None
     await _thread(storage.close, fd, limiter=limiter)
     job.shard_size = header_offset + len(job.header)
+    final = shard_name(job.rank)
+    temp = job.temp_names[-1]
     await _thread(storage.publish, job.dir_name, temp, final, limiter=limiter)
     job.temp_names.remove(temp)
     job.published.append(final)
@@ -127,6 +105,9 @@ def remove_published(job: SaveJob, storage: Storage) -> None:
     Runs in a worker thread. The commit record is removed first, so that nothing on disk looks
     complete while the rest is being removed.
     """
+    if job.fd is not None:
+        _close_quietly(storage, job.fd)
+        job.fd = None
     if not job.dir_name:
         return
     names = sorted(job.published, key=lambda n: not n.endswith(".commit"))
