@@ -8,6 +8,7 @@ import time
 import anyio
 
 from ._agree import agree_outcome
+from ._crash import crash_point
 from ._format import CommitRecord, commit_name, encode_commit
 from ._job import SaveJob
 from ._write import publish_small
@@ -41,6 +42,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                               path=os.path.join(storage.root, job.dir_name), hint="the previous checkpoint is intact")
             error.ranks = tuple(sorted(failures))
             raise error
+        crash_point("commit.voted")
         record = encode_commit(CommitRecord(job.step, job.rank, job.world_size, job.save_id,
                                             time.time()))
         written: CheckpointError | None = None
@@ -48,6 +50,8 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             await publish_small(job, storage, commit_name(job.rank), record, limiter=limiter)
         except CheckpointError as exc:
             written = exc
+        else:
+            crash_point("commit.record_published")
         # Second vote: the step is complete only once every rank's commit record is durable.
         # Until then no rank prunes an older step for it.
         failures, _ = await agree_outcome(coordinator, job.step, job.save_id,

@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from . import _recovery
 from ._agree import agree_run_id
 from ._commit import commit
+from ._crash import crash_point
 from ._format import DTYPE_NAMES, encode_tree
 from ._job import SaveJob
 from ._restore import Loaded, Recovery
@@ -121,6 +122,8 @@ class AsyncCheckpointPipeline:
         self._pending: dict[int, SaveHandle] = {}
         self._snapshots: list[SaveHandle] = []
         self._last_step: int | None = None
+        self._failures_in_row = 0
+        self._unreported: CheckpointError | None = None  # the latest failure, for the policy
         self._latest_committed: int | None = None
         self._run_id = ""
         self._state = "new"
@@ -207,6 +210,7 @@ class AsyncCheckpointPipeline:
                                                    rank=self.rank))
             return job.handle
         await self._send.send(job)
+        crash_point("save.requested")
         return job.handle
 
     def _prepare_save(self, step: int, state: Mapping[str, Any],
@@ -220,6 +224,7 @@ class AsyncCheckpointPipeline:
         if self._state != "open":
             raise PipelineClosedError("save() after close()", step=step, rank=self.rank,
                                       hint="open a new pipeline")
+        self._apply_failure_policy(step)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StepOrderError(f"step must be a non-negative int, got {step!r}",
                                  rank=self.rank)
@@ -291,6 +296,25 @@ class AsyncCheckpointPipeline:
                                  tensors=len(flat.tensors), bytes=job.data_bytes,
                                  blocking_seconds=time.perf_counter() - started))
         return job
+
+    def _apply_failure_policy(self, step: int | None) -> None:
+        """Raise here when the failure policy says earlier failures must not pass unnoticed."""
+        with self._lock:
+            error = self._unreported
+            count = self._failures_in_row
+            due = error is not None and (self.config.strict
+                                         or count >= self.config.max_failures_in_row)
+            if due:
+                self._unreported = None
+                self._failures_in_row = 0
+        if due:
+            assert error is not None
+            what = (f"{count} saves in a row failed" if count >= self.config.max_failures_in_row
+                    else "a previous save failed")
+            raise SaveError(f"{what}; the last one: {error}", step=step, rank=self.rank,
+                            path=str(self.storage.root),
+                            hint="fix the cause (disk, permissions, state); the newest committed "
+                                 "checkpoint is intact, and the next save() tries again")
 
     def _skip(self, step: int) -> SaveJob:
         """A save dropped by the ``skip`` policy: it fails now, and still votes at commit."""
@@ -408,6 +432,9 @@ class AsyncCheckpointPipeline:
         path = os.path.join(str(self.storage.root), job.dir_name)
         job.committed = True
         with self._lock:
+            self._failures_in_row = 0
+            if not self.config.strict:
+                self._unreported = None
             if self._latest_committed is None or job.step > self._latest_committed:
                 self._latest_committed = job.step
         info = CommitInfo(step=job.step, rank=self.rank, save_id=job.save_id, path=path,
@@ -470,6 +497,9 @@ class AsyncCheckpointPipeline:
         if job.handle.done():  # failed already (a skipped save): no second report
             self._settle(job)
             return
+        with self._lock:
+            self._failures_in_row += 1
+            self._unreported = error
         self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id, stage=stage,
                               error=str(error)))
         job.handle._fail(error)
@@ -482,7 +512,14 @@ class AsyncCheckpointPipeline:
 
         Raises the first failure among those saves, or TimeoutError.
         """
-        await self._wait_pending(timeout, raise_errors=True)
+        try:
+            await self._wait_pending(timeout, raise_errors=True)
+        except CheckpointError:
+            with self._lock:
+                self._unreported = None  # reported now
+            raise
+        if self.config.strict:
+            self._apply_failure_policy(None)
 
     async def _wait_pending(self, timeout: float | None, *, raise_errors: bool) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ import anyio
 import torch
 import xxhash
 
+from ._crash import crash_point
 from ._format import (
     DTYPES,
     PREAMBLE_SIZE,
@@ -149,6 +150,7 @@ def scrub(storage: Storage, rank: int) -> list[tuple[str, int]]:
             if (own_temp or own_uncommitted) and not entry.is_dir:
                 storage.unlink(os.path.join(dir_name, entry.name))
                 removed.append((os.path.join(storage.root, dir_name, entry.name), entry.size))
+                crash_point("scrub.removed")
         here = os.path.join(storage.root, dir_name)
         tidy_step_dir(storage, dir_name,
                       changed=any(os.path.dirname(p) == here for p, _ in removed))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ._crash import crash_point
 from ._format import commit_name, manifest_name, shard_name
 from ._recovery import committed_steps, tidy_step_dir
 from .storage import Storage
@@ -38,6 +39,8 @@ def prune(storage: Storage, rank: int, keep_last: int, complete: int) -> list[Pr
         for name in (commit_name(rank), manifest_name(rank), shard_name(rank)):
             size += sizes.get(name, 0)
             storage.unlink(os.path.join(dir_name, name))
+            if name == commit_name(rank):
+                crash_point("retain.commit_removed")
         tidy_step_dir(storage, dir_name)
         out.append(Pruned(step, os.path.join(str(storage.root), dir_name), size))
     return out

@@ -6,6 +6,7 @@ import time
 
 import anyio
 
+from ._crash import crash_point
 from ._format import (
     ALIGN,
     PREAMBLE_SIZE,
@@ -69,6 +70,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
                 storage.pwrite(fd, view, PREAMBLE_SIZE + start)
 
     await run_groups(run, split_balanced(chunks, threads), limiter)
+    crash_point("serialize.data_written")
     job.checksums = [tuple(c) for c in per_tensor]
     records = tuple(
         TensorRecord(path, dtype, shape, PREAMBLE_SIZE + offset, nbytes, sums, device, layout)

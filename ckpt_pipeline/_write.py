@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from ._crash import crash_point
 from ._format import (
     PREAMBLE_SIZE,
     Manifest,
@@ -51,6 +52,7 @@ async def write_shard(job: SaveJob, storage: Storage, *,
         preamble = memoryview(encode_preamble(header_offset, job.header))
         await _thread(storage.pwrite, fd, preamble, 0, limiter=limiter)
         await _thread(storage.fsync, fd, limiter=limiter)
+        crash_point("write.shard_fsynced")
     except BaseException:
         with anyio.CancelScope(shield=True):
             await _thread(_close_quietly, storage, fd, limiter=limiter)
@@ -64,12 +66,14 @@ async def write_shard(job: SaveJob, storage: Storage, *,
     await _thread(storage.publish, job.dir_name, temp, final, limiter=limiter)
     job.temp_names.remove(temp)
     job.published.append(final)
+    crash_point("write.shard_published")
 
     manifest = encode_manifest(Manifest(
         step=job.step, rank=job.rank, world_size=job.world_size, save_id=job.save_id,
         shard_size=job.shard_size, header_checksum=checksum(job.header),
         data_bytes=job.data_bytes))
     await publish_small(job, storage, manifest_name(job.rank), manifest, limiter=limiter)
+    crash_point("write.done")
 
 
 async def publish_small(job: SaveJob, storage: Storage, final: str, data: bytes, *,

@@ -36,6 +36,10 @@ class PipelineConfig:
       taken from the coordinator (torch.distributed when it is initialized).
     - ``coordination_timeout_s``: bound on every exchange between ranks; a rank that does not
       answer in time fails that save or restore with a CoordinationError naming it.
+    - ``max_failures_in_row``: a failed save does not stop training (its ``result()`` raises
+      and ``SaveFailed`` is emitted), but after this many failures in a row the next ``save()``
+      raises, so that a broken disk cannot go unnoticed for hours.
+    - ``strict``: raise at the next ``save()`` or ``wait()`` after any failed save.
     """
 
     keep_last: int = 3
@@ -50,6 +54,8 @@ class PipelineConfig:
     rank: int = 0
     world_size: int = 1
     coordination_timeout_s: float = 300.0
+    max_failures_in_row: int = 3
+    strict: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("keep_last", self.keep_last, "keep at least one checkpoint: keep_last=1")
@@ -77,7 +83,9 @@ class PipelineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"coordination_timeout_s={timeout!r} must be a positive number",
                               hint="for example 300 (seconds)")
-        for name in ("capture_rng", "restore_rng"):
+        _positive_int("max_failures_in_row", self.max_failures_in_row,
+                      "for example max_failures_in_row=3")
+        for name in ("capture_rng", "restore_rng", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")
 
