@@ -138,3 +138,57 @@ def test_restore_into_a_state_of_another_shape_fails_and_rejects_nothing(root: P
         assert info.value.step == 20 and info.value.path == "w"
     result, _, _ = _restore(root)
     assert result is not None and result.step == 20
+
+
+@pytest.mark.parametrize("name", ["rank-00000.manifest", "rank-00000.commit"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_damaged_manifest_or_commit_record_falls_back(root: Path, name: str, damage: str) -> None:
+    _save_steps(root, [10, 20])
+    path = root / "step-0000000020" / name
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    result, w, _ = _restore(root)
+    assert result is not None and result.step == 10
+    assert torch.equal(w, torch.full((1024,), 10.0))
+
+
+def test_commit_record_without_its_data_falls_back(root: Path) -> None:
+    _save_steps(root, [10, 20])
+    os.unlink(_shard(root, 20))
+    os.unlink(root / "step-0000000020" / "rank-00000.manifest")
+    result, _, _ = _restore(root)
+    assert result is not None and result.step == 10
+    assert [r.step for r in result.rejected] == [20]
+
+
+def test_appended_garbage_or_zeroed_tail_falls_back(root: Path) -> None:
+    _save_steps(root, [10, 20, 30])
+    with open(_shard(root, 30), "ab") as f:
+        f.write(b"garbage")
+    size = _shard(root, 20).stat().st_size
+    with open(_shard(root, 20), "r+b") as f:
+        f.seek(size - 100)
+        f.write(bytes(100))
+    result, w, _ = _restore(root)
+    assert result is not None and result.step == 10
+    assert torch.equal(w, torch.full((1024,), 10.0))
+    assert sorted(r.step for r in result.rejected) == [20, 30]
+
+
+def test_shard_that_is_a_symlink_or_fifo_is_rejected(root: Path, tmp_path: Path) -> None:
+    _save_steps(root, [10, 20, 30])
+    target = tmp_path / "elsewhere"
+    target.write_bytes(_shard(root, 30).read_bytes())
+    os.unlink(_shard(root, 30))
+    os.symlink(target, _shard(root, 30))
+    os.unlink(_shard(root, 20))
+    os.mkfifo(_shard(root, 20))
+    result, _, _ = _restore(root)
+    assert result is not None and result.step == 10
+    assert sorted(r.step for r in result.rejected) == [20, 30]
