@@ -28,7 +28,7 @@ import ckpt_pipeline as cp
 REPO = Path(__file__).resolve().parents[1]
 CHILD_SCRIPT = Path(__file__).with_name("crash_child.py")
 
-KILLS = 25
+KILLS = 100
 SEED = 1234
 MAX_KILL_DELAY_S = 0.15
 ACK_DEADLINE_S = 60.0

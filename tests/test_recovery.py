@@ -192,3 +192,17 @@ def test_shard_that_is_a_symlink_or_fifo_is_rejected(root: Path, tmp_path: Path)
     result, _, _ = _restore(root)
     assert result is not None and result.step == 10
     assert sorted(r.step for r in result.rejected) == [20, 30]
+
+
+def test_a_leftover_partial_directory_of_a_step_is_saved_again_cleanly(root: Path) -> None:
+    _save_steps(root, [10])
+    partial = root / "step-0000000020"
+    partial.mkdir(mode=0o700)
+    (partial / "rank-00000.shard").write_bytes(b"torn shard of a crashed save")
+    (partial / ".rank-00000.manifest.tmp-0123abcd").write_bytes(b"torn")
+    _save_steps(root, [20])  # opening scrubs the leftovers; the save then succeeds
+    result, w, _ = _restore(root)
+    assert result is not None and result.step == 20
+    assert torch.equal(w, torch.full((1024,), 20.0))
+    assert sorted(p.name for p in partial.iterdir()) == [
+        "rank-00000.commit", "rank-00000.manifest", "rank-00000.shard"]
