@@ -37,7 +37,6 @@ class SaveJob:
     requested_at: float
     # filled by serialize
     header: bytes = b""
-    checksums: list[tuple[int, ...]] = field(default_factory=list)
     # filled by serialize (the temporary shard stays open until write closes it) and write
     fd: int | None = None
     dir_name: str = ""

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -28,8 +28,8 @@ from ._job import SaveJob
 from ._restore import Loaded, Recovery
 from ._retain import prune
 from ._serialize import serialize
-from ._snapshot import HostPool, plan_layout, take_snapshot
-from ._tree import flatten_state
+from ._snapshot import HostPool, Slot, plan_layout, take_snapshot
+from ._tree import FlatState, flatten_state
 from ._write import remove_published, write_shard
 from .config import PipelineConfig
 from .coordination import Coordinator, DistributedCoordinator, LocalCoordinator
@@ -62,6 +62,20 @@ __all__ = ("AsyncCheckpointPipeline",)
 
 _log = structlog.get_logger("ckpt_pipeline")
 Subscriber = Callable[[Event], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A validated save, before it has a host slot."""
+
+    step: int
+    started: float
+    flat: FlatState
+    tree: bytes
+    train_state: dict[str, Any]
+    offsets: list[int]
+    data_length: int
+    pinned: bool
 
 
 def default_coordinator(config: PipelineConfig) -> Coordinator:
@@ -196,13 +210,11 @@ class AsyncCheckpointPipeline:
     async def save(self, step: int, state: Mapping[str, Any],
                    train_state: TrainState | None = None) -> SaveHandle:
         """Snapshot ``state`` at ``step`` and queue it; the handle resolves at commit."""
-        job_or_handle = self._prepare_save(step, state, train_state, block=False)
-        if job_or_handle is None:
-            job_or_handle = await anyio.to_thread.run_sync(
-                lambda: self._prepare_save(step, state, train_state, block=True))
-        if job_or_handle is None:  # only a non-blocking attempt returns None
-            raise PoolBusyError("no host buffer became free", step=step, rank=self.rank)
-        return await self._submit(job_or_handle)
+        plan = self._plan_save(step, state, train_state)
+        slot = self._acquire(plan, block=False)
+        if slot is None and self.config.when_busy == "block":  # wait off the event loop
+            slot = await anyio.to_thread.run_sync(self._acquire, plan, True)
+        return await self._submit(self._start_save(plan, slot))
 
     async def _submit(self, job: SaveJob) -> SaveHandle:
         if self._send is None or self._state != "open":
@@ -213,12 +225,20 @@ class AsyncCheckpointPipeline:
         crash_point("save.requested")
         return job.handle
 
-    def _prepare_save(self, step: int, state: Mapping[str, Any],
-                      train_state: TrainState | None, *,
-                      block: bool) -> SaveJob | None:
-        """The training-thread part of a save: validate, flatten, take a slot, start copies.
+    def _check_step_order(self, step: int) -> None:
+        """Raise unless ``step`` is greater than the last one saved; call under ``_lock``."""
+        last = self._last_step
+        if last is not None and step <= last:
+            raise StepOrderError(
+                f"step {step} is not greater than the last saved step {last}", step=step,
+                rank=self.rank, path=str(self.storage.root),
+                hint="save increasing steps; to start over, use a new root")
 
-        Returns None when ``block`` is False and the policy asks to wait for a slot.
+    def _plan_save(self, step: int, state: Mapping[str, Any],
+                   train_state: TrainState | None) -> _Plan:
+        """Training-thread part one: validate, capture RNG, flatten and encode, lay out.
+
+        Bad input raises here, before anything is copied or written.
         """
         started = time.perf_counter()
         if self._state != "open":
@@ -229,12 +249,7 @@ class AsyncCheckpointPipeline:
             raise StepOrderError(f"step must be a non-negative int, got {step!r}",
                                  rank=self.rank)
         with self._lock:
-            last = self._last_step
-        if last is not None and step <= last:
-            raise StepOrderError(
-                f"step {step} is not greater than the last saved step {last}", step=step,
-                rank=self.rank, path=str(self.storage.root),
-                hint="save increasing steps; to start over, use a new root")
+            self._check_step_order(step)
         ts = train_state if train_state is not None else TrainState(step=step)
         if not isinstance(ts, TrainState):
             raise StateError(f"train_state must be a TrainState, got {type(ts).__name__}",
@@ -255,24 +270,32 @@ class AsyncCheckpointPipeline:
                              hint="TrainState.extra and non-tensor leaves must be plain "
                                   "values") from exc
         offsets, data_length = plan_layout(flat.tensors)
-        pinned = any(t.device.type == "cuda" for t in flat.tensors)
+        return _Plan(step, started, flat, tree, ts_plain, offsets, data_length,
+                     pinned=any(t.device.type == "cuda" for t in flat.tensors))
+
+    def _acquire(self, plan: _Plan, block: bool) -> Slot | None:
+        """A host slot for the plan; None when none is free and this call may not wait."""
         wait = block and self.config.when_busy == "block"
-        slot = self._pool.acquire(max(data_length, 1), pinned=pinned, block=wait)
+        return self._pool.acquire(max(plan.data_length, 1), pinned=plan.pinned, block=wait)
+
+    def _start_save(self, plan: _Plan, slot: Slot | None) -> SaveJob:
+        """Training-thread part two: claim the step, start the copies, build the job.
+
+        Without a slot the save is skipped (``when_busy="skip"``).
+        """
+        step, flat = plan.step, plan.flat
         if slot is None:
-            if self.config.when_busy == "skip":
-                return self._skip(step)
-            if not block:
-                return None
-            raise PoolBusyError("no host buffer became free", step=step, rank=self.rank)
+            return self._skip(step)
         with self._lock:
-            if self._last_step is not None and step <= self._last_step:
+            try:
+                self._check_step_order(step)  # another thread may have saved it meanwhile
+            except StepOrderError:
                 self._pool.release(slot)
-                raise StepOrderError(f"step {step} is not greater than the last saved step "
-                                     f"{self._last_step}", step=step, rank=self.rank)
+                raise
             self._last_step = step
         try:
-            snap = take_snapshot(flat.tensors, flat.paths, offsets, slot.buffer, step=step,
-                                 rank=self.rank,
+            snap = take_snapshot(flat.tensors, flat.paths, plan.offsets, slot.buffer,
+                                 step=step, rank=self.rank,
                                  ordered=self.config.snapshot_mode == "ordered")
         except BaseException:
             self._pool.release(slot)
@@ -285,8 +308,10 @@ class AsyncCheckpointPipeline:
             dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
             shapes=tuple(tuple(t.shape) for t in flat.tensors),
             devices=tuple(str(t.device) for t in flat.tensors), layouts=flat.layouts,
-            offsets=offsets, sizes=tuple(t.numel() * t.element_size() for t in flat.tensors),
-            data_length=data_length, tree=tree, train_state=ts_plain, requested_at=started,
+            offsets=plan.offsets,
+            sizes=tuple(t.numel() * t.element_size() for t in flat.tensors),
+            data_length=plan.data_length, tree=plan.tree, train_state=plan.train_state,
+            requested_at=plan.started,
         )
         with self._lock:
             self._pending[step] = handle
@@ -294,7 +319,7 @@ class AsyncCheckpointPipeline:
                 self._snapshots.append(handle)
         self._emit(SaveRequested(step=step, rank=self.rank, save_id=save_id,
                                  tensors=len(flat.tensors), bytes=job.data_bytes,
-                                 blocking_seconds=time.perf_counter() - started))
+                                 blocking_seconds=time.perf_counter() - plan.started))
         return job
 
     def _apply_failure_policy(self, step: int | None) -> None:

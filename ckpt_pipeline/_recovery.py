@@ -246,10 +246,9 @@ def read_header(storage: Storage, dir_name: str, rank: int, manifest: Manifest) 
 
 @dataclass(frozen=True, slots=True)
 class LoadedShard:
-    """A shard's data in host memory, every checksum verified, as tensors."""
+    """A shard's tensors, every checksum verified, on the devices they were read for."""
 
     header: ShardHeader
-    buffer: torch.Tensor
     tensors: list[torch.Tensor]
 
 
@@ -360,7 +359,7 @@ async def read_shard(
         raise CheckpointIntegrityError(
             f"checksum mismatch in {len(bad)} chunk(s), first in tensor {bad[0]!r}",
             step=status.step, rank=rank, path=path, hint="the shard is corrupt")
-    return LoadedShard(header, buffer, tensors)
+    return LoadedShard(header, tensors)
 
 
 def decode_contents(status: StepStatus, rank: int) -> tuple[dict[str, Any], TrainState]:

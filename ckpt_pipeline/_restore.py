@@ -138,12 +138,14 @@ class Recovery:
                               agreed: Candidates, limiter: anyio.CapacityLimiter) -> Loaded:
         assert status.header is not None
         header = status.header
-        devices = [_target_device(rec, state, status) for rec in header.tensors]
+        meshes = _live_meshes(header.tensors, state, status)
+        devices = [_target_device(rec, meshes) for rec in header.tensors]
         shard = await _recovery.read_shard(self.storage, status, self.rank, devices=devices,
                                            threads=self.config.io_threads, limiter=limiter)
         tree, train_state = _recovery.decode_contents(status, self.rank)
-        tensors = [_to_live(t, rec, state, status) for t, rec in
-                   zip(shard.tensors, header.tensors)]
+        tensors = [t if rec.dist is None
+                   else to_dtensor(t, rec.dist, *meshes[rec.dist.mesh_shape])
+                   for t, rec in zip(shard.tensors, header.tensors)]
         check_structure(state, tree, tensors, step=status.step)
         return Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
                        tensors=tensors, train_state=train_state,
@@ -198,11 +200,13 @@ class Recovery:
         return RejectedStep(step, path, reason)
 
 
-def _target_device(record: TensorRecord, state: Mapping[str, Any],
-                   status: _recovery.StepStatus) -> torch.device:
-    """Where a loaded tensor goes: its DTensor's live device, or the device it was saved from
-    when this machine has it (another CUDA device when not), else the CPU."""
-    if record.dist is not None:
+def _live_meshes(records: tuple[TensorRecord, ...], state: Mapping[str, Any],
+                 status: _recovery.StepStatus) -> dict[tuple[int, ...], tuple[Any, torch.device]]:
+    """The live mesh and local device for each mesh shape the checkpoint's DTensors use."""
+    meshes: dict[tuple[int, ...], tuple[Any, torch.device]] = {}
+    for record in records:
+        if record.dist is None or record.dist.mesh_shape in meshes:
+            continue
         found = find_mesh(state, record.dist.mesh_shape)
         if found is None:
             raise StateError(
@@ -210,7 +214,16 @@ def _target_device(record: TensorRecord, state: Mapping[str, Any],
                 f"{list(record.dist.mesh_shape)}, the live state has no DTensor on such a mesh",
                 step=status.step, path=record.path,
                 hint="shard the model the same way (fully_shard) before restoring")
-        return torch.device(found[1])
+        meshes[record.dist.mesh_shape] = found
+    return meshes
+
+
+def _target_device(record: TensorRecord,
+                   meshes: Mapping[tuple[int, ...], tuple[Any, torch.device]]) -> torch.device:
+    """Where a loaded tensor goes: its DTensor's live device, or the device it was saved from
+    when this machine has it (another CUDA device when not), else the CPU."""
+    if record.dist is not None:
+        return torch.device(meshes[record.dist.mesh_shape][1])
     if record.device.startswith("cuda") and torch.cuda.is_available():
         dev = torch.device(record.device)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
@@ -218,15 +231,6 @@ def _target_device(record: TensorRecord, state: Mapping[str, Any],
         return dev
     return torch.device("cpu")
 
-
-def _to_live(t: torch.Tensor, record: TensorRecord, state: Mapping[str, Any],
-             status: _recovery.StepStatus) -> torch.Tensor:
-    """A loaded tensor as the live state wants it: a DTensor on its mesh, or as read."""
-    if record.dist is None:
-        return t
-    found = find_mesh(state, record.dist.mesh_shape)
-    assert found is not None  # checked by _target_device before reading
-    return to_dtensor(t, record.dist, *found)
 
 def _listing(failures: Mapping[int, str]) -> str:
     return "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))

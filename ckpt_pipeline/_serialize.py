@@ -14,6 +14,7 @@ from ._format import (
     TensorRecord,
     align_up,
     checksum,
+    chunk_count,
     encode_header,
     encode_tree,
     shard_name,
@@ -30,7 +31,7 @@ __all__ = ("required_bytes", "serialize")
 
 def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
     """Bytes a save needs on disk (an upper bound): shard data, header, preamble, small files."""
-    chunks = sum(max(1, -(-n // chunk_bytes)) for n in job.sizes)
+    chunks = sum(chunk_count(n, chunk_bytes) for n in job.sizes)
     header = (len(job.tree) + 4 * ALIGN + sum(len(p) + 128 for p in job.paths) + 9 * chunks
               + len(encode_tree(job.train_state)))
     return align_up(PREAMBLE_SIZE + job.data_length) + header + 3 * ALIGN
@@ -42,7 +43,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
 
     One pass over host memory: each chunk is hashed (xxh3) right before it is written with
     ``pwrite`` at its offset, by several threads at once. Fills ``job.fd`` (left open for the
-    write stage), ``job.checksums`` and ``job.header``.
+    write stage) and ``job.header``.
     """
     job.dir_name = step_dir_name(job.step)
     need = required_bytes(job, chunk_bytes)
@@ -60,7 +61,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     assert job.slot is not None
     buffer = job.slot.buffer
     chunks = tensor_chunks(job.offsets, job.sizes, chunk_bytes)
-    per_tensor: list[list[int]] = [[0] * max(1, -(-n // chunk_bytes)) for n in job.sizes]
+    per_tensor: list[list[int]] = [[0] * chunk_count(n, chunk_bytes) for n in job.sizes]
 
     def run(group: list[tuple[int, int, int, int]]) -> None:
         for start, end, i, k in group:
@@ -71,11 +72,10 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
 
     await run_groups(run, split_balanced(chunks, threads), limiter)
     crash_point("serialize.data_written")
-    job.checksums = [tuple(c) for c in per_tensor]
     records = tuple(
         TensorRecord(path, dtype, shape, PREAMBLE_SIZE + offset, nbytes, sums, device, layout)
         for path, dtype, shape, offset, nbytes, sums, device, layout in zip(
-            job.paths, job.dtypes, job.shapes, job.offsets, job.sizes, job.checksums,
+            job.paths, job.dtypes, job.shapes, job.offsets, job.sizes, map(tuple, per_tensor),
             job.devices, job.layouts)
     )
     job.header = encode_header(ShardHeader(

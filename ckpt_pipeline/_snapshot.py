@@ -47,10 +47,6 @@ class HostPool:
         self._closed = False
 
     @property
-    def slot_bytes(self) -> int:
-        return self._slot_bytes
-
-    @property
     def allocated_bytes(self) -> int:
         return self._slot_bytes * len(self._buffers)
 
@@ -121,7 +117,6 @@ class Snapshot:
 
     step: int
     rank: int
-    paths: tuple[str, ...]
     events: list[tuple[torch.device, torch.cuda.Event]] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -205,7 +200,7 @@ def take_snapshot(
     ordered: bool,
 ) -> Snapshot:
     """Copy every tensor into ``buffer`` at its offset; CUDA copies run asynchronously."""
-    snap = Snapshot(step, rank, tuple(paths))
+    snap = Snapshot(step, rank)
     by_device: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.device.type == "cuda":

@@ -136,9 +136,10 @@ class CheckpointPipeline:
         if self._closed or self._portal is None:
             raise PipelineClosedError("save() after close()", step=step,
                                       hint="open a new pipeline")
-        job = self._pipe._prepare_save(step, state, train_state, block=True)
-        assert job is not None  # a blocking attempt always returns a job
-        handle: SaveHandle = self._call(self._pipe._submit, job)
+        pipe = self._pipe
+        plan = pipe._plan_save(step, state, train_state)
+        job = pipe._start_save(plan, pipe._acquire(plan, True))
+        handle: SaveHandle = self._call(pipe._submit, job)
         return handle
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
