@@ -434,7 +434,8 @@ class AsyncCheckpointPipeline:
         started = time.perf_counter()
         assert self._limiter is not None
         await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
-                        threads=self.config.io_threads, limiter=self._limiter)
+                        threads=self.config.io_threads, limiter=self._limiter,
+                        direct_io=self.config.direct_io)
         self._release_slot(job)  # the bytes are in the file now: the next save may copy
         self._emit(ShardSerialized(step=job.step, rank=self.rank, save_id=job.save_id,
                                    bytes=job.data_bytes, header_bytes=len(job.header),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import time
 
 import anyio
@@ -38,12 +40,15 @@ def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
 
 
 async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
-                    limiter: anyio.CapacityLimiter) -> None:
+                    limiter: anyio.CapacityLimiter, direct_io: bool = True) -> None:
     """Stream the host copy into a new temporary shard file, then encode the shard header.
 
-    One pass over host memory: each chunk is hashed (xxh3) right before it is written with
-    ``pwrite`` at its offset, by several threads at once. Fills ``job.fd`` (left open for the
-    write stage) and ``job.header``.
+    One pass over host memory: each chunk is hashed (xxh3) right before it is written at its
+    offset, by several threads at once. With ``direct_io`` the bytes go through a second
+    descriptor opened with ``O_DIRECT`` (no page cache, no copy into it), each tensor's last
+    chunk padded with zeros to the next aligned offset; where the file system refuses direct
+    I/O the same writes go through the page cache. Fills ``job.fd`` (left open for the write
+    stage) and ``job.header``.
     """
     job.dir_name = step_dir_name(job.step)
     need = required_bytes(job, chunk_bytes)
@@ -62,15 +67,43 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     buffer = job.slot.buffer
     chunks = tensor_chunks(job.offsets, job.sizes, chunk_bytes)
     per_tensor: list[list[int]] = [[0] * chunk_count(n, chunk_bytes) for n in job.sizes]
+    direct: int | None = None
+    if direct_io and buffer.data_ptr() % ALIGN == 0 and job.data_length > 0:
+        direct = await anyio.to_thread.run_sync(storage.open_direct, job.dir_name, temp,
+                                                limiter=limiter)
+    refused: list[bool] = []  # set when a direct write is refused: buffered writes from then
+
+    def write(start: int, end: int) -> None:
+        offset = PREAMBLE_SIZE + start
+        if direct is not None and not refused:
+            padded = align_up(end)
+            if padded > end:
+                buffer[end:padded].zero_()  # the gap up to the next tensor reads as zeros
+            try:
+                storage.pwrite(direct, byte_view(buffer, start, padded), offset)
+                return
+            except StorageError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                refused.append(True)
+        storage.pwrite(fd, byte_view(buffer, start, end), offset)
 
     def run(group: list[tuple[int, int, int, int]]) -> None:
         for start, end, i, k in group:
-            view = byte_view(buffer, start, end)
-            per_tensor[i][k] = checksum(view)
+            per_tensor[i][k] = checksum(byte_view(buffer, start, end))
             if end > start:
-                storage.pwrite(fd, view, PREAMBLE_SIZE + start)
+                write(start, end)
 
-    await run_groups(run, split_balanced(chunks, threads), limiter)
+    try:
+        await run_groups(run, split_balanced(chunks, threads), limiter)
+    except BaseException:
+        if direct is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_close_quietly, storage, direct,
+                                               limiter=limiter)
+        raise
+    if direct is not None:
+        await anyio.to_thread.run_sync(storage.close, direct, limiter=limiter)
     crash_point("serialize.data_written")
     records = tuple(
         TensorRecord(path, dtype, shape, PREAMBLE_SIZE + offset, nbytes, sums, device, layout)
@@ -84,3 +117,8 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
         data_length=job.data_length, tensors=records, tree=job.tree,
         train_state=job.train_state,
     ))
+
+
+def _close_quietly(storage: Storage, fd: int) -> None:
+    with contextlib.suppress(StorageError):
+        storage.close(fd)

@@ -91,13 +91,18 @@ class HostPool:
         size = align_up(nbytes)
         self._buffers = []  # drop the old buffers before taking new memory
         pin = pinned and torch.cuda.is_available()
-        self._buffers = [
-            torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(self._slot_count)
-        ]
+        self._buffers = [_aligned_zeros(size, pin) for _ in range(self._slot_count)]
         self._free = list(range(self._slot_count))
         self._slot_bytes = size
         self._pinned = pin
         self._generation += 1
+
+
+def _aligned_zeros(size: int, pinned: bool) -> torch.Tensor:
+    """``size`` zero bytes starting at an ``ALIGN``-aligned address (for direct I/O)."""
+    raw = torch.zeros(size + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + size]  # a view: it keeps the whole allocation alive
 
 
 def plan_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:

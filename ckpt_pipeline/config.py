@@ -31,6 +31,9 @@ class PipelineConfig:
     - ``capture_rng`` / ``restore_rng``: save and restore the RNG states with the TrainState.
     - ``chunk_bytes``: granularity of checksums and of writes.
     - ``io_threads``: worker threads for checksums and file I/O.
+    - ``direct_io``: write shard data with ``O_DIRECT`` (no page cache: faster on large
+      states, and no gigabytes of dirty pages competing with training for host memory); where
+      the file system refuses it, writes go through the page cache as with ``False``.
     - ``queue_depth``: capacity of each stream between stages.
     - ``rank`` / ``world_size``: this process's place in the job (single process: 0 and 1);
       taken from the coordinator (torch.distributed when it is initialized).
@@ -50,6 +53,7 @@ class PipelineConfig:
     restore_rng: bool = True
     chunk_bytes: int = 64 * _MiB
     io_threads: int = 8
+    direct_io: bool = True
     queue_depth: int = 4
     rank: int = 0
     world_size: int = 1
@@ -85,7 +89,7 @@ class PipelineConfig:
                               hint="for example 300 (seconds)")
         _positive_int("max_failures_in_row", self.max_failures_in_row,
                       "for example max_failures_in_row=3")
-        for name in ("capture_rng", "restore_rng", "strict"):
+        for name in ("capture_rng", "restore_rng", "strict", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")
 

@@ -56,6 +56,14 @@ class Storage(Protocol):
     def create_temp(self, rel_dir: str, final_name: str) -> tuple[int, str]:
         """Create a new temporary file (0600) beside ``final_name``; return (fd, its name)."""
 
+    def open_direct(self, rel_dir: str, temp_name: str) -> int | None:
+        """Open a temporary file again for direct I/O (``O_DIRECT``, bypassing the page cache).
+
+        Returns None when the platform or file system does not offer it. Writes through the
+        descriptor must use aligned addresses, offsets and lengths; ``fsync`` of the file's
+        other descriptor makes them durable.
+        """
+
     def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
         """Write all of ``data`` at ``offset`` (short writes are continued)."""
 
@@ -182,6 +190,19 @@ class LocalStorage:
         except OSError as exc:
             raise self._fail("create", rel, exc) from exc
         return fd, name
+
+    def open_direct(self, rel_dir: str, temp_name: str) -> int | None:
+        direct = getattr(os, "O_DIRECT", 0)
+        if not direct:
+            return None
+        rel = os.path.join(rel_dir, temp_name)
+        flags = os.O_WRONLY | direct | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            return os.open(self._path(rel), flags)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                return None  # this file system has no direct I/O: buffered writes then
+            raise self._fail("open for direct I/O", rel, exc) from exc
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data

@@ -23,8 +23,8 @@ from .storage import LocalStorage
 
 __all__ = ("CRASH_ENV", "CRASH_POINTS", "Fault", "FaultyStorage", "crash_point")
 
-CALLS = ("make_dir", "create_temp", "pwrite", "fsync", "close", "publish", "fsync_dir",
-         "unlink", "rmdir", "move", "free_bytes")
+CALLS = ("make_dir", "create_temp", "open_direct", "pwrite", "fsync", "close", "publish",
+         "fsync_dir", "unlink", "rmdir", "move", "free_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,11 @@ class FaultyStorage(LocalStorage):
         if (f := self._check("create_temp")) is not None:
             self._raise(f)
         return super().create_temp(rel_dir, final_name)
+
+    def open_direct(self, rel_dir: str, temp_name: str) -> int | None:
+        if (f := self._check("open_direct")) is not None:
+            self._raise(f)
+        return super().open_direct(rel_dir, temp_name)
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
         if (f := self._check("pwrite")) is not None:
