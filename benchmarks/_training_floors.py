@@ -2,7 +2,8 @@
 
 - ``plain_copy``: device-to-host copy of the state's tensors into a preallocated pinned buffer.
 - ``plain_write``: those bytes written from host memory with ``os.pwrite`` in 64 MiB pieces (one
-  thread, or a pool of threads into disjoint ranges), fsync, rename, fsync of the directory.
+  thread, or a pool of threads into disjoint ranges; buffered, and with ``O_DIRECT``), fsync,
+  rename, fsync of the directory.
 - ``plain_read``: a freshly written file read back with ``os.preadv`` from a pool of threads into
   the pinned buffer, then one host-to-device copy; the file's pages are dropped from the page
   cache first (``POSIX_FADV_DONTNEED`` after fsync), which a VM's host cache may still defeat.
@@ -18,7 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _baselines import chunked, plain_write_fsync, pwrite_threads_fsync
+from _baselines import (
+    chunked,
+    plain_write_fsync,
+    pwrite_threads_direct_fsync,
+    pwrite_threads_fsync,
+)
 from _training_workload import HostMirror, sync
 
 __all__ = ("drop_page_cache", "drop_page_cache_tree", "plain_copy", "plain_read", "plain_write")
@@ -41,28 +47,48 @@ def plain_copy(mirror: HostMirror, device: torch.device, repeats: int = 3) -> li
 
 
 def plain_write(mirror: HostMirror, workdir: Path, *, thread_counts: tuple[int, ...],
-                repeats: int, chunk_bytes: int = 64 * MiB,
-                keep: Path | None = None) -> dict[int, list[float]]:
-    """Seconds of each durable write of the mirror's bytes, per thread count, interleaved.
+                repeats: int, chunk_bytes: int = 64 * MiB, direct_threads: int = 0,
+                keep: Path | None = None) -> dict[str, list[float]]:
+    """Seconds of each durable write of the mirror's bytes, per method, interleaved.
 
-    Every file is deleted (untimed, then ``os.sync()``) except the very last, which is moved to
-    ``keep`` when given, for ``plain_read``.
+    Methods: ``threads_N`` (buffered ``pwrite`` from N threads) for each thread count, and
+    ``direct_N`` (``O_DIRECT`` from N threads) when ``direct_threads`` is set and the buffer is
+    aligned (skipped where the file system refuses it). Every file is deleted (untimed, then
+    ``os.sync()``) except the very last buffered one, moved to ``keep`` when given, for
+    ``plain_read``.
     """
     pieces = chunked([mirror.byte_view()], chunk_bytes)
-    samples: dict[int, list[float]] = {n: [] for n in thread_counts}
+    methods: list[tuple[str, int, bool]] = [(f"threads_{n}", n, False) for n in thread_counts]
+    aligned = mirror.buffer.data_ptr() % 4096 == 0 and mirror.nbytes % 4096 == 0 \
+        and chunk_bytes % 4096 == 0
+    if direct_threads and aligned and hasattr(os, "O_DIRECT"):
+        methods.append((f"direct_{direct_threads}", direct_threads, True))
+    samples: dict[str, list[float]] = {key: [] for key, _, _ in methods}
     pools = {n: ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"plain-write-{n}")
-             for n in thread_counts if n > 1}
+             for _, n, _ in methods if n > 1}
     try:
-        runs = [(r, n) for r in range(repeats) for n in thread_counts]
-        for index, (_, n) in enumerate(runs):
-            final = workdir / f"plain-write-{n}-{index}.bin"
+        runs = [(r, m) for r in range(repeats) for m in methods]
+        last_buffered = max(i for i, (_, m) in enumerate(runs) if not m[2])
+        for index, (_, (key, n, direct)) in enumerate(runs):
+            final = workdir / f"plain-write-{key}-{index}.bin"
             t0 = time.perf_counter()
-            if n == 1:
-                plain_write_fsync(pieces, final)
-            else:
-                pwrite_threads_fsync(pieces, final, pools[n])
-            samples[n].append(time.perf_counter() - t0)
-            if keep is not None and index == len(runs) - 1:
+            try:
+                if direct:
+                    pwrite_threads_direct_fsync(pieces, final, pools[n])
+                elif n == 1:
+                    plain_write_fsync(pieces, final)
+                else:
+                    pwrite_threads_fsync(pieces, final, pools[n])
+            except OSError:
+                if not direct:
+                    raise
+                samples.pop(key, None)  # this file system refuses O_DIRECT
+                final.with_suffix(".tmp").unlink(missing_ok=True)
+                methods = [m for m in methods if m[0] != key]
+                continue
+            if key in samples:
+                samples[key].append(time.perf_counter() - t0)
+            if keep is not None and index == last_buffered:
                 os.replace(final, keep)
             else:
                 final.unlink(missing_ok=True)

@@ -203,6 +203,7 @@ class DcpAsyncSave(Variant):
         self.pinned = pinned
         self.name = "dcp_async_save_pinned" if pinned else "dcp_async_save"
         self.upload: Future[Any] | None = None
+        self.uploaded = threading.Event()
         self.staging: tuple[Future[Any], dict[str, Any]] | None = None
         self.uses_before_update = True
 
@@ -282,25 +283,30 @@ class DcpAsyncSave(Variant):
             staging.add_done_callback(
                 lambda _f, r=record: r.__setitem__("staged_s", time.perf_counter() - t2))
             self.staging = (staging, record)
-        upload.add_done_callback(lambda f, r=record, s=stager, i=index: self._uploaded(f, r,
-                                                                                     t2, s, i))
+        done = threading.Event()
+        upload.add_done_callback(lambda f, r=record, s=stager, i=index, d=done: self._uploaded(
+            f, r, t2, s, i, d))
         self.upload = upload
+        self.uploaded = done
 
     def _uploaded(self, future: Future[Any], record: dict[str, Any], started: float,
-                  stager: Any, index: int) -> None:
-        record["durable_s"] = time.perf_counter() - started
-        error = future.exception()
-        if error is not None:
-            record["error"] = f"{type(error).__name__}: {error}"
-        if stager is not None:
-            t0 = time.perf_counter()
-            try:
-                stager.close()
-            except Exception as exc:
-                record["stager_close_error"] = f"{type(exc).__name__}: {exc}"
-            record["stager_close_s"] = time.perf_counter() - t0
-        if error is None:
-            self.retain.durable(index)
+                  stager: Any, index: int, done: threading.Event) -> None:
+        try:
+            record["durable_s"] = time.perf_counter() - started
+            error = future.exception()
+            if error is not None:
+                record["error"] = f"{type(error).__name__}: {error}"
+            if stager is not None:
+                t0 = time.perf_counter()
+                try:
+                    stager.close()
+                except Exception as exc:
+                    record["stager_close_error"] = f"{type(exc).__name__}: {exc}"
+                record["stager_close_s"] = time.perf_counter() - t0
+            if error is None:
+                self.retain.durable(index)
+        finally:
+            done.set()  # close() waits for this callback, not only for the future
 
     def finish(self) -> None:
         self._wait_staging()
@@ -310,6 +316,7 @@ class DcpAsyncSave(Variant):
     def close(self) -> None:
         if self.upload is not None:
             self.upload.exception()  # wait; an error was recorded by the callback
+            self.uploaded.wait()  # the callback runs after the future is done
         retain = getattr(self, "retain", None)
         if retain is not None:
             retain.close()

@@ -75,8 +75,10 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| plain pinned device-to-host copy | {copy['best_s']:.4f} "
                          f"| {copy['gbps_best']:.1f} |")
         for key, w in floors.get("plain_write", {}).items():
-            if key.startswith("threads_"):
-                lines.append(f"| plain write + fsync, {key.split('_')[1]} thread(s) "
+            if key.startswith(("threads_", "direct_")):
+                kind, n = key.split("_")
+                how = f"{n} thread(s)" if kind == "threads" else f"O_DIRECT, {n} thread(s)"
+                lines.append(f"| plain write + fsync, {how} "
                              f"| {w['best_s']:.3f} | {w['gbps_best']:.2f} |")
         read = floors.get("plain_read")
         if read:

@@ -28,7 +28,7 @@ from ._job import SaveJob
 from ._restore import Loaded, Recovery
 from ._retain import prune
 from ._serialize import serialize
-from ._snapshot import HostPool, Slot, plan_layout, take_snapshot
+from ._snapshot import HostPool, Slot, begin_streamed_snapshot, plan_layout, take_snapshot
 from ._tree import FlatState, flatten_state
 from ._write import remove_published, write_shard
 from .config import PipelineConfig
@@ -76,6 +76,18 @@ class _Plan:
     offsets: list[int]
     data_length: int
     pinned: bool
+    streamed: bool
+
+
+def _check_streamable(flat: FlatState, step: int, rank: int) -> None:
+    """A streamed save copies byte ranges of each tensor: they must be contiguous."""
+    for tensor, path in zip(flat.tensors, flat.paths):
+        if not tensor.is_contiguous():
+            raise StateError(
+                f"tensor {path} is not contiguous; a state larger than host_buffer_bytes is "
+                "copied in byte ranges", step=step, rank=rank, path=path,
+                hint="make it contiguous, or set host_buffer_bytes=None (a buffer as large "
+                     "as the state)")
 
 
 def default_coordinator(config: PipelineConfig) -> Coordinator:
@@ -270,13 +282,20 @@ class AsyncCheckpointPipeline:
                              hint="TrainState.extra and non-tensor leaves must be plain "
                                   "values") from exc
         offsets, data_length = plan_layout(flat.tensors)
+        cap = self.config.host_buffer_bytes
+        streamed = cap is not None and data_length > cap
+        if streamed:
+            _check_streamable(flat, step, self.rank)
         return _Plan(step, started, flat, tree, ts_plain, offsets, data_length,
-                     pinned=any(t.device.type == "cuda" for t in flat.tensors))
+                     pinned=any(t.device.type == "cuda" for t in flat.tensors),
+                     streamed=streamed)
 
     def _acquire(self, plan: _Plan, block: bool) -> Slot | None:
         """A host slot for the plan; None when none is free and this call may not wait."""
         wait = block and self.config.when_busy == "block"
-        return self._pool.acquire(max(plan.data_length, 1), pinned=plan.pinned, block=wait)
+        size = self.config.host_buffer_bytes if plan.streamed else plan.data_length
+        assert size is not None
+        return self._pool.acquire(max(size, 1), pinned=plan.pinned, block=wait)
 
     def _start_save(self, plan: _Plan, slot: Slot | None) -> SaveJob:
         """Training-thread part two: claim the step, start the copies, build the job.
@@ -294,9 +313,13 @@ class AsyncCheckpointPipeline:
                 raise
             self._last_step = step
         try:
-            snap = take_snapshot(flat.tensors, flat.paths, plan.offsets, slot.buffer,
-                                 step=step, rank=self.rank,
-                                 ordered=self.config.snapshot_mode == "ordered")
+            if plan.streamed:
+                snap = begin_streamed_snapshot(flat.tensors, flat.paths, step=step,
+                                               rank=self.rank)
+            else:
+                snap = take_snapshot(flat.tensors, flat.paths, plan.offsets, slot.buffer,
+                                     step=step, rank=self.rank,
+                                     ordered=self.config.snapshot_mode == "ordered")
         except BaseException:
             self._pool.release(slot)
             raise
@@ -315,7 +338,7 @@ class AsyncCheckpointPipeline:
         )
         with self._lock:
             self._pending[step] = handle
-            if snap.has_device_copies and not snap.released:
+            if snap.needs_release:
                 self._snapshots.append(handle)
         self._emit(SaveRequested(step=step, rank=self.rank, save_id=save_id,
                                  tensors=len(flat.tensors), bytes=job.data_bytes,
@@ -414,6 +437,8 @@ class AsyncCheckpointPipeline:
                     await send.aclose()
 
     def _release_slot(self, job: SaveJob) -> None:
+        if job.snapshot is not None:
+            job.snapshot.enqueued.set()  # a streamed copy that never ran: wait_snapshot returns
         if job.slot is not None:
             self._pool.release(job.slot)
             job.slot = None
@@ -422,6 +447,8 @@ class AsyncCheckpointPipeline:
         started = time.perf_counter()
         snap = job.snapshot
         assert snap is not None
+        if snap.streaming:
+            return  # copied by the serialize stage, a host buffer at a time
         if snap.has_device_copies:
             await self._thread(snap.release_by_pipeline)
         if snap.torn is not None:
@@ -433,10 +460,13 @@ class AsyncCheckpointPipeline:
     async def _serialize_stage(self, job: SaveJob) -> None:
         started = time.perf_counter()
         assert self._limiter is not None
-        await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
-                        threads=self.config.io_threads, limiter=self._limiter,
-                        direct_io=self.config.direct_io)
+        copied = await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
+                                 threads=self.config.io_threads, limiter=self._limiter,
+                                 direct_io=self.config.direct_io)
         self._release_slot(job)  # the bytes are in the file now: the next save may copy
+        if copied is not None:
+            self._emit(SnapshotTaken(step=job.step, rank=self.rank, save_id=job.save_id,
+                                     bytes=job.data_bytes, seconds=copied))
         self._emit(ShardSerialized(step=job.step, rank=self.rank, save_id=job.save_id,
                                    bytes=job.data_bytes, header_bytes=len(job.header),
                                    seconds=time.perf_counter() - started))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import queue
 import time
+from functools import partial
 
 import anyio
+import torch
 
 from ._crash import crash_point
 from ._format import (
@@ -25,6 +28,7 @@ from ._format import (
 from ._hostmem import byte_view
 from ._job import SaveJob
 from ._parallel import run_groups, split_balanced, tensor_chunks
+from ._snapshot import copy_piece
 from .errors import StorageError
 from .storage import Storage
 
@@ -40,15 +44,17 @@ def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
 
 
 async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
-                    limiter: anyio.CapacityLimiter, direct_io: bool = True) -> None:
-    """Stream the host copy into a new temporary shard file, then encode the shard header.
+                    limiter: anyio.CapacityLimiter, direct_io: bool = True) -> float | None:
+    """Write the tensor bytes into a new temporary shard file, then encode the shard header.
 
     One pass over host memory: each chunk is hashed (xxh3) right before it is written at its
     offset, by several threads at once. With ``direct_io`` the bytes go through a second
     descriptor opened with ``O_DIRECT`` (no page cache, no copy into it), each tensor's last
     chunk padded with zeros to the next aligned offset; where the file system refuses direct
-    I/O the same writes go through the page cache. Fills ``job.fd`` (left open for the write
-    stage) and ``job.header``.
+    I/O the same writes go through the page cache. A streamed snapshot (state larger than the
+    host buffer) is copied here, a piece at a time, each piece written while the next is copied;
+    then the seconds until the last copy was launched are returned (else None). Fills ``job.fd``
+    (left open for the write stage) and ``job.header``.
     """
     job.dir_name = step_dir_name(job.step)
     need = required_bytes(job, chunk_bytes)
@@ -63,7 +69,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
                                               shard_name(job.rank), limiter=limiter)
     job.temp_names.append(temp)
     job.fd = fd
-    assert job.slot is not None
+    assert job.slot is not None and job.snapshot is not None
     buffer = job.slot.buffer
     chunks = tensor_chunks(job.offsets, job.sizes, chunk_bytes)
     per_tensor: list[list[int]] = [[0] * chunk_count(n, chunk_bytes) for n in job.sizes]
@@ -71,31 +77,13 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     if direct_io and buffer.data_ptr() % ALIGN == 0 and job.data_length > 0:
         direct = await anyio.to_thread.run_sync(storage.open_direct, job.dir_name, temp,
                                                 limiter=limiter)
-    refused: list[bool] = []  # set when a direct write is refused: buffered writes from then
-
-    def write(start: int, end: int) -> None:
-        offset = PREAMBLE_SIZE + start
-        if direct is not None and not refused:
-            padded = align_up(end)
-            if padded > end:
-                buffer[end:padded].zero_()  # the gap up to the next tensor reads as zeros
-            try:
-                storage.pwrite(direct, byte_view(buffer, start, padded), offset)
-                return
-            except StorageError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                refused.append(True)
-        storage.pwrite(fd, byte_view(buffer, start, end), offset)
-
-    def run(group: list[tuple[int, int, int, int]]) -> None:
-        for start, end, i, k in group:
-            per_tensor[i][k] = checksum(byte_view(buffer, start, end))
-            if end > start:
-                write(start, end)
-
+    writer = _ChunkWriter(storage, fd, direct, buffer, per_tensor)
+    copied: float | None = None
     try:
-        await run_groups(run, split_balanced(chunks, threads), limiter)
+        if job.snapshot.streaming:
+            copied = await _stream(job, writer, chunks, chunk_bytes, threads, limiter)
+        else:
+            await run_groups(writer.run, split_balanced(chunks, threads), limiter)
     except BaseException:
         if direct is not None:
             with anyio.CancelScope(shield=True):
@@ -117,6 +105,134 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
         data_length=job.data_length, tensors=records, tree=job.tree,
         train_state=job.train_state,
     ))
+    return copied
+
+
+Chunk = tuple[int, int, int, int]  # (start, end) in the data region, tensor index, chunk index
+
+
+class _ChunkWriter:
+    """Hash and write chunks from a host buffer; shared by the worker threads of one save."""
+
+    def __init__(self, storage: Storage, fd: int, direct: int | None, buffer: torch.Tensor,
+                 per_tensor: list[list[int]]) -> None:
+        self.storage = storage
+        self.fd = fd
+        self.direct = direct
+        self.buffer = buffer
+        self.per_tensor = per_tensor
+        self.refused = False  # a direct write was refused: buffered writes from then on
+
+    def chunk(self, chunk: Chunk, at: int) -> None:
+        """Hash and write one chunk whose bytes are at ``buffer[at:]``."""
+        start, end, i, k = chunk
+        stop = at + end - start
+        self.per_tensor[i][k] = checksum(byte_view(self.buffer, at, stop))
+        if end == start:
+            return
+        offset = PREAMBLE_SIZE + start
+        if self.direct is not None and not self.refused:
+            padded = align_up(stop)
+            if padded > stop:
+                self.buffer[stop:padded].zero_()  # the gap up to the next tensor reads as zeros
+            try:
+                self.storage.pwrite(self.direct, byte_view(self.buffer, at, padded), offset)
+                return
+            except StorageError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.refused = True
+        self.storage.pwrite(self.fd, byte_view(self.buffer, at, stop), offset)
+
+    def run(self, group: list[Chunk]) -> None:
+        """Chunks laid out in the buffer as in the data region (the whole state fits)."""
+        for chunk in group:
+            self.chunk(chunk, chunk[0])
+
+
+def pieces_of(chunks: list[Chunk], piece_bytes: int) -> list[tuple[int, list[Chunk]]]:
+    """Consecutive chunks grouped so that each group spans at most ``piece_bytes`` (aligned).
+
+    Returns (data offset of the group's first chunk, its chunks).
+    """
+    out: list[tuple[int, list[Chunk]]] = []
+    for chunk in chunks:
+        if not out or align_up(chunk[1]) - out[-1][0] > piece_bytes:
+            out.append((chunk[0], []))
+        out[-1][1].append(chunk)
+    return out
+
+
+async def _stream(job: SaveJob, writer: _ChunkWriter, chunks: list[Chunk], chunk_bytes: int,
+                  threads: int, limiter: anyio.CapacityLimiter) -> float:
+    """Copy a streamed snapshot through the host buffer a piece at a time, writing each.
+
+    The buffer is cut into segments; one thread launches the copies of the next piece into a
+    free segment while the others hash and write the pieces already copied. Sets the
+    snapshot's final events and ``enqueued`` once every copy is launched (or on failure), so
+    that ``wait_snapshot`` never waits forever. Returns the seconds until then.
+    """
+    snap = job.snapshot
+    assert snap is not None
+    buffer = writer.buffer
+    segments = max(2, min(threads, buffer.numel() // chunk_bytes))
+    segment_bytes = buffer.numel() // segments // ALIGN * ALIGN
+    pieces = pieces_of(chunks, segment_bytes)
+    free: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for index in range(segments):
+        free.put(index)
+    work: queue.SimpleQueue[tuple[int, list[Chunk], int, list[torch.cuda.Event]] | None] = \
+        queue.SimpleQueue()
+    errors: list[BaseException] = []
+    writers = max(1, min(threads, segments - 1, len(pieces)))
+    started = time.perf_counter()
+    launched = [0.0]
+
+    def drive() -> None:
+        latest: dict[int, torch.cuda.Event] = {}
+        try:
+            for base, group in pieces:
+                segment = free.get()
+                if errors:
+                    break
+                at = segment * segment_bytes
+                done = copy_piece(snap, group, job.offsets, buffer[at:at + segment_bytes], base)
+                latest.update(done)
+                work.put((base, group, at, list(done.values())))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            snap.events = [(torch.device("cuda", i), e) for i, e in latest.items()]
+            launched[0] = time.perf_counter() - started
+            snap.enqueued.set()
+            for _ in range(writers):
+                work.put(None)
+
+    def write() -> None:
+        while (item := work.get()) is not None:
+            base, group, at, events = item
+            try:
+                if not errors:
+                    for event in events:
+                        event.synchronize()
+                    for chunk in group:
+                        writer.chunk(chunk, at + chunk[0] - base)
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                free.put(at // segment_bytes)
+
+    async with anyio.create_task_group() as tg:
+        # Not under the I/O limiter: the writers must be able to run while it waits for them.
+        tg.start_soon(partial(anyio.to_thread.run_sync, drive))
+        for _ in range(writers):
+            tg.start_soon(partial(anyio.to_thread.run_sync, write, limiter=limiter))
+    if errors:
+        raise errors[0]
+    await anyio.to_thread.run_sync(snap.release_by_pipeline, limiter=limiter)
+    if snap.torn is not None:
+        raise snap.torn
+    return launched[0]
 
 
 def _close_quietly(storage: Storage, fd: int) -> None:

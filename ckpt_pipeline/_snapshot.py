@@ -17,7 +17,8 @@ import torch
 from ._format import ALIGN, align_up
 from .errors import PoolBusyError, SnapshotTornError
 
-__all__ = ("HostPool", "Slot", "Snapshot", "plan_layout", "take_snapshot")
+__all__ = ("HostPool", "Slot", "Snapshot", "begin_streamed_snapshot", "copy_piece", "plan_layout",
+           "take_snapshot")
 
 
 @dataclass(slots=True)
@@ -129,10 +130,21 @@ class Snapshot:
     released: bool = False
     torn: SnapshotTornError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # A streamed snapshot (state larger than a host buffer) is copied piece by piece by the
+    # serialize stage: ``ready`` orders its copies after the caller's work at save() time,
+    # ``enqueued`` is set once every copy is launched (and ``events`` is final).
+    streaming: bool = False
+    ready: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    enqueued: threading.Event = field(default_factory=threading.Event)
 
     @property
     def has_device_copies(self) -> bool:
         return bool(self.events)
+
+    @property
+    def needs_release(self) -> bool:
+        """Whether the caller must still call ``wait_snapshot`` before mutating the tensors."""
+        return (self.streaming or bool(self.events)) and not self.released
 
     def release_by_caller(self, *, block_cpu: bool) -> None:
         """Order the caller's streams after the copies and check that nothing was mutated.
@@ -140,6 +152,8 @@ class Snapshot:
         Called on the training thread (``wait_snapshot``). Any in-place update launched before
         this call is visible in the version counters, so the check is exact here.
         """
+        if self.streaming:
+            self.enqueued.wait()  # the pieces not yet copied wait for the disk
         with self.lock:
             if self.released:
                 return
@@ -157,6 +171,8 @@ class Snapshot:
         moment of the check may be missed. The protocol (``wait_snapshot`` before the update)
         makes it exact.
         """
+        if self.streaming:
+            self.enqueued.wait()
         for _device, event in self.events:
             event.synchronize()
         with self.lock:
@@ -235,6 +251,67 @@ def take_snapshot(
         snap.released = True
         snap.sources = []
     return snap
+
+
+def begin_streamed_snapshot(tensors: Sequence[torch.Tensor], paths: Sequence[str], *,
+                            step: int, rank: int) -> Snapshot:
+    """A snapshot whose copies the serialize stage makes later, a host buffer at a time.
+
+    Runs on the training thread: records the tensors' versions and, per CUDA device, an event
+    on the caller's stream after which the copies run.
+    """
+    snap = Snapshot(step, rank, streaming=True)
+    for t, path in zip(tensors, paths):
+        snap.sources.append(t)
+        snap.versions.append(t._version)
+        snap.source_paths.append(path)
+        if t.device.type == "cuda":
+            index = t.device.index if t.device.index is not None else 0
+            if index not in snap.ready:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(t.device))
+                snap.ready[index] = event
+    return snap
+
+
+def copy_piece(snap: Snapshot, pieces: Sequence[tuple[int, int, int, int]],
+               offsets: Sequence[int], buffer: torch.Tensor,
+               base: int) -> dict[int, torch.cuda.Event]:
+    """Copy byte ranges (start, end, tensor index, -) of the data region into ``buffer``.
+
+    A range starting at data offset ``start`` lands at ``start - base``. CPU ranges are copied
+    now; CUDA ranges are launched on the side stream, after the snapshot's ready event. Returns
+    the event that completes this piece's copies, per CUDA device.
+    """
+    sides: dict[int, torch.cuda.Stream] = {}
+    for start, end, i, _k in pieces:
+        t = snap.sources[i]
+        lo, hi = start - offsets[i], end - offsets[i]
+        dest = buffer[start - base:end - base]
+        if t.device.type != "cuda":
+            dest.copy_(_flat_bytes(t)[lo:hi])
+            continue
+        index = t.device.index if t.device.index is not None else 0
+        side = sides.get(index)
+        if side is None:
+            side = sides[index] = _side_stream(t.device)
+            ready = snap.ready.pop(index, None)  # the first piece on this device waits for it
+            if ready is not None:
+                side.wait_event(ready)
+        with torch.cuda.stream(side):
+            dest.copy_(_flat_bytes(t)[lo:hi], non_blocking=True)
+    done: dict[int, torch.cuda.Event] = {}
+    for index, side in sides.items():
+        event = torch.cuda.Event()
+        event.record(side)
+        done[index] = event
+    return done
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 view (no copy)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
 
 
 def _dest(buffer: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,11 @@ class PipelineConfig:
     - ``keep_last``: committed steps kept on disk; older ones are pruned once a newer one is
       committed. The newest committed step is never pruned.
     - ``buffer_slots``: host buffers in the pool (1, or 2 to let a save start while the previous
-      one is still being written). Each slot is as large as the state.
+      one is still being written). Each slot is as large as the state, or ``host_buffer_bytes``.
+    - ``host_buffer_bytes``: cap on the size of each slot (None: as large as the state). A
+      larger state is streamed: copied into the slot a piece at a time, each piece written
+      while the next is copied. ``wait_snapshot()`` then returns only once the last piece is
+      copied, after the others are on disk: host memory traded for blocking time.
     - ``when_busy``: what ``save()`` does when every slot is busy: ``"block"`` waits for one,
       ``"skip"`` drops this save and emits ``SaveSkipped``.
     - ``snapshot_mode``: ``"overlap"`` copies CUDA tensors on a side stream and expects
@@ -47,6 +51,7 @@ class PipelineConfig:
 
     keep_last: int = 3
     buffer_slots: int = 1
+    host_buffer_bytes: int | None = None
     when_busy: BusyPolicy = "block"
     snapshot_mode: SnapshotMode = "overlap"
     capture_rng: bool = True
@@ -78,6 +83,20 @@ class PipelineConfig:
         ):
             raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} is invalid",
                               hint="use a positive multiple of 4096, for example 64 MiB")
+        cap = self.host_buffer_bytes
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap % 4096 or (
+                cap < 2 * self.chunk_bytes
+            ):
+                raise ConfigError(
+                    f"host_buffer_bytes={cap!r} is invalid",
+                    hint=f"use None, or a multiple of 4096 of at least two chunks "
+                         f"(2 * chunk_bytes = {2 * self.chunk_bytes})")
+            if self.snapshot_mode == "ordered":
+                raise ConfigError("snapshot_mode='ordered' cannot stream a state through a "
+                                  "capped host buffer",
+                                  hint="use snapshot_mode='overlap' with host_buffer_bytes, "
+                                       "or host_buffer_bytes=None")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not (
             0 <= self.rank < self.world_size
         ):

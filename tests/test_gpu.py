@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_state, make_training_state
+from conftest import assert_same_state, make_training_state, train_one_step
 
 import ckpt_pipeline as cp
 
@@ -114,3 +114,42 @@ def test_pinned_pool_stays_flat_across_saves(root: Path) -> None:
         pipe.wait(60)
         assert pipe.host_memory_bytes == first
         assert pipe.host_memory_pinned
+
+
+def test_a_cuda_state_larger_than_the_host_buffer_is_streamed(root: Path) -> None:
+    """64 MiB through an 8 MiB pinned buffer; updates after wait_snapshot stay out of it."""
+    t = torch.randn(4096, 4096, device="cuda")
+    ids = torch.arange(1_000_003, device="cuda")
+    on_cpu = torch.randn(300_000)
+    expected = {"t": t.clone(), "ids": ids.clone(), "on_cpu": on_cpu.clone()}
+    mib = 1 << 20
+    with cp.CheckpointPipeline(root, host_buffer_bytes=8 * mib, chunk_bytes=mib) as pipe:
+        _delay_caller_stream()
+        handle = pipe.save(1, {"t": t, "ids": ids, "on_cpu": on_cpu})
+        pipe.wait_snapshot()  # blocks until the last piece's copy is queued
+        t.add_(1.0)  # queued after the copies on the GPU
+        ids.add_(1)
+        on_cpu.add_(1.0)
+        handle.result(60)
+        assert pipe.host_memory_bytes == 8 * mib and pipe.host_memory_pinned
+    live = {"t": torch.zeros_like(t), "ids": torch.zeros_like(ids),
+            "on_cpu": torch.zeros_like(on_cpu)}
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.restore_latest(live)
+    for key, value in expected.items():
+        assert torch.equal(live[key], value), key
+
+
+def test_streamed_training_restores_bit_exact(root: Path) -> None:
+    state = make_training_state(seed=3, device="cuda")
+    with cp.CheckpointPipeline(root, host_buffer_bytes=8192, chunk_bytes=4096) as pipe:
+        for step in range(1, 6):
+            train_one_step(state, seed=step)
+            pipe.save(step, state, cp.TrainState(step=step))
+            pipe.wait_snapshot()
+        pipe.wait(60)
+    fresh = make_training_state(seed=4, device="cuda")
+    with cp.CheckpointPipeline(root) as pipe:
+        result = pipe.restore_latest(fresh)
+    assert result is not None and result.step == 5
+    assert_same_state(state, fresh)
