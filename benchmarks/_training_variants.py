@@ -49,6 +49,8 @@ __all__ = (
 VARIANTS = (
     "none",
     "ckpt_pipeline",
+    "ckpt_pipeline_2slots",
+    "ckpt_pipeline_streamed",
     "torch_save",
     "dcp_save",
     "dcp_async_save",
@@ -334,9 +336,11 @@ class CkptPipeline(Variant):
     name = "ckpt_pipeline"
     uses_before_update = True
 
-    def __init__(self, work: Workload, root: Path, args: Any, cp: Any) -> None:
+    def __init__(self, work: Workload, root: Path, args: Any, cp: Any,
+                 **overrides: Any) -> None:
         super().__init__(work, root, args)
         self.cp = cp
+        self.overrides = overrides  # PipelineConfig fields of this variant (over the flags)
         self.events: list[Any] = []
         self.pending: dict[str, Any] | None = None
         self.handles: dict[int, Any] = {}
@@ -350,6 +354,7 @@ class CkptPipeline(Variant):
             options["buffer_slots"] = self.args.buffer_slots
         if self.args.pipeline_chunk_mb is not None:
             options["chunk_bytes"] = self.args.pipeline_chunk_mb << 20
+        options.update(self.overrides)
         if self.args.pipeline_coordinator == "local":
             options["coordinator"] = self.cp.LocalCoordinator()
         return options
@@ -475,6 +480,11 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
         return DcpAsyncSave(work, root, args, pinned=name.endswith("pinned"))
     if name == "ckpt_pipeline":
         return CkptPipeline(work, root, args, cp)
+    if name == "ckpt_pipeline_2slots":  # double buffering: a save never waits for the last
+        return CkptPipeline(work, root, args, cp, buffer_slots=2)
+    if name == "ckpt_pipeline_streamed":  # bounded host memory: the state streams through
+        return CkptPipeline(work, root, args, cp,
+                            host_buffer_bytes=args.streamed_buffer_mb << 20)
     raise ValueError(f"unknown variant {name!r}")
 
 

@@ -67,8 +67,8 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "training_gpu.json"
 SMALL_OUT = REPO / "benchmarks" / "results" / "training_small.json"
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs"}
 # Order of the run: the headline first, so that a run cut short still has it.
-RUN_ORDER = ("none", "ckpt_pipeline", "dcp_async_save_pinned", "dcp_async_save", "dcp_save",
-             "torch_save")
+RUN_ORDER = ("none", "ckpt_pipeline", "ckpt_pipeline_2slots", "ckpt_pipeline_streamed",
+             "dcp_async_save_pinned", "dcp_async_save", "dcp_save", "torch_save")
 DCP_VARIANTS = {"dcp_save", "dcp_async_save", "dcp_async_save_pinned"}
 PEERS = {"torch_save", *DCP_VARIANTS, "init_process_group"}
 PROFILES = {
@@ -271,10 +271,11 @@ class Run:
         write = self.report["floors"].get("plain_write", {}).get("best_s") or \
             self.state_bytes / 1e9
         saves = a.steps // a.every
-        factor = {"none": 0.0, "ckpt_pipeline": 0.5, "torch_save": 2.5, "dcp_save": 2.0,
+        factor = {"none": 0.0, "ckpt_pipeline": 0.5, "ckpt_pipeline_2slots": 0.5,
+                  "ckpt_pipeline_streamed": 1.0, "torch_save": 2.5, "dcp_save": 2.0,
                   "dcp_async_save": 2.0, "dcp_async_save_pinned": 2.0}[name]
         extra = 0.0
-        if name == "ckpt_pipeline":
+        if name.startswith("ckpt_pipeline"):
             extra = 4 * write + 10 + (3 * write if a.restore_check else 0)
         return loop * 1.1 + saves * factor * write + write + extra + 5
 
@@ -378,6 +379,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--io-threads", type=int, default=None, help="PipelineConfig.io_threads")
     p.add_argument("--buffer-slots", type=int, default=None,
                    help="PipelineConfig.buffer_slots")
+    p.add_argument("--streamed-buffer-mb", type=int, default=1024,
+                   help="host_buffer_bytes of the ckpt_pipeline_streamed variant (MiB)")
     p.add_argument("--pipeline-chunk-mb", type=int, default=None,
                    help="PipelineConfig.chunk_bytes in MiB")
     p.add_argument("--pipeline-coordinator", choices=("local", "default"), default="local",

@@ -60,7 +60,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| `{key}` | skipped: {report['skipped'][key]} | | | | | |")
             continue
         s = summary.get(key, {})
-        name = f"**`{key}`**" if key == "ckpt_pipeline" else f"`{key}`"
+        name = f"**`{key}`**" if key.startswith("ckpt_pipeline") else f"`{key}`"
         blocking = (f"{_f(s.get('blocking_median_ms'), '.1f')} / "
                     f"{_f(s.get('blocking_max_ms'), '.1f')}") if s.get("saves") else "-"
         lines.append(
@@ -104,7 +104,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     keys = [k for k in variant_rows(report)
             if summary.get(k, {}).get("overhead_ratio") is not None]
     ratios = [summary[k]["overhead_ratio"] for k in keys]
-    colors = ["tab:green" if k == "ckpt_pipeline" else
+    colors = ["tab:green" if k.startswith("ckpt_pipeline") else
               "tab:gray" if k.startswith("none") else "tab:blue" for k in keys]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(keys) + 1.8))
     bars = ax.barh(keys, ratios, color=colors)
