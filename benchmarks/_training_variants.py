@@ -13,6 +13,7 @@ background thread deletes save ``k - keep`` (ckpt_pipeline does the same with ``
 
 from __future__ import annotations
 
+import gc
 import shutil
 import statistics
 import threading
@@ -105,6 +106,7 @@ class Variant:
         self.args = args
         self.saves: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
+        self.loop_started: float | None = None  # set by run_loop when the timed loop starts
 
     def prepare(self) -> None:
         """Untimed set-up before the loop."""
@@ -341,6 +343,7 @@ class CkptPipeline(Variant):
         super().__init__(work, root, args)
         self.cp = cp
         self.overrides = overrides  # PipelineConfig fields of this variant (over the flags)
+        self.event_times: list[tuple[float, str, int]] = []
         self.events: list[Any] = []
         self.pending: dict[str, Any] | None = None
         self.handles: dict[int, Any] = {}
@@ -358,6 +361,11 @@ class CkptPipeline(Variant):
         if self.args.pipeline_coordinator == "local":
             options["coordinator"] = self.cp.LocalCoordinator()
         return options
+
+    def _record(self, event: Any) -> None:
+        """Keep every event with the time it was emitted (for the timeline of the loop)."""
+        self.events.append(event)
+        self.event_times.append((time.perf_counter(), type(event).__name__, event.step))
 
     def _memory(self) -> dict[str, Any]:
         return {"host_memory_bytes": self.pipe.host_memory_bytes,
@@ -387,7 +395,7 @@ class CkptPipeline(Variant):
         self.extra["options"] = settings
         self.pipe = self.cp.CheckpointPipeline(self.root, **options)
         self.pipe.open()
-        self.pipe.subscribe(self.events.append)
+        self.pipe.subscribe(self._record)
         self.extra["memory_before_first_save"] = {"rss": rss_bytes(),
                                                   "torch_host_memory_stats":
                                                       host_memory_stats()}
@@ -459,8 +467,12 @@ class CkptPipeline(Variant):
         for key in ("first_save", "isolated_save"):
             if key in self.extra:
                 self.extra[key]["stages"] = stages.get(self.extra[key]["step"], {})
+        start = self.loop_started
+        timeline = [[round(t - start, 4), kind, step] for t, kind, step in self.event_times
+                    ] if start is not None else []
         return {
             "saves": self.saves,
+            "event_times_in_loop_s": timeline,
             "idle_wait_snapshot": {"calls": len(self.idle_waits),
                                    "total_s": sum(self.idle_waits),
                                    "median_s": _median(self.idle_waits)},
@@ -506,12 +518,28 @@ def run_loop(variant: Variant, *, steps: int, every: int, warmup_steps: int,
     work.sync()
     hook = variant.before_update if variant.uses_before_update else None
     step_ends: list[float] = []
+    collections: list[list[float]] = []  # [start s, seconds, generation] of each GC in the loop
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            collections.append([round(gc_started[0] - t0, 4),
+                                round(time.perf_counter() - gc_started[0], 5),
+                                info.get("generation", -1)])
+
     t0 = time.perf_counter()
-    for step in range(1, steps + 1):
-        work.step(hook)
-        if step % every == 0:
-            variant.save(step)
-        step_ends.append(time.perf_counter() - t0)
+    variant.loop_started = t0
+    gc.callbacks.append(on_gc)
+    try:
+        for step in range(1, steps + 1):
+            work.step(hook)
+            if step % every == 0:
+                variant.save(step)
+            step_ends.append(time.perf_counter() - t0)
+    finally:
+        gc.callbacks.remove(on_gc)
     if work.device.type == "cuda":
         torch.cuda.current_stream(work.device).synchronize()
     total_stream = time.perf_counter() - t0
@@ -535,6 +563,7 @@ def run_loop(variant: Variant, *, steps: int, every: int, warmup_steps: int,
         "steps": steps,
         "every": every,
         "step_end_s": step_ends,
+        "gc_in_loop": collections,
     }
 
 

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import anyio
 
-__all__ = ("run_groups", "split_balanced", "tensor_chunks")
+__all__ = ("first_leaf", "run_groups", "split_balanced", "tensor_chunks")
 
 R = TypeVar("R", bound=tuple[int, ...])
 
@@ -52,10 +52,10 @@ async def run_groups(fn: Callable[[list[R]], None], groups: list[list[R]],
             for group in groups:
                 tg.start_soon(_run_sync, fn, group, limiter)
     except Exception as exc:
-        raise _first_leaf(exc) from None
+        raise first_leaf(exc) from None
 
 
-def _first_leaf(exc: BaseException) -> BaseException:
+def first_leaf(exc: BaseException) -> BaseException:
     inner = getattr(exc, "exceptions", None)
     while inner:
         exc = inner[0]

@@ -447,12 +447,10 @@ class AsyncCheckpointPipeline:
         started = time.perf_counter()
         snap = job.snapshot
         assert snap is not None
-        if snap.streaming:
-            return  # copied by the serialize stage, a host buffer at a time
-        if snap.has_device_copies:
-            await self._thread(snap.release_by_pipeline)
-        if snap.torn is not None:
-            raise snap.torn
+        if snap.streaming or snap.has_device_copies:
+            # The serialize stage writes each piece once its copy is done, checks the versions
+            # and reports the snapshot (a streamed one is copied there, a buffer at a time).
+            return
         self._emit(SnapshotTaken(step=job.step, rank=self.rank, save_id=job.save_id,
                                  bytes=job.data_bytes,
                                  seconds=time.perf_counter() - started))

@@ -27,8 +27,8 @@ from ._format import (
 )
 from ._hostmem import byte_view
 from ._job import SaveJob
-from ._parallel import run_groups, split_balanced, tensor_chunks
-from ._snapshot import copy_piece
+from ._parallel import first_leaf, run_groups, split_balanced, tensor_chunks
+from ._snapshot import Snapshot, copy_piece
 from .errors import StorageError
 from .storage import Storage
 
@@ -77,11 +77,14 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     if direct_io and buffer.data_ptr() % ALIGN == 0 and job.data_length > 0:
         direct = await anyio.to_thread.run_sync(storage.open_direct, job.dir_name, temp,
                                                 limiter=limiter)
-    writer = _ChunkWriter(storage, fd, direct, buffer, per_tensor)
+    snap = job.snapshot
+    writer = _ChunkWriter(storage, fd, direct, buffer, per_tensor, snap.copied)
     copied: float | None = None
     try:
-        if job.snapshot.streaming:
+        if snap.streaming:
             copied = await _stream(job, writer, chunks, chunk_bytes, threads, limiter)
+        elif snap.has_device_copies:
+            copied = await _overlapped(snap, writer, chunks, threads, limiter)
         else:
             await run_groups(writer.run, split_balanced(chunks, threads), limiter)
     except BaseException:
@@ -115,7 +118,8 @@ class _ChunkWriter:
     """Hash and write chunks from a host buffer; shared by the worker threads of one save."""
 
     def __init__(self, storage: Storage, fd: int, direct: int | None, buffer: torch.Tensor,
-                 per_tensor: list[list[int]]) -> None:
+                 per_tensor: list[list[int]], copied: dict[int, torch.cuda.Event]) -> None:
+        self.copied = copied  # device copies still running into the buffer, per tensor
         self.storage = storage
         self.fd = fd
         self.direct = direct
@@ -145,9 +149,41 @@ class _ChunkWriter:
         self.storage.pwrite(self.fd, byte_view(self.buffer, at, stop), offset)
 
     def run(self, group: list[Chunk]) -> None:
-        """Chunks laid out in the buffer as in the data region (the whole state fits)."""
+        """Chunks laid out in the buffer as in the data region (the whole state fits).
+
+        A chunk of a tensor whose device copy may still run waits for that copy first.
+        """
         for chunk in group:
+            event = self.copied.get(chunk[2])
+            if event is not None:
+                event.synchronize()
             self.chunk(chunk, chunk[0])
+
+
+async def _overlapped(snap: Snapshot, writer: _ChunkWriter, chunks: list[Chunk], threads: int,
+                      limiter: anyio.CapacityLimiter) -> float:
+    """Hash and write while the device copies finish; then check the snapshot was not torn.
+
+    Returns the seconds until the last copy was done.
+    """
+    started = time.perf_counter()
+    done = [0.0]
+
+    def copies_done() -> None:
+        for _device, event in snap.events:
+            event.synchronize()
+        done[0] = time.perf_counter() - started
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(anyio.to_thread.run_sync, copies_done))  # a waiter, not I/O
+            tg.start_soon(run_groups, writer.run, split_balanced(chunks, threads), limiter)
+    except Exception as exc:
+        raise first_leaf(exc) from None
+    await anyio.to_thread.run_sync(snap.release_by_pipeline, limiter=limiter)
+    if snap.torn is not None:
+        raise snap.torn
+    return done[0]
 
 
 def pieces_of(chunks: list[Chunk], piece_bytes: int) -> list[tuple[int, list[Chunk]]]:

@@ -136,6 +136,9 @@ class Snapshot:
     streaming: bool = False
     ready: dict[int, torch.cuda.Event] = field(default_factory=dict)
     enqueued: threading.Event = field(default_factory=threading.Event)
+    # Per tensor index, an event after which its copy is in host memory: the serialize stage
+    # hashes and writes the first tensors while the later ones are still being copied.
+    copied: dict[int, torch.cuda.Event] = field(default_factory=dict)
 
     @property
     def has_device_copies(self) -> bool:
@@ -236,14 +239,22 @@ def take_snapshot(
         ready.record(caller)
         side.wait_event(ready)
         with torch.cuda.stream(side):
+            group: list[int] = []
+            group_bytes = 0
             for i in indices:
                 t = tensors[i]
                 _dest(buffer, offsets[i], t).copy_(t, non_blocking=True)
                 snap.sources.append(t)
                 snap.versions.append(t._version)
                 snap.source_paths.append(paths[i])
+                group.append(i)
+                group_bytes += t.numel() * t.element_size()
+                if group_bytes >= COPY_GROUP_BYTES:
+                    _mark_copied(snap, group, side)
+                    group, group_bytes = [], 0
         done = torch.cuda.Event()
         done.record(side)
+        snap.copied.update(dict.fromkeys(group, done))
         snap.events.append((device, done))
         if ordered:
             caller.wait_event(done)
@@ -312,6 +323,16 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a flat uint8 view (no copy)."""
     flat = t.reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+
+
+COPY_GROUP_BYTES = 256 << 20
+"""Bytes of device copies between two progress events (writes start after the first)."""
+
+
+def _mark_copied(snap: Snapshot, group: list[int], stream: torch.cuda.Stream) -> None:
+    event = torch.cuda.Event()
+    event.record(stream)
+    snap.copied.update(dict.fromkeys(group, event))
 
 
 def _dest(buffer: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
