@@ -40,6 +40,9 @@ def prune(storage: Storage, rank: int, keep_last: int, complete: int) -> list[Pr
             size += sizes.get(name, 0)
             storage.unlink(os.path.join(dir_name, name))
             if name == commit_name(rank):
+                # Durable before the data go: whatever a power cut keeps of the rest, this
+                # step can no longer look complete.
+                storage.fsync_dir(dir_name)
                 crash_point("retain.commit_removed")
         tidy_step_dir(storage, dir_name)
         out.append(Pruned(step, os.path.join(str(storage.root), dir_name), size))

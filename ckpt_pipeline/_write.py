@@ -118,6 +118,8 @@ def remove_published(job: SaveJob, storage: Storage) -> None:
     for name in [*names, *job.temp_names]:
         with contextlib.suppress(StorageError):
             storage.unlink(os.path.join(job.dir_name, name))
+            if name.endswith(".commit"):
+                storage.fsync_dir(job.dir_name)  # gone for good before the data go
     job.published.clear()
     job.temp_names.clear()
     with contextlib.suppress(StorageError):

@@ -123,11 +123,8 @@ class LocalStorage:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            parent = os.path.dirname(path)
             try:
-                os.makedirs(parent, mode=0o700, exist_ok=True)
-                os.mkdir(path, 0o700)
-                _fsync_dir_path(parent)
+                _make_dirs_durably(path)
             except FileExistsError:
                 pass
             except OSError as exc:
@@ -315,6 +312,25 @@ class LocalStorage:
         except OSError as exc:
             raise self._fail("statvfs", "", exc) from exc
         return st.f_bavail * st.f_frsize
+
+
+def _make_dirs_durably(path: str) -> None:
+    """``mkdir -p`` (0700) where each new directory's entry is fsynced into its parent."""
+    missing: list[str] = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    for directory in reversed(missing):  # top-down: a parent is durable before its child
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            if directory == path:
+                raise
+        _fsync_dir_path(os.path.dirname(directory))
 
 
 def _fsync_dir_path(path: str) -> None:

@@ -3,8 +3,19 @@
 ``FaultyStorage`` wraps the real local storage and fails the Nth call of a kind (``pwrite``,
 ``fsync``, ``publish``, ``make_dir``, ...) with an errno of your choice, or makes a write short.
 Crash points: the pipeline calls ``crash_point(label)`` at labelled moments of save, commit,
-retention and scrub; when the environment variable ``CKPT_PIPELINE_CRASH_AT`` names that label,
-the process kills itself with SIGKILL there (use it in a child process).
+retention and scrub (``CRASH_POINTS``); when the environment variable ``CKPT_PIPELINE_CRASH_AT``
+arms a label, the process kills itself with SIGKILL there (use it in a child process). The value
+is ``<label>`` (the first time the label is reached) or ``<label>:<N>`` (the N-th time, N >= 1;
+``write.done:3`` dies during the third save after arming). Hits are counted per label, in the
+process, from when the variable names that label; a malformed value or an unknown label makes
+``crash_point`` raise ValueError instead of silently never crashing.
+
+``PowerLossStorage`` simulates a power loss: the real local storage plus a model of what each
+``fsync`` and ``fsync_dir`` made durable. ``arm(cut_at=k)`` (or ``cut_if=``, or ``cut()`` from
+any thread) turns the power off at a storage call: from then on every call raises ``PowerCut``.
+``materialize(dest, rng)`` then writes one possible post-crash disk image: the durable state
+plus a random subset of the volatile directory changes (creates, links, unlinks, renames) and
+of the writes since each file's last fsync (kept, dropped or torn). See ``_powerloss.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +29,16 @@ from dataclasses import dataclass
 from ._crash import CRASH_ENV as CRASH_ENV
 from ._crash import CRASH_POINTS as CRASH_POINTS
 from ._crash import crash_point as crash_point
+from ._powerloss import CrashImage as CrashImage
+from ._powerloss import PowerCut as PowerCut
+from ._powerloss import PowerLossStorage as PowerLossStorage
+from ._powerloss import StorageCall as StorageCall
+from ._powerloss import VolatileChange as VolatileChange
 from .errors import StorageError
 from .storage import LocalStorage
 
-__all__ = ("CRASH_ENV", "CRASH_POINTS", "Fault", "FaultyStorage", "crash_point")
+__all__ = ("CRASH_ENV", "CRASH_POINTS", "CrashImage", "Fault", "FaultyStorage", "PowerCut",
+           "PowerLossStorage", "StorageCall", "VolatileChange", "crash_point")
 
 CALLS = ("make_dir", "create_temp", "open_direct", "pwrite", "fsync", "close", "publish",
          "fsync_dir", "unlink", "rmdir", "move", "free_bytes")
