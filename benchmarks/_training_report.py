@@ -70,9 +70,10 @@ def _verdict(key: str, value: float | None, detail: str,
             "detail": detail}
 
 
-def evaluate_targets(report: dict[str, Any]) -> dict[str, Any]:
-    s = report["summary"].get("ckpt_pipeline", {})
-    v = report["variants"].get("ckpt_pipeline", {})
+def evaluate_targets(report: dict[str, Any], key: str = "ckpt_pipeline") -> dict[str, Any]:
+    """The verdicts of the issue's targets for one ckpt_pipeline variant of the run."""
+    s = report["summary"].get(key, {})
+    v = report["variants"].get(key, {})
     floors = report["floors"]
     out: dict[str, Any] = {}
     out["overhead"] = _verdict("overhead", s.get("overhead_ratio"),
@@ -215,10 +216,18 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_f(first.get('durable_s'), '.3f')} s to durable (excluded); snapshot with the "
             f"GPU idle {_f(iso.get('stages', {}).get('snapshot_s'), '.4f')} s; restore "
             f"{_f(check.get('restore_s'), '.3f')} s (ok={check.get('ok')})")
-    lines.append("targets:")
+    lines.append("targets (ckpt_pipeline, default configuration):")
     for t in report.get("targets", {}).values():
         mark = {True: "PASS", False: "MISS", None: "n/a "}[t["pass"]]
         lines.append(f"  {mark}  {t['what']}: {_f(t['value'], '.3f')} {t['op']} {t['limit']}")
+    for key, targets in report.get("targets_by_variant", {}).items():
+        if key == "ckpt_pipeline":
+            continue
+        marks = ", ".join(
+            f"{name} {_f(t['value'], '.3f')} "
+            f"{ {True: 'PASS', False: 'MISS', None: 'n/a'}[t['pass']] }"
+            for name, t in targets.items())
+        lines.append(f"  {key}: {marks}")
     for key, text in report["errors"].items():
         last = [line for line in str(text).strip().splitlines() if line.strip()][-1:]
         lines.append(f"ERROR in {key}: {last[0].strip()[:300] if last else '?'} "

@@ -50,6 +50,7 @@ __all__ = (
 VARIANTS = (
     "none",
     "ckpt_pipeline",
+    "ckpt_pipeline_staged",
     "ckpt_pipeline_2slots",
     "ckpt_pipeline_streamed",
     "torch_save",
@@ -492,6 +493,8 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
         return DcpAsyncSave(work, root, args, pinned=name.endswith("pinned"))
     if name == "ckpt_pipeline":
         return CkptPipeline(work, root, args, cp)
+    if name == "ckpt_pipeline_staged":  # the optimizer waits for a device copy only
+        return CkptPipeline(work, root, args, cp, device_staging=True)
     if name == "ckpt_pipeline_2slots":  # double buffering: a save never waits for the last
         return CkptPipeline(work, root, args, cp, buffer_slots=2)
     if name == "ckpt_pipeline_streamed":  # bounded host memory: the state streams through

@@ -67,7 +67,8 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "training_gpu.json"
 SMALL_OUT = REPO / "benchmarks" / "results" / "training_small.json"
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs"}
 # Order of the run: the headline first, so that a run cut short still has it.
-RUN_ORDER = ("none", "ckpt_pipeline", "ckpt_pipeline_2slots", "ckpt_pipeline_streamed",
+RUN_ORDER = ("none", "ckpt_pipeline", "ckpt_pipeline_staged", "ckpt_pipeline_2slots",
+             "ckpt_pipeline_streamed",
              "dcp_async_save_pinned", "dcp_async_save", "dcp_save", "torch_save")
 DCP_VARIANTS = {"dcp_save", "dcp_async_save", "dcp_async_save_pinned"}
 PEERS = {"torch_save", *DCP_VARIANTS, "init_process_group"}
@@ -272,6 +273,7 @@ class Run:
             self.state_bytes / 1e9
         saves = a.steps // a.every
         factor = {"none": 0.0, "ckpt_pipeline": 0.5, "ckpt_pipeline_2slots": 0.5,
+                  "ckpt_pipeline_staged": 0.5,
                   "ckpt_pipeline_streamed": 1.0, "torch_save": 2.5, "dcp_save": 2.0,
                   "dcp_async_save": 2.0, "dcp_async_save_pinned": 2.0}[name]
         extra = 0.0
@@ -448,6 +450,9 @@ def finalize(run: Run) -> None:
     try:
         run.report["summary"] = summarize(run.report)
         run.report["targets"] = evaluate_targets(run.report)
+        run.report["targets_by_variant"] = {
+            key: evaluate_targets(run.report, key) for key in run.report["variants"]
+            if key.startswith("ckpt_pipeline")}
     except Exception:
         run.errors["summary"] = traceback.format_exc()
     run.save_json()

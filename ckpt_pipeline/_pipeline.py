@@ -28,7 +28,14 @@ from ._job import SaveJob
 from ._restore import Loaded, Recovery
 from ._retain import prune
 from ._serialize import serialize
-from ._snapshot import HostPool, Slot, begin_streamed_snapshot, plan_layout, take_snapshot
+from ._snapshot import (
+    DeviceStaging,
+    HostPool,
+    Slot,
+    begin_streamed_snapshot,
+    plan_layout,
+    take_snapshot,
+)
 from ._tree import FlatState, flatten_state
 from ._write import remove_published, write_shard
 from .config import PipelineConfig
@@ -142,6 +149,7 @@ class AsyncCheckpointPipeline:
                                   world_size=self.coordinator.world_size)
         self.rank = self.config.rank
         self._pool = HostPool(self.config.buffer_slots)
+        self._staging = DeviceStaging() if self.config.device_staging else None
         self._recovery = Recovery(self.storage, self.coordinator, self.config, self._emit)
         self._subscribers: tuple[Subscriber, ...] = ()
         self._lock = threading.Lock()
@@ -319,7 +327,8 @@ class AsyncCheckpointPipeline:
             else:
                 snap = take_snapshot(flat.tensors, flat.paths, plan.offsets, slot.buffer,
                                      step=step, rank=self.rank,
-                                     ordered=self.config.snapshot_mode == "ordered")
+                                     ordered=self.config.snapshot_mode == "ordered",
+                                     staging=self._staging)
         except BaseException:
             self._pool.release(slot)
             raise
@@ -605,6 +614,11 @@ class AsyncCheckpointPipeline:
     @property
     def host_memory_pinned(self) -> bool:
         return self._pool.pinned
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Bytes of GPU memory held by the device staging buffers (``device_staging``)."""
+        return 0 if self._staging is None else self._staging.allocated_bytes
 
     async def latest_step(self) -> int | None:
         """The newest step committed by this rank (None when there is none)."""

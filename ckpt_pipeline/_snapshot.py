@@ -12,13 +12,16 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
 from ._format import ALIGN, align_up
 from .errors import PoolBusyError, SnapshotTornError
 
-__all__ = ("HostPool", "Slot", "Snapshot", "begin_streamed_snapshot", "copy_piece", "plan_layout",
-           "take_snapshot")
+_log = structlog.get_logger("ckpt_pipeline")
+
+__all__ = ("DeviceStaging", "HostPool", "Slot", "Snapshot", "begin_streamed_snapshot",
+           "copy_piece", "plan_layout", "take_snapshot")
 
 
 @dataclass(slots=True)
@@ -106,6 +109,56 @@ def _aligned_zeros(size: int, pinned: bool) -> torch.Tensor:
     return raw[skip:skip + size]  # a view: it keeps the whole allocation alive
 
 
+class DeviceStaging:
+    """One staging buffer per GPU, allocated once (grown when a state needs more), reused.
+
+    A save copies its CUDA tensors into it (device to device, far faster than to the host),
+    the caller's next update waits only for that, and the copies to the host run from it. If
+    the buffer cannot be allocated, saves copy straight to the host (logged once per size).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._refused: dict[int, int] = {}  # device -> size that failed to allocate
+        self._lock = threading.Lock()
+
+    @property
+    def allocated_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._buffers.values())
+
+    def get(self, device: torch.device, nbytes: int) -> torch.Tensor | None:
+        """A buffer of at least ``nbytes`` on ``device``, or None when it does not fit."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            buffer = self._buffers.get(index)
+            if buffer is not None and buffer.numel() >= nbytes:
+                return buffer
+            if self._refused.get(index) == nbytes:
+                return None
+            if buffer is not None:  # copies from the old buffer may still be running
+                _side_stream(device).synchronize()
+                del self._buffers[index]
+                buffer = None
+            try:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            except torch.cuda.OutOfMemoryError as exc:
+                self._refused[index] = nbytes
+                _log.warning("ckpt.snapshot.staging_refused", device=str(device),
+                             bytes=nbytes, error=str(exc).splitlines()[0],
+                             hint="copying straight to host memory instead")
+                return None
+            self._buffers[index] = buffer
+            _log.info("ckpt.snapshot.staging_allocated", device=str(device), bytes=nbytes)
+            return buffer
+
+    def close(self) -> None:
+        with self._lock:
+            for index in self._buffers:
+                _side_stream(torch.device("cuda", index)).synchronize()
+            self._buffers.clear()
+
+
 def plan_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     """Aligned offsets of each tensor in the data region, and the region's length."""
     offsets: list[int] = []
@@ -139,6 +192,9 @@ class Snapshot:
     # Per tensor index, an event after which its copy is in host memory: the serialize stage
     # hashes and writes the first tensors while the later ones are still being copied.
     copied: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    # What the caller's streams wait for before mutating: the copies into the device staging
+    # buffer when there is one (else ``events``, the copies into host memory).
+    caller_events: list[tuple[torch.device, torch.cuda.Event]] | None = None
 
     @property
     def has_device_copies(self) -> bool:
@@ -160,7 +216,8 @@ class Snapshot:
         with self.lock:
             if self.released:
                 return
-            for device, event in self.events:
+            waits = self.events if self.caller_events is None else self.caller_events
+            for device, event in waits:
                 torch.cuda.current_stream(device).wait_event(event)
                 if block_cpu:
                     event.synchronize()
@@ -222,8 +279,13 @@ def take_snapshot(
     step: int,
     rank: int,
     ordered: bool,
+    staging: DeviceStaging | None = None,
 ) -> Snapshot:
-    """Copy every tensor into ``buffer`` at its offset; CUDA copies run asynchronously."""
+    """Copy every tensor into ``buffer`` at its offset; CUDA copies run asynchronously.
+
+    With ``staging``, CUDA tensors are first copied into the device's staging buffer, and the
+    caller waits only for those copies; the copies to the host then run from the buffer.
+    """
     snap = Snapshot(step, rank)
     by_device: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -238,12 +300,27 @@ def take_snapshot(
         ready = torch.cuda.Event()
         ready.record(caller)
         side.wait_event(ready)
+        sources = {i: tensors[i] for i in indices}
+        stage = None
+        if staging is not None:
+            spans = plan_layout([tensors[i] for i in indices])
+            stage = staging.get(device, max(spans[1], 1))
         with torch.cuda.stream(side):
+            if stage is not None:
+                for i, offset in zip(indices, spans[0]):
+                    t = tensors[i]
+                    sources[i] = _dest(stage, offset, t)
+                    sources[i].copy_(t, non_blocking=True)
+                staged = torch.cuda.Event()
+                staged.record(side)
+                if snap.caller_events is None:
+                    snap.caller_events = list(snap.events)
+                snap.caller_events.append((device, staged))
             group: list[int] = []
             group_bytes = 0
             for i in indices:
                 t = tensors[i]
-                _dest(buffer, offsets[i], t).copy_(t, non_blocking=True)
+                _dest(buffer, offsets[i], t).copy_(sources[i], non_blocking=True)
                 snap.sources.append(t)
                 snap.versions.append(t._version)
                 snap.source_paths.append(paths[i])
@@ -256,8 +333,10 @@ def take_snapshot(
         done.record(side)
         snap.copied.update(dict.fromkeys(group, done))
         snap.events.append((device, done))
+        if snap.caller_events is not None and stage is None:
+            snap.caller_events.append((device, done))
         if ordered:
-            caller.wait_event(done)
+            caller.wait_event(staged if stage is not None else done)
     if ordered or not snap.events:
         snap.released = True
         snap.sources = []

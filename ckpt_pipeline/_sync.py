@@ -177,6 +177,11 @@ class CheckpointPipeline:
     def host_memory_pinned(self) -> bool:
         return self._pipe.host_memory_pinned
 
+    @property
+    def device_memory_bytes(self) -> int:
+        """Bytes of GPU memory held by the device staging buffers (``device_staging``)."""
+        return self._pipe.device_memory_bytes
+
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every pipeline event (called from the pipeline's thread)."""
         return self._pipe.subscribe(callback)

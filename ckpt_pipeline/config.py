@@ -29,6 +29,11 @@ class PipelineConfig:
       copied, after the others are on disk: host memory traded for blocking time.
     - ``when_busy``: what ``save()`` does when every slot is busy: ``"block"`` waits for one,
       ``"skip"`` drops this save and emits ``SaveSkipped``.
+    - ``device_staging``: copy CUDA tensors first into a staging buffer on their own GPU (a
+      device-to-device copy, tens of times faster than to the host), and to the host from
+      there: the next in-place update waits only for the device copy. Costs GPU memory as
+      large as the state's CUDA tensors, allocated once; where it does not fit, saves copy
+      straight to the host. Not used by streamed saves (``host_buffer_bytes``).
     - ``snapshot_mode``: ``"overlap"`` copies CUDA tensors on a side stream and expects
       ``wait_snapshot()`` before the next in-place update; ``"ordered"`` makes the caller's
       stream wait for the copies inside ``save()`` (no protocol, copy time on the GPU timeline).
@@ -53,6 +58,7 @@ class PipelineConfig:
     buffer_slots: int = 1
     host_buffer_bytes: int | None = None
     when_busy: BusyPolicy = "block"
+    device_staging: bool = False
     snapshot_mode: SnapshotMode = "overlap"
     capture_rng: bool = True
     restore_rng: bool = True
@@ -108,7 +114,7 @@ class PipelineConfig:
                               hint="for example 300 (seconds)")
         _positive_int("max_failures_in_row", self.max_failures_in_row,
                       "for example max_failures_in_row=3")
-        for name in ("capture_rng", "restore_rng", "strict", "direct_io"):
+        for name in ("capture_rng", "restore_rng", "strict", "direct_io", "device_staging"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")
 

@@ -153,3 +153,60 @@ def test_streamed_training_restores_bit_exact(root: Path) -> None:
         result = pipe.restore_latest(fresh)
     assert result is not None and result.step == 5
     assert_same_state(state, fresh)
+
+
+def test_device_staging_lets_the_update_wait_only_for_a_device_copy(root: Path) -> None:
+    t = torch.randn(4096, 4096, device="cuda")  # 64 MiB
+    expected = t.clone()
+    with cp.CheckpointPipeline(root, device_staging=True, keep_last=1) as pipe:
+        pipe.save(1, {"t": t}).result(60)
+        staged = pipe.device_memory_bytes
+        assert staged >= t.numel() * 4
+        for step in range(2, 12):
+            _delay_caller_stream(50.0)
+            handle = pipe.save(step, {"t": t})
+            pipe.wait_snapshot()
+            if step == 11:
+                t.add_(1.0)  # queued after the device copy: the checkpoint keeps the old bytes
+            handle.result(60)
+        assert pipe.device_memory_bytes == staged  # allocated once
+    live = {"t": torch.zeros_like(t)}
+    with cp.CheckpointPipeline(root) as pipe:
+        result = pipe.restore_latest(live)
+    assert result is not None and result.step == 11
+    assert torch.equal(live["t"], expected)
+
+
+def test_device_staging_that_does_not_fit_copies_straight_to_the_host(root: Path) -> None:
+    t = torch.randn(8192, 8192, device="cuda")  # 256 MiB
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    allowed = (torch.cuda.memory_reserved() + (64 << 20)) / total  # no room for a copy
+    torch.cuda.set_per_process_memory_fraction(allowed)
+    try:
+        with cp.CheckpointPipeline(root, device_staging=True) as pipe:
+            handle = pipe.save(1, {"t": t})
+            pipe.wait_snapshot()
+            handle.result(60)
+            assert pipe.device_memory_bytes == 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    live = {"t": torch.zeros_like(t)}
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.restore_latest(live)
+    assert torch.equal(live["t"], t)
+
+
+def test_device_staging_with_training_restores_bit_exact(root: Path) -> None:
+    state = make_training_state(seed=5, device="cuda")
+    with cp.CheckpointPipeline(root, device_staging=True) as pipe:
+        for step in range(1, 4):
+            train_one_step(state, seed=step)
+            pipe.save(step, state, cp.TrainState(step=step))
+            pipe.wait_snapshot()
+        pipe.wait(60)
+    fresh = make_training_state(seed=6, device="cuda")
+    with cp.CheckpointPipeline(root) as pipe:
+        result = pipe.restore_latest(fresh)
+    assert result is not None and result.step == 3
+    assert_same_state(state, fresh)
