@@ -448,6 +448,7 @@ class AsyncCheckpointPipeline:
     def _release_slot(self, job: SaveJob) -> None:
         if job.snapshot is not None:
             job.snapshot.enqueued.set()  # a streamed copy that never ran: wait_snapshot returns
+            job.snapshot.discard_host_copies()  # staging buffers of a save that failed
         if job.slot is not None:
             self._pool.release(job.slot)
             job.slot = None
@@ -456,6 +457,8 @@ class AsyncCheckpointPipeline:
         started = time.perf_counter()
         snap = job.snapshot
         assert snap is not None
+        if snap.deferred:  # copies to the host from device staging buffers: off the caller
+            await self._thread(snap.launch_host_copies)
         if snap.streaming or snap.has_device_copies:
             # The serialize stage writes each piece once its copy is done, checks the versions
             # and reports the snapshot (a streamed one is copied there, a buffer at a time).

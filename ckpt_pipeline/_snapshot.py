@@ -113,50 +113,83 @@ class DeviceStaging:
     """One staging buffer per GPU, allocated once (grown when a state needs more), reused.
 
     A save copies its CUDA tensors into it (device to device, far faster than to the host),
-    the caller's next update waits only for that, and the copies to the host run from it. If
-    the buffer cannot be allocated, saves copy straight to the host (logged once per size).
+    the caller's next update waits only for that, and the pipeline then queues the copies to
+    the host from it. One save holds a device's buffer from its device copy until its host
+    copies are queued. If the buffer cannot be allocated, or is still held after ``wait_s``,
+    the save copies straight to the host (logged).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, wait_s: float = 60.0) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
+        self._held: set[int] = set()
         self._refused: dict[int, int] = {}  # device -> size that failed to allocate
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._wait_s = wait_s
 
     @property
     def allocated_bytes(self) -> int:
-        with self._lock:
+        with self._cond:
             return sum(b.numel() for b in self._buffers.values())
 
-    def get(self, device: torch.device, nbytes: int) -> torch.Tensor | None:
-        """A buffer of at least ``nbytes`` on ``device``, or None when it does not fit."""
+    def acquire(self, device: torch.device, nbytes: int) -> torch.Tensor | None:
+        """Hold the device's buffer (at least ``nbytes``), or None: copy straight to the host."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        with self._lock:
+        with self._cond:
+            if not self._cond.wait_for(lambda: index not in self._held, self._wait_s):
+                _log.warning("ckpt.snapshot.staging_busy", device=str(device),
+                             waited_s=self._wait_s, hint="copying straight to host memory")
+                return None
             buffer = self._buffers.get(index)
-            if buffer is not None and buffer.numel() >= nbytes:
-                return buffer
-            if self._refused.get(index) == nbytes:
-                return None
-            if buffer is not None:  # copies from the old buffer may still be running
-                _side_stream(device).synchronize()
-                del self._buffers[index]
-                buffer = None
-            try:
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            except torch.cuda.OutOfMemoryError as exc:
-                self._refused[index] = nbytes
-                _log.warning("ckpt.snapshot.staging_refused", device=str(device),
-                             bytes=nbytes, error=str(exc).splitlines()[0],
-                             hint="copying straight to host memory instead")
-                return None
-            self._buffers[index] = buffer
-            _log.info("ckpt.snapshot.staging_allocated", device=str(device), bytes=nbytes)
+            if buffer is None or buffer.numel() < nbytes:
+                if self._refused.get(index) == nbytes:
+                    return None
+                buffer = self._allocate(device, index, nbytes)
+                if buffer is None:
+                    return None
+            self._held.add(index)
             return buffer
 
+    def release(self, device: torch.device) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._cond:
+            self._held.discard(index)
+            self._cond.notify_all()
+
+    def _allocate(self, device: torch.device, index: int, nbytes: int) -> torch.Tensor | None:
+        if index in self._buffers:  # host copies from the old buffer may still be running
+            _side_stream(device).synchronize()
+            del self._buffers[index]
+        try:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError as exc:
+            self._refused[index] = nbytes
+            _log.warning("ckpt.snapshot.staging_refused", device=str(device), bytes=nbytes,
+                         error=str(exc).splitlines()[0],
+                         hint="copying straight to host memory instead")
+            return None
+        self._buffers[index] = buffer
+        _log.info("ckpt.snapshot.staging_allocated", device=str(device), bytes=nbytes)
+        return buffer
+
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             for index in self._buffers:
                 _side_stream(torch.device("cuda", index)).synchronize()
             self._buffers.clear()
+            self._held.clear()
+            self._cond.notify_all()
+
+
+@dataclass(slots=True)
+class _HostCopies:
+    """Copies to the host still to be queued, from a device's staging buffer."""
+
+    device: torch.device
+    indices: list[int]
+    staged: list[torch.Tensor]  # each tensor's copy in the staging buffer
+    buffer: torch.Tensor
+    offsets: Sequence[int]
+    staging: DeviceStaging
 
 
 def plan_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
@@ -195,10 +228,48 @@ class Snapshot:
     # What the caller's streams wait for before mutating: the copies into the device staging
     # buffer when there is one (else ``events``, the copies into host memory).
     caller_events: list[tuple[torch.device, torch.cuda.Event]] | None = None
+    # Copies to the host the pipeline still has to queue (from device staging buffers).
+    deferred: list[_HostCopies] = field(default_factory=list)
 
     @property
     def has_device_copies(self) -> bool:
-        return bool(self.events)
+        return bool(self.events) or bool(self.deferred)
+
+    def launch_host_copies(self) -> None:
+        """Queue the copies from the staging buffers to the host (pipeline side; idempotent).
+
+        They go on the side stream after the device copies; each device's staging buffer is
+        given back once its copies are queued (a later save's device copies queue after them).
+        """
+        with self.lock:
+            deferred, self.deferred = self.deferred, []
+        for item in deferred:
+            try:
+                side = _side_stream(item.device)
+                with torch.cuda.device(item.device), torch.cuda.stream(side):
+                    group: list[int] = []
+                    group_bytes = 0
+                    for i, staged in zip(item.indices, item.staged):
+                        _dest(item.buffer, item.offsets[i], staged).copy_(staged,
+                                                                          non_blocking=True)
+                        group.append(i)
+                        group_bytes += staged.numel() * staged.element_size()
+                        if group_bytes >= COPY_GROUP_BYTES:
+                            _mark_copied(self, group, side)
+                            group, group_bytes = [], 0
+                    done = torch.cuda.Event()
+                    done.record(side)
+                self.copied.update(dict.fromkeys(group, done))
+                self.events.append((item.device, done))
+            finally:
+                item.staging.release(item.device)
+
+    def discard_host_copies(self) -> None:
+        """Give the staging buffers back without copying (the save failed)."""
+        with self.lock:
+            deferred, self.deferred = self.deferred, []
+        for item in deferred:
+            item.staging.release(item.device)
 
     @property
     def needs_release(self) -> bool:
@@ -233,6 +304,7 @@ class Snapshot:
         """
         if self.streaming:
             self.enqueued.wait()
+        self.launch_host_copies()
         for _device, event in self.events:
             event.synchronize()
         with self.lock:
@@ -283,8 +355,9 @@ def take_snapshot(
 ) -> Snapshot:
     """Copy every tensor into ``buffer`` at its offset; CUDA copies run asynchronously.
 
-    With ``staging``, CUDA tensors are first copied into the device's staging buffer, and the
-    caller waits only for those copies; the copies to the host then run from the buffer.
+    With ``staging``, CUDA tensors are only copied into the device's staging buffer here (the
+    caller waits for that alone); the pipeline queues the copies to the host later
+    (``Snapshot.launch_host_copies``), off the training thread.
     """
     snap = Snapshot(step, rank)
     by_device: dict[int, list[int]] = {}
@@ -293,54 +366,71 @@ def take_snapshot(
             by_device.setdefault(t.device.index or 0, []).append(i)
             continue
         _dest(buffer, offsets[i], t).copy_(t)
-    for device_index, indices in by_device.items():
-        device = torch.device("cuda", device_index)
-        caller = torch.cuda.current_stream(device)
-        side = _side_stream(device)
-        ready = torch.cuda.Event()
-        ready.record(caller)
-        side.wait_event(ready)
-        sources = {i: tensors[i] for i in indices}
-        stage = None
-        if staging is not None:
-            spans = plan_layout([tensors[i] for i in indices])
-            stage = staging.get(device, max(spans[1], 1))
-        with torch.cuda.stream(side):
-            if stage is not None:
-                for i, offset in zip(indices, spans[0]):
-                    t = tensors[i]
-                    sources[i] = _dest(stage, offset, t)
-                    sources[i].copy_(t, non_blocking=True)
-                staged = torch.cuda.Event()
-                staged.record(side)
-                if snap.caller_events is None:
-                    snap.caller_events = list(snap.events)
-                snap.caller_events.append((device, staged))
-            group: list[int] = []
-            group_bytes = 0
+    waits: list[tuple[torch.device, torch.cuda.Event]] = []
+    try:
+        for device_index, indices in by_device.items():
+            device = torch.device("cuda", device_index)
+            caller = torch.cuda.current_stream(device)
+            side = _side_stream(device)
+            ready = torch.cuda.Event()
+            ready.record(caller)
+            side.wait_event(ready)
+            sources = [tensors[i] for i in indices]
             for i in indices:
-                t = tensors[i]
-                _dest(buffer, offsets[i], t).copy_(sources[i], non_blocking=True)
-                snap.sources.append(t)
-                snap.versions.append(t._version)
+                snap.sources.append(tensors[i])
+                snap.versions.append(tensors[i]._version)
                 snap.source_paths.append(paths[i])
-                group.append(i)
-                group_bytes += t.numel() * t.element_size()
-                if group_bytes >= COPY_GROUP_BYTES:
-                    _mark_copied(snap, group, side)
-                    group, group_bytes = [], 0
-        done = torch.cuda.Event()
-        done.record(side)
-        snap.copied.update(dict.fromkeys(group, done))
-        snap.events.append((device, done))
-        if snap.caller_events is not None and stage is None:
-            snap.caller_events.append((device, done))
-        if ordered:
-            caller.wait_event(staged if stage is not None else done)
-    if ordered or not snap.events:
+            stage_offsets, stage_bytes = plan_layout(sources)
+            stage = None if staging is None else staging.acquire(device, max(stage_bytes, 1))
+            if stage is not None:
+                assert staging is not None
+                snap.deferred.append(_HostCopies(device, indices, [], buffer, offsets, staging))
+                staged = [_dest(stage, offset, t) for offset, t in zip(stage_offsets, sources)]
+                snap.deferred[-1].staged = staged
+                with torch.cuda.stream(side):
+                    _copy_all(staged, sources)
+                    wait = torch.cuda.Event()
+                    wait.record(side)
+            else:
+                with torch.cuda.stream(side):
+                    group: list[int] = []
+                    group_bytes = 0
+                    for i, t in zip(indices, sources):
+                        _dest(buffer, offsets[i], t).copy_(t, non_blocking=True)
+                        group.append(i)
+                        group_bytes += t.numel() * t.element_size()
+                        if group_bytes >= COPY_GROUP_BYTES:
+                            _mark_copied(snap, group, side)
+                            group, group_bytes = [], 0
+                    wait = torch.cuda.Event()
+                    wait.record(side)
+                snap.copied.update(dict.fromkeys(group, wait))
+                snap.events.append((device, wait))
+            waits.append((device, wait))
+            if ordered:
+                caller.wait_event(wait)
+    except BaseException:
+        snap.discard_host_copies()
+        raise
+    if snap.deferred:
+        snap.caller_events = waits
+    if ordered or not waits:
         snap.released = True
         snap.sources = []
     return snap
+
+
+def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Device-to-device copies, as one multi-tensor launch where torch offers it."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        try:
+            foreach(dests, sources, non_blocking=True)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    for dest, source in zip(dests, sources):
+        dest.copy_(source, non_blocking=True)
 
 
 def begin_streamed_snapshot(tensors: Sequence[torch.Tensor], paths: Sequence[str], *,

@@ -210,3 +210,27 @@ def test_device_staging_with_training_restores_bit_exact(root: Path) -> None:
         result = pipe.restore_latest(fresh)
     assert result is not None and result.step == 3
     assert_same_state(state, fresh)
+
+
+def test_device_staging_with_two_buffers_keeps_every_save_exact(root: Path) -> None:
+    """Two saves in flight share one staging buffer: the second waits until the first's host
+    copies are queued, so neither sees the other's bytes."""
+    t = torch.zeros(2048, 2048, device="cuda")
+    events: list[cp.Event] = []
+    with cp.CheckpointPipeline(root, device_staging=True, buffer_slots=2, keep_last=8) as pipe:
+        pipe.subscribe(events.append)
+        handles = []
+        for step in range(1, 9):
+            t.fill_(float(step))
+            handles.append(pipe.save(step, {"t": t}))
+            pipe.wait_snapshot()
+        for handle in handles:
+            handle.result(60)
+    for step in range(8, 0, -1):  # each save holds its own bytes: restore, then hide it
+        live = {"t": torch.empty_like(t)}
+        with cp.CheckpointPipeline(root) as pipe:
+            result = pipe.restore_latest(live)
+        assert result is not None and result.step == step
+        assert torch.equal(live["t"], torch.full_like(t, float(step))), step
+        (root / f"step-{step:010d}").rename(root.parent / f"hidden-{step}")
+    assert not [e for e in events if isinstance(e, cp.SaveFailed)]
