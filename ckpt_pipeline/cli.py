@@ -45,6 +45,8 @@ _VERIFY_THREADS = 4
 _PROGRESS_MIN_BYTES = 64 * 1024 * 1024
 _PROGRESS_WIDTH = 30
 _PROGRESS_INTERVAL_S = 0.1
+_PRUNED_WHILE_VERIFIED = ("removed while it was being verified (pruned by a running "
+                          "job?)")
 
 
 class _UsageError(Exception):
@@ -119,6 +121,11 @@ def _listing(storage: Storage, rank: int, step: int, dir_name: str,
         state, reason = "rejected", "moved aside by recovery"
     elif not status.complete:
         state, reason = "incomplete", status.reason
+    elif commit_name(rank) not in {e.name for e in entries}:
+        # Complete when scanned, its commit record gone now: a running job pruned the step
+        # (the commit record goes first) between the scan's reads. Not corruption.
+        state, reason = "incomplete", ("its commit record was removed while it was being "
+                                       "listed (pruned by a running job?)")
     else:
         state, reason = "corrupt", status.reason
     record = _commit_record(storage, dir_name, step, rank)
@@ -273,6 +280,8 @@ def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
     if not status.complete:
         return outcome("failed" if explicit else "skipped", status.reason)
     if not status.valid or status.header is None:
+        if _was_pruned(storage, status, rank):
+            return outcome("skipped", _PRUNED_WHILE_VERIFIED)
         return outcome("failed", status.reason)
     total = sum(r.nbytes for r in status.header.tensors)
     show = bar_stream if total > _PROGRESS_MIN_BYTES else None
@@ -285,8 +294,7 @@ def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
     except CheckpointError as exc:
         seconds = time.perf_counter() - started
         if _was_pruned(storage, status, rank):
-            return outcome("skipped", "removed while it was being verified (pruned by a "
-                           "running job?)", progress.done, seconds)
+            return outcome("skipped", _PRUNED_WHILE_VERIFIED, progress.done, seconds)
         return outcome("failed", str(exc), progress.done, seconds)
     finally:
         progress.close()
