@@ -173,7 +173,26 @@ class AsyncCheckpointPipeline:
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
-        await self.aclose()
+        """Close on leaving the block (see ``aclose``).
+
+        Left by a cancellation, the pending saves are abandoned, as if ``aclose()`` itself
+        were cancelled (a native asyncio cancellation is delivered once, so the block's exit
+        would not see it again). Left by another exception, they finish first and the
+        exception then propagates unchanged: an error of the close itself is logged
+        (``ckpt.close.failed``), not raised over it.
+        """
+        if (exc is not None and self._state == "open" and self._tg is not None
+                and isinstance(exc, anyio.get_cancelled_exc_class())):
+            self._tg.cancel_scope.cancel()  # the wait in aclose() then ends at once
+        try:
+            await self.aclose()
+        except Exception as error:
+            if exc is None:
+                raise
+            _log.error("ckpt.close.failed", rank=self.rank,
+                       error=f"{type(error).__name__}: {error}",
+                       hint=f"the {type(exc).__name__} raised in the async with block "
+                            "propagates")
 
     async def open(self) -> None:
         """Check the root, scrub leftovers of crashed saves, and start the stages."""
@@ -181,15 +200,38 @@ class AsyncCheckpointPipeline:
             raise PipelineClosedError("a pipeline can be opened once", rank=self.rank)
         self._limiter = anyio.CapacityLimiter(self.config.io_threads)
         await self._thread(self.storage.ensure_root)
-        self._run_id = await agree_run_id(self.coordinator)
         for path, size in await self._thread(_recovery.scrub, self.storage, self.rank):
             self._emit(TemporariesScrubbed(step=-1, rank=self.rank, path=path, bytes=size))
+        # After the scrub: the agreement is also a barrier, so that no rank's first save can
+        # create a step directory that another rank's scrub (of a shared root) then removes.
+        self._run_id = await agree_run_id(self.coordinator)
         committed = await self._thread(_recovery.committed_steps, self.storage, self.rank)
         self._latest_committed = max(committed, default=None)
         self._last_step = self._latest_committed
         depth = self.config.queue_depth
         send, receive = anyio.create_memory_object_stream[SaveJob](depth)
         self._send = send
+        # What a cancelled aclose() must abandon and clean up: the jobs queued for the first
+        # stage (read back through this clone of its input) and those a stage has taken
+        # (tracked until they settle: a job holds an open file and temporaries on its way).
+        self._queued: MemoryObjectReceiveStream[SaveJob] = receive.clone()
+        working: dict[int, SaveJob] = {}
+        self._working = working
+
+        def tracked(work: Callable[[SaveJob], Awaitable[None]],
+                    last: bool) -> Callable[[SaveJob], Awaitable[None]]:
+            async def run(job: SaveJob) -> None:
+                for key in [k for k, j in working.items() if j.handle._settled.is_set()]:
+                    del working[key]
+                working[id(job)] = job
+                try:
+                    await work(job)
+                finally:
+                    if last:  # retention settles the job, whatever happens
+                        working.pop(id(job), None)
+
+            return run
+
         stages: list[tuple[str, Callable[[SaveJob], Awaitable[None]]]] = [
             ("snapshot", self._snapshot_stage),
             ("serialize", self._serialize_stage),
@@ -197,33 +239,135 @@ class AsyncCheckpointPipeline:
             ("commit", self._commit_stage),
             ("retain", self._retain_stage),
         ]
+        # The stages run shielded: a cancellation around the pipeline does not cut a save
+        # short by itself; aclose() decides (it finishes the saves, or, cancelled itself,
+        # cancels these scopes and abandons them). The caller may wait for them first.
+        scopes: list[anyio.CancelScope] = []
+        self._stage_scopes = scopes
+
+        async def shielded(name: str, receive: MemoryObjectReceiveStream[SaveJob],
+                           send: MemoryObjectSendStream[SaveJob] | None,
+                           work: Callable[[SaveJob], Awaitable[None]], *,
+                           task_status: anyio.abc.TaskStatus[None]) -> None:
+            with anyio.CancelScope(shield=True) as scope:
+                scopes.append(scope)
+                await self._run_stage(name, receive, send, work, task_status=task_status)
+
         tg = anyio.create_task_group()
         await tg.__aenter__()
+        try:
+            for index, (name, work) in enumerate(stages):
+                if index < len(stages) - 1:
+                    next_send, next_receive = anyio.create_memory_object_stream[SaveJob](depth)
+                else:
+                    next_send, next_receive = None, None
+                await tg.start(shielded, name, receive, next_send,
+                               tracked(work, index == len(stages) - 1))
+                if next_receive is not None:
+                    receive = next_receive
+        except BaseException:  # cancelled while starting: stop what started, leave no task
+            tg.cancel_scope.cancel()
+            for scope in scopes:
+                scope.cancel()
+            send.close()
+            self._queued.close()
+            await tg.__aexit__(None, None, None)
+            raise
         self._tg = tg
-        for index, (name, work) in enumerate(stages):
-            if index < len(stages) - 1:
-                next_send, next_receive = anyio.create_memory_object_stream[SaveJob](depth)
-            else:
-                next_send, next_receive = None, None
-            await tg.start(self._run_stage, name, receive, next_send, work)
-            if next_receive is not None:
-                receive = next_receive
         self._state = "open"
 
     async def aclose(self) -> None:
-        """Finish every pending save, then stop the stages. Idempotent."""
+        """Finish every pending save, then stop the stages. Idempotent.
+
+        Cancelled while it waits (or called as a cancelled ``async with`` block is left), it
+        abandons the pending saves instead: the stages stop once the I/O call in progress
+        returns (a commit already started completes, shielded), each abandoned save's files
+        are removed (temporaries and anything published: no commit record was) and its
+        handle raises PipelineClosedError (``SaveFailed`` with stage ``"close"``). Nothing
+        partial is published either way; the cancellation then propagates.
+        """
         if self._state != "open":
             self._state = "closed"
             return
         self._state = "closing"
+        assert self._send is not None and self._tg is not None
+        tg, cancelled = self._tg, anyio.get_cancelled_exc_class()
+        stopped: BaseException | None = None
         try:
             await self._wait_pending(None, raise_errors=False)
+        except BaseException as exc:  # cancelled (or interrupted): abandon what is pending
+            stopped = exc
+            tg.cancel_scope.cancel()
+            for scope in self._stage_scopes:
+                scope.cancel()
+        why = ("cancelled" if isinstance(stopped, cancelled)
+               else "the stages stopped" if stopped is None
+               else f"interrupted by {type(stopped).__name__}")
+        try:
+            self._send.close()
+            if isinstance(stopped, cancelled):
+                if await tg.__aexit__(type(stopped), stopped, stopped.__traceback__):
+                    stopped = None  # the pipeline's own cancellation (__aexit__): consumed
+            else:
+                await tg.__aexit__(None, None, None)
         finally:
-            assert self._send is not None and self._tg is not None
-            await self._send.aclose()
-            await self._tg.__aexit__(None, None, None)
+            # Every stage has ended: whatever did not settle was abandoned mid-way.
+            jobs = list(self._working.values())
+            while True:
+                try:
+                    jobs.append(self._queued.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            self._queued.close()
+            self._working.clear()
+            left = [job for job in jobs if not job.handle._settled.is_set()]
+            if left:
+                _log.warning("ckpt.close.cancelled", rank=self.rank,
+                             steps=sorted(job.step for job in left if not job.committed),
+                             reason=why, hint="these saves were abandoned and their files "
+                                              "removed; the previous checkpoint is intact")
+            with anyio.CancelScope(shield=True):
+                for job in left:
+                    if job.committed:  # committed before retention ran: it stays
+                        self._settle(job)
+                        continue
+                    try:
+                        await self._thread(remove_published, job, self.storage)
+                    except Exception as exc:
+                        _log.error("ckpt.close.cleanup_failed", step=job.step,
+                                   rank=self.rank, error=f"{type(exc).__name__}: {exc}")
+                    self._abandon(job, job.error or PipelineClosedError(
+                        f"save abandoned: the pipeline closed ({why}) before step "
+                        f"{job.step} was committed", step=job.step, rank=self.rank,
+                        path=str(self.storage.root),
+                        hint="nothing of it was published; the previous checkpoint is "
+                             "intact"), "close")
+                if left:  # a file created just as a stage was cancelled is not in its job
+                    try:
+                        scrubbed = await self._thread(_recovery.scrub, self.storage,
+                                                      self.rank)
+                    except Exception as exc:
+                        _log.error("ckpt.close.cleanup_failed", rank=self.rank,
+                                   error=f"{type(exc).__name__}: {exc}")
+                        scrubbed = []
+                    for path, size in scrubbed:
+                        self._emit(TemporariesScrubbed(step=-1, rank=self.rank, path=path,
+                                                       bytes=size))
+            with self._lock:
+                orphans = list(self._pending.values())
+            for handle in orphans:  # not expected: every job is queued or tracked
+                handle._fail(PipelineClosedError(
+                    f"save abandoned: the pipeline closed ({why})", step=handle.step,
+                    rank=self.rank))
+                with self._lock:
+                    self._pending.pop(handle.step, None)
+                handle._settled.set()
             self._pool.close()
+            if self._staging is not None:
+                self._staging.close()
             self._state = "closed"
+        if stopped is not None:
+            raise stopped
 
     # ------------------------------------------------------------------ save
 

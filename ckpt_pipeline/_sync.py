@@ -2,29 +2,50 @@
 
 The event loop runs in one named background thread behind an anyio blocking portal; the
 training thread only validates, copies (CPU) or queues copies (CUDA), and hands the save over.
+
+Shutdown (see ``close``): leaving the ``with`` block, normally or by an exception (Ctrl-C
+during training included), finishes the saves in flight before the block is left; the
+interpreter exiting without ``close()`` finishes them from an ``atexit`` hook, bounded by
+``exit_timeout_s``; an interrupt (Ctrl-C) *while* ``close()`` waits, or its timeout, abandons
+them. Whatever happens, a step is complete on disk only once its commit record is published,
+and that is only ever done after the step's data are durable: an abandoned save leaves at most
+temporaries and uncommitted files, which the next pipeline opened on the root removes.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
+import math
 import os
 import queue
+import signal
 import threading
-from collections.abc import Callable, Mapping, MutableMapping
-from types import TracebackType
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from types import FrameType, TracebackType
 from typing import Any
 
 import anyio
+import structlog
 from anyio.from_thread import BlockingPortal
 
 from ._pipeline import AsyncCheckpointPipeline, Subscriber
 from .config import PipelineConfig
 from .coordination import Coordinator
-from .errors import PipelineClosedError
+from .errors import ConfigError, PipelineClosedError
 from .handle import RestoreResult, SaveHandle
 from .storage import Storage
 from .train_state import TrainState
 
 __all__ = ("CheckpointPipeline",)
+
+_log = structlog.get_logger("ckpt_pipeline")
+
+DEFAULT_EXIT_TIMEOUT_S = 300.0
+"""How long the interpreter's exit waits for saves in flight when ``close()`` was not called."""
 
 
 class CheckpointPipeline:
@@ -32,6 +53,9 @@ class CheckpointPipeline:
 
     ``save()`` returns a :class:`SaveHandle` at once; ``wait_snapshot()`` goes before the next
     in-place update; ``restore_latest()`` loads the newest complete checkpoint in place.
+
+    ``exit_timeout_s`` bounds how long the interpreter's exit waits for saves in flight when
+    the pipeline was never closed (``None``: no bound).
     """
 
     def __init__(
@@ -43,18 +67,30 @@ class CheckpointPipeline:
         storage: Storage | None = None,
         coordinator: Coordinator | None = None,
         thread_name: str = "ckpt-pipeline",
+        exit_timeout_s: float | None = DEFAULT_EXIT_TIMEOUT_S,
         **options: Any,
     ) -> None:
+        if exit_timeout_s is not None and (
+            isinstance(exit_timeout_s, bool) or not isinstance(exit_timeout_s, (int, float))
+            or not math.isfinite(exit_timeout_s) or exit_timeout_s <= 0
+        ):
+            raise ConfigError(f"exit_timeout_s must be a positive number of seconds or None, "
+                              f"got {exit_timeout_s!r}",
+                              hint="e.g. exit_timeout_s=300, or None to wait without bound")
         self._pipe = AsyncCheckpointPipeline(root, keep_last=keep_last, config=config,
                                              storage=storage, coordinator=coordinator,
                                              **options)
         self.config = self._pipe.config
+        self.exit_timeout_s = exit_timeout_s
         self._thread_name = thread_name
         self._thread: threading.Thread | None = None
         self._portal: BlockingPortal | None = None
         self._closing: anyio.Event | None = None
+        self._abandon_scope: anyio.CancelScope | None = None
         self._close_error: BaseException | None = None
         self._closed = False
+        self._at_exit: Callable[[], None] | None = None
+        self._owner_pid = os.getpid()
 
     @property
     def root(self) -> str:
@@ -66,7 +102,22 @@ class CheckpointPipeline:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        """Close: pending saves finish first, whether the block ended normally or not.
+
+        An exception leaving the block (KeyboardInterrupt from Ctrl-C included) propagates
+        unchanged once they are done; an error of the close itself is then logged
+        (``ckpt.close.failed``), not raised over it. An interrupt while waiting (a second
+        Ctrl-C) abandons the wait and propagates.
+        """
+        if exc is None:
+            self.close()
+            return
+        try:
+            self._close(None, exc)
+        except Exception as error:
+            _log.error("ckpt.close.failed", rank=self._pipe.rank,
+                       error=f"{type(error).__name__}: {error}",
+                       hint=f"the {type(exc).__name__} raised in the with block propagates")
 
     def open(self) -> None:
         """Start the background thread and the pipeline in it (scrubbing leftovers first)."""
@@ -82,42 +133,118 @@ class CheckpointPipeline:
             self._closed = True
             raise item
         self._portal = item
+        # The thread is a daemon (a forgotten pipeline must not keep the process alive), so
+        # the interpreter would stop it wherever it is at exit: finish the saves first.
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     def _run(self, ready: queue.Queue[BlockingPortal | BaseException]) -> None:
         async def main() -> None:
             async with BlockingPortal() as portal:
                 self._closing = anyio.Event()
-                try:
-                    await self._pipe.open()
-                except Exception as exc:
-                    ready.put(exc)
-                    return
-                ready.put(portal)
-                try:
-                    await self._closing.wait()
-                finally:
+                # Cancelled when close() stops waiting (interrupted, or its timeout): the
+                # pipeline's aclose() then abandons what is pending instead of finishing it.
+                # It encloses open(), whose task group aclose() exits.
+                with anyio.CancelScope() as abandon:
+                    self._abandon_scope = abandon
                     try:
-                        await self._pipe.aclose()
+                        await self._pipe.open()
                     except Exception as exc:
-                        self._close_error = exc
+                        ready.put(exc)
+                        return
+                    ready.put(portal)
+                    try:
+                        await self._closing.wait()
+                    finally:
+                        try:
+                            await self._pipe.aclose()
+                        except Exception as exc:
+                            self._close_error = exc
 
         try:
             anyio.run(main)
         except BaseException as exc:  # the loop itself failed to start
             ready.put(exc)
 
-    def close(self) -> None:
-        """Finish every pending save, stop the background thread. Idempotent."""
-        if self._closed or self._thread is None or self._portal is None:
+    def close(self, timeout: float | None = None) -> None:
+        """Finish every pending save, stop the background thread. Idempotent.
+
+        Waits for the saves in flight (logged as ``ckpt.close.waiting`` with their steps) and
+        raises an error of the close itself, if any. Failed saves do not raise here: their
+        handles do. If the wait is interrupted (KeyboardInterrupt: Ctrl-C while ``close()``
+        waits) or lasts longer than ``timeout`` seconds (then TimeoutError), the pending saves
+        are abandoned (``ckpt.close.abandoned``): nothing of them is published as complete,
+        the newest committed step stays the newest, and the next pipeline opened on the root
+        removes their temporaries.
+        """
+        self._close(timeout, None)
+
+    def _close(self, timeout: float | None, why: BaseException | str | None) -> None:
+        self._unregister_at_exit()
+        thread, portal, closing = self._thread, self._portal, self._closing
+        if self._closed or thread is None or portal is None or closing is None:
             self._closed = True
             return
+        started = time.monotonic()
         self._closed = True
-        closing = self._closing
-        assert closing is not None
-        self._portal.call(closing.set)
-        self._thread.join()
+        handles: list[SaveHandle] = []
+        try:  # from here an interrupt anywhere abandons the wait
+            handles = self._pending_handles()
+            if handles:
+                fields: dict[str, Any] = {"rank": self._pipe.rank,
+                                          "steps": [h.step for h in handles],
+                                          "reason": _describe(why)}
+                if why is None:
+                    _log.info("ckpt.close.waiting", **fields)
+                else:
+                    again = " again" if isinstance(why, KeyboardInterrupt) else ""
+                    _log.warning("ckpt.close.waiting", **fields,
+                                 hint=f"they finish before the process goes on; interrupt "
+                                      f"(Ctrl-C){again} to abandon them: nothing partial is "
+                                      "published")
+            if thread.is_alive():
+                with contextlib.suppress(RuntimeError):  # the loop already stopped
+                    portal.start_task_soon(closing.set)
+            thread.join(timeout)
+        except BaseException as exc:  # KeyboardInterrupt (Ctrl-C while waiting), SystemExit
+            self._abandon(f"interrupted by {type(exc).__name__}")
+            raise
+        if thread.is_alive():
+            left = self._abandon(f"not finished within {timeout} s")
+            raise TimeoutError(f"close() gave up after {timeout} s; steps {left} were "
+                               "abandoned (nothing partial is published)")
+        if handles:
+            failed = [h.step for h in handles if h.done() and h.exception(0) is not None]
+            _log.info("ckpt.close.done", rank=self._pipe.rank,
+                      committed=[h.step for h in handles if h.step not in failed],
+                      failed=failed, seconds=round(time.monotonic() - started, 3))
         if self._close_error is not None:
             raise self._close_error
+
+    def _pending_handles(self) -> list[SaveHandle]:
+        pipe = self._pipe
+        with pipe._lock:
+            return sorted(pipe._pending.values(), key=lambda h: h.step)
+
+    def _abandon(self, reason: str) -> list[int]:
+        """Stop waiting: log what is left, and tell the loop to abandon it (no wait)."""
+        left = [h.step for h in self._pending_handles() if not h.done()]
+        with self._pipe._lock:
+            newest = self._pipe._latest_committed
+        _log.warning("ckpt.close.abandoned", rank=self._pipe.rank, steps=left, reason=reason,
+                     latest_committed=newest,
+                     hint="nothing of these steps is published as complete; the next "
+                          "pipeline opened on this root removes their temporaries")
+        scope, portal = self._abandon_scope, self._portal
+        if scope is not None and portal is not None:
+            with contextlib.suppress(Exception):  # the loop stopped meanwhile: nothing to do
+                portal.start_task_soon(scope.cancel)
+        return left
+
+    def _unregister_at_exit(self) -> None:
+        hook, self._at_exit = self._at_exit, None
+        if hook is not None:
+            atexit.unregister(hook)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._closed or self._portal is None:
@@ -131,16 +258,34 @@ class CheckpointPipeline:
 
         CPU tensors are copied before this returns; CUDA tensors are copied on a side stream
         (call ``wait_snapshot()`` before mutating them). Bad input raises CheckpointError here,
-        before anything is written.
+        before anything is written. A Ctrl-C that arrives while the save is being handed to
+        the pipeline is raised once it is handed over, so the save is in flight (and
+        ``close()`` finishes it) rather than half registered.
         """
-        if self._closed or self._portal is None:
+        portal = self._portal
+        if self._closed or portal is None:
             raise PipelineClosedError("save() after close()", step=step,
                                       hint="open a new pipeline")
         pipe = self._pipe
         plan = pipe._plan_save(step, state, train_state)
-        job = pipe._start_save(plan, pipe._acquire(plan, True))
-        handle: SaveHandle = self._call(pipe._submit, job)
-        return handle
+        slot = pipe._acquire(plan, True)
+        handed_over = False
+        try:
+            with _sigint_held():
+                handed_over = True  # from here _start_save releases the slot if it fails
+                job = pipe._start_save(plan, slot)
+                try:
+                    submitted = portal.start_task_soon(pipe._submit, job)
+                except RuntimeError as exc:  # the loop stopped: closed from another thread
+                    error = PipelineClosedError("save() while the pipeline closes", step=step,
+                                                hint="open a new pipeline")
+                    pipe._abandon(job, error)
+                    raise error from exc
+        except BaseException:
+            if not handed_over and slot is not None:
+                pipe._pool.release(slot)
+            raise
+        return submitted.result()
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Order the caller's CUDA streams after pending snapshot copies (see the async face)."""
@@ -185,3 +330,55 @@ class CheckpointPipeline:
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every pipeline event (called from the pipeline's thread)."""
         return self._pipe.subscribe(callback)
+
+
+def _describe(why: BaseException | str | None) -> str:
+    if why is None:
+        return "close"
+    if isinstance(why, str):
+        return why
+    if isinstance(why, KeyboardInterrupt):
+        return "KeyboardInterrupt (Ctrl-C) in the with block"
+    return f"{type(why).__name__} raised in the with block"
+
+
+def _close_at_exit(ref: weakref.ref[CheckpointPipeline]) -> None:
+    """atexit hook of an open pipeline: finish its saves in flight, within exit_timeout_s."""
+    pipe = ref()
+    if pipe is None or pipe._closed or os.getpid() != pipe._owner_pid:
+        return  # closed already, or a forked child that holds a copy without the thread
+    try:
+        pipe._close(pipe.exit_timeout_s, "interpreter exit: close() was not called")
+    except (TimeoutError, KeyboardInterrupt):
+        pass  # logged as ckpt.close.abandoned
+    except Exception as exc:
+        _log.error("ckpt.close.failed", rank=pipe._pipe.rank,
+                   error=f"{type(exc).__name__}: {exc}", hint="at interpreter exit")
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold SIGINT back for a short critical section of the main thread, then deliver it.
+
+    Only when the handler is a Python callable (the default raises KeyboardInterrupt); off
+    the main thread, signals are not delivered to this thread anyway.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    held: list[tuple[int, FrameType | None]] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append((signum, frame))
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            previous(*held[0])

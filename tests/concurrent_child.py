@@ -80,7 +80,7 @@ from ckpt_pipeline.storage import FileInfo
 W_NUMEL = 8192  # 32 KiB of float32
 IDS_NUMEL = 1000
 SAMPLES_PER_STEP = 32
-HOLD_MAX_S = 60.0
+HOLD_MAX_S = float(os.environ.get("CKPT_TEST_HOLD_MAX_S", "60"))
 WAIT_MAX_S = 90.0
 TOOLS_EVERY = 4
 """A reader runs the command-line tools every this many observations."""

@@ -251,25 +251,23 @@ def test_a_restarted_rank_scrubs_while_the_other_rank_is_in_the_middle_of_prunin
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "library bug: the start-up scrub of one rank removes the empty step directory another "
-    "rank has just created for its first save (between its make_dir and create_temp), and "
-    "that save fails with ENOENT on every rank. Nothing orders a rank's first save after the "
-    "other ranks' scrubs (no collective between open() and the first commit vote)."))
-def test_a_rank_saving_while_another_rank_still_scrubs_at_start_up(tmp_path: Path) -> None:
-    """Rank 0 saves step 1 right after open(); rank 1's start-up scrub is still running.
+def test_no_rank_saves_before_every_rank_has_scrubbed(tmp_path: Path) -> None:
+    """Regression (found by this suite): a rank's start-up scrub of a shared root removed the
+    empty step directory another rank had just created for its first save, failing that save
+    on every rank. open() now agrees on the run id only after the scrub, which makes the
+    agreement a barrier: no rank saves before every rank has scrubbed.
 
-    Made certain with ``OrderedStorage``: rank 1's scrub lists the root once rank 0 created
-    ``step-0000000001`` (still empty), and rank 0 creates its temporary shard there only once
-    rank 1's open() returned. Nothing was ever committed, so nothing is lost, but the save
-    should not fail: the directory is not rank 1's to remove.
+    Rank 1's scrub waits for ``step-0000000001`` to appear, up to 3 s; rank 0 saves step 1
+    right after open(). The directory can only appear once rank 1's scrub has ended, so that
+    wait must time out, and both saves must commit.
     """
     procs = Processes(tmp_path)
+    env = {"CKPT_TEST_HOLD_MAX_S": "3"}
     try:
         procs.writer("w-0", 0, "init", 1, 2, "--pause-ms", "0", "--tolerate-failures",
-                     "--hold-create-temp", "1", "--release", "opened-w-1")
+                     "--hold-create-temp", "1", "--release", "opened-w-1", env=env)
         procs.writer("w-1", 1, "init", 1, 2, "--pause-ms", "0", "--tolerate-failures",
-                     "--opened", "--scrub-after-dir", "1")
+                     "--opened", "--scrub-after-dir", "1", env=env)
         procs.wait_files("ready-w-0", "ready-w-1")
         (procs.ctl / "go").touch()
         for name in ("w-0", "w-1"):
@@ -278,12 +276,9 @@ def test_a_rank_saving_while_another_rank_still_scrubs_at_start_up(tmp_path: Pat
         outs = [procs.out("w-0"), procs.out("w-1")]
     finally:
         procs.kill_all()
-    if not all(h["released"] for out in outs for h in out["holds"]) or [
-            [h["what"] for h in out["holds"]] for out in outs] != [["create_temp"], ["scrub"]]:
-        raise RuntimeError(f"the interleaving did not happen: {outs}")
-    if [out["acked"] for out in outs] != [[2], [2]] and [out["acked"] for out in outs] != [
-            [1, 2], [1, 2]]:
-        raise RuntimeError(f"unexpected outcome: {outs}")
+    assert [[h["what"] for h in out["holds"]] for out in outs] == [["create_temp"], ["scrub"]]
+    scrub_hold = outs[1]["holds"][0]
+    assert not scrub_hold["released"], f"a step directory appeared during a scrub: {outs}"
     assert [out["failed"] for out in outs] == [[], []]
     assert [out["acked"] for out in outs] == [[1, 2], [1, 2]]
 
