@@ -161,32 +161,71 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
+MAX_NESTING = 100
+"""Deepest nesting of containers in any decoded document (the writer stops at 64)."""
+
+
+class _Nested:
+    """A tuple's msgpack payload, decoded after the enclosing document (see ``_unpack``)."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
 def _unpack(data: bytes, *, max_len: int) -> Any:
+    """Decode with explicit limits, then walk the result (``_walk``).
+
+    A tuple is an extension whose payload is msgpack again. Decoding it from inside the
+    extension hook would nest a C-level decoder per level (tens of KiB of C stack each: a
+    small file of nested tuples could overflow the stack and kill the process), so the hook
+    only keeps the payload and the walk decodes it afterwards, one level at a time.
+    """
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == _EXT_TENSOR:
             if len(payload) != 8:
                 raise ValueError("bad tensor reference")
             return TensorRef(struct.unpack("<Q", payload)[0])
         if code == _EXT_TUPLE:
-            value = _unpack(payload, max_len=max_len)
-            if not isinstance(value, list):
-                raise ValueError("bad tuple")
-            return tuple(value)
+            return _Nested(payload)
         raise ValueError(f"unknown extension type {code}")
 
-    return msgpack.unpackb(
-        data,
-        raw=False,
-        use_list=True,
-        strict_map_key=False,
-        object_pairs_hook=_checked_map,
-        ext_hook=ext_hook,
-        max_str_len=min(len(data), max_len),
-        max_bin_len=min(len(data), max_len),
-        max_array_len=min(len(data), max_len),
-        max_map_len=min(len(data), max_len) // 2,
-        max_ext_len=min(len(data), max_len),
-    )
+    def flat(raw: bytes) -> Any:
+        return msgpack.unpackb(
+            raw,
+            raw=False,
+            use_list=True,
+            strict_map_key=False,
+            object_pairs_hook=_checked_map,
+            ext_hook=ext_hook,
+            max_str_len=min(len(raw), max_len),
+            max_bin_len=min(len(raw), max_len),
+            max_array_len=min(len(raw), max_len),
+            max_map_len=min(len(raw), max_len) // 2,
+            max_ext_len=min(len(raw), max_len),
+        )
+
+    def walk(value: Any, depth: int) -> Any:
+        """Check the depth, refuse timestamps, turn tuple payloads into tuples."""
+        if isinstance(value, _Nested):
+            inner = walk(flat(value.payload), depth)
+            if not isinstance(inner, list):
+                raise ValueError("bad tuple")
+            return tuple(inner)
+        if isinstance(value, (list, dict)):
+            if depth >= MAX_NESTING:
+                raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+            items = enumerate(value) if isinstance(value, list) else value.items()
+            for key, item in list(items):
+                if isinstance(item, (list, dict, _Nested, msgpack.Timestamp)):
+                    value[key] = walk(item, depth + 1)
+            return value
+        if isinstance(value, msgpack.Timestamp):
+            raise ValueError("timestamp extension (not written by ckpt_pipeline)")
+        return value
+
+    return walk(flat(data), 0)
 
 
 def _checked_map(pairs: Sequence[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -272,7 +311,8 @@ class DistLayout:
                 list(self.global_stride)]
 
 
-_PLACEMENT = re.compile(r"^(R|S[0-9]{1,2})$")
+_PLACEMENT = re.compile(r"R|S[0-9]{1,2}")  # used with fullmatch: no trailing newline
+_DEVICE = re.compile(r"[a-z]{2,16}(:[0-9]{1,4})?")  # "cpu", "cuda:0" (str(torch.device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,9 +387,11 @@ def decode_preamble(raw: bytes, file_size: int, path: str) -> tuple[int, int, in
     """(header offset, header length, header checksum), checked against the file size."""
     if len(raw) < _PREAMBLE.size:
         raise CheckpointIntegrityError("shard is shorter than its preamble", path=path)
-    magic, version, _flags, _reserved, off, length, digest = _PREAMBLE.unpack_from(raw)
+    magic, version, flags, reserved, off, length, digest = _PREAMBLE.unpack_from(raw)
     if magic != SHARD_MAGIC:
         raise CheckpointIntegrityError("not a ckpt_pipeline shard (bad magic)", path=path)
+    if flags or reserved:
+        raise CheckpointIntegrityError("shard preamble has unknown flags", path=path)
     if version != FORMAT_VERSION:
         raise CheckpointIntegrityError(
             f"shard format version {version} is not supported (this library reads "
@@ -360,6 +402,12 @@ def decode_preamble(raw: bytes, file_size: int, path: str) -> tuple[int, int, in
             f"shard header at {off}+{length} does not fit a file of {file_size} bytes",
             path=path)
     return off, length, digest
+
+
+def _is_format(data: Mapping[str, Any]) -> bool:
+    """The document's format version is this library's (an int: not True, not 1.0)."""
+    version = data.get("format")
+    return type(version) is int and version == FORMAT_VERSION
 
 
 def _req(data: Mapping[str, Any], key: str, typ: type | tuple[type, ...], path: str) -> Any:
@@ -386,7 +434,7 @@ def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int) 
     data = _decode(raw, "shard header", path)
     if not isinstance(data, dict):
         raise CheckpointIntegrityError("shard header is not a map", path=path)
-    if data.get("format") != FORMAT_VERSION or data.get("kind") != "shard":
+    if not _is_format(data) or data.get("kind") != "shard":
         raise CheckpointIntegrityError("shard header has the wrong format or kind", path=path)
     step = _nonneg(data, "step", path)
     rank = _nonneg(data, "rank", path)
@@ -397,6 +445,8 @@ def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int) 
     if not (0 < len(save_id) <= 128):
         raise CheckpointIntegrityError("save id is malformed", path=path)
     created = _req(data, "created_unix", float, path)
+    if not math.isfinite(created):
+        raise CheckpointIntegrityError("creation time is not a finite number", path=path)
     chunk = _nonneg(data, "chunk_bytes", path)
     if chunk < ALIGN or chunk % ALIGN:
         raise CheckpointIntegrityError("chunk size is malformed", path=path)
@@ -426,7 +476,7 @@ def _decode_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: str
     tpath, dtype, shape, offset, nbytes, sums, device, dist = raw
     if not isinstance(tpath, str) or len(tpath) > MAX_PATH_LEN:
         raise CheckpointIntegrityError(f"{where} path is malformed", path=path)
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointIntegrityError(f"{where} ({tpath}) has dtype {dtype!r}, which is not "
                                        "on the allow-list", path=path)
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
@@ -446,7 +496,7 @@ def _decode_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: str
             or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**64
                        for s in sums)):
         raise CheckpointIntegrityError(f"{where} ({tpath}) checksums are malformed", path=path)
-    if not isinstance(device, str) or len(device) > 64:
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
         raise CheckpointIntegrityError(f"{where} ({tpath}) device is malformed", path=path)
     layout = None if dist is None else _decode_dist(dist, len(shape), f"{where} ({tpath})", path)
     return TensorRecord(tpath, dtype, tuple(shape), offset, nbytes, tuple(sums), device, layout)
@@ -464,7 +514,7 @@ def _decode_dist(raw: Any, ndim: int, where: str, path: str) -> DistLayout:
     mesh, placements, gshape, gstride = raw
     if (not _ints(mesh, positive=True) or not mesh or not isinstance(placements, list)
             or len(placements) != len(mesh)
-            or not all(isinstance(p, str) and _PLACEMENT.match(p) for p in placements)
+            or not all(isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placements)
             or not _ints(gshape) or len(gshape) != ndim or not _ints(gstride)
             or len(gstride) != ndim
             or any(p != "R" and int(p[1:]) >= ndim for p in placements)):
@@ -516,7 +566,7 @@ def _small(raw: bytes, kind: str, path: str) -> dict[str, Any]:
     if len(raw) > MAX_SMALL_FILE_BYTES:
         raise CheckpointIntegrityError(f"{kind} is too large", path=path)
     data = _decode(raw, kind, path)
-    if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION or (
+    if not isinstance(data, dict) or not _is_format(data) or (
         data.get("kind") != kind
     ):
         raise CheckpointIntegrityError(f"{kind} has the wrong format or kind", path=path)

@@ -6,6 +6,7 @@ is requested, so the checkpoint holds the generators as they were at that step.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -106,12 +107,47 @@ class RNGState:
             not isinstance(cuda, list) or not all(isinstance(x, bytes) for x in cuda)
         ):
             raise StateError("torch cuda rng state is malformed")
-        return cls(
+        state = cls(
             python=None if python is None else (python[0], tuple(python[1]), python[2]),
             numpy=None if numpy_state is None else tuple(numpy_state),
             torch_cpu=cpu,
             torch_cuda=None if cuda is None else tuple(cuda),
         )
+        state.check()
+        return state
+
+    def check(self) -> None:
+        """Raise StateError unless every state would be accepted by its generator.
+
+        Each is set on a scratch generator, never on the global ones, so that a bad state is
+        found before a restore touches anything. CUDA states are checked when CUDA is in use.
+        """
+        try:
+            if self.python is not None:
+                version, internal, gauss = self.python
+                random.Random().setstate((version, tuple(internal), gauss))
+            if self.numpy is not None:
+                try:
+                    import numpy as np
+                except ImportError:
+                    pass
+                else:
+                    name, keys, pos, has_gauss, cached = self.numpy
+                    np.random.RandomState().set_state(
+                        (name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss,
+                         cached))
+            if self.torch_cpu is not None:
+                torch.Generator().set_state(
+                    torch.frombuffer(bytearray(self.torch_cpu), dtype=torch.uint8))
+            if self.torch_cuda is not None and torch.cuda.is_available() and (
+                torch.cuda.is_initialized()
+            ):
+                for blob in self.torch_cuda[:torch.cuda.device_count()]:
+                    torch.Generator(device="cuda").set_state(
+                        torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        except (TypeError, ValueError, RuntimeError, OverflowError, IndexError,
+                KeyError) as exc:
+            raise StateError(f"an rng state is not accepted by its generator: {exc}") from exc
 
 
 def _python_state_to_plain(state: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -140,7 +176,9 @@ class TrainState:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise StateError(f"TrainState.{name} must be a non-negative int, got {value!r}")
         flops = self.floating_point_operations_so_far
-        if isinstance(flops, bool) or not isinstance(flops, (int, float)) or flops < 0:
+        if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not (
+            0 <= flops < math.inf
+        ):
             raise StateError(
                 f"TrainState.floating_point_operations_so_far must be a non-negative number, "
                 f"got {flops!r}"

@@ -15,9 +15,10 @@ Size: ``CKPT_FUZZ_EXAMPLES`` (default 125) is the unit of every property's ``max
 property takes a weight of it (``_WEIGHTS``), 17x in all: 2,125 cases by default, of which 126
 end to end. ``CKPT_FUZZ_EXAMPLES=2950`` runs 50,150.
 
-Known decoder bugs are reproduced by the ``test_known_bug_*`` tests below (``xfail(strict=True)``:
-they start failing once the library is fixed, and ``_known_bug`` should then be emptied). The
-properties ``reject()`` an input that hits one of them, so that they keep testing the rest.
+The decoder bugs this suite found (a stack overflow from nested tuple extensions, unhashable
+dtypes, placements with a trailing newline, unbounded tree depth, msgpack timestamps, RNG
+states of the wrong size, unparsable device strings) were fixed; the ``test_fixed_*`` tests
+below keep their reproducers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import functools
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -35,7 +37,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import traceback
 import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from typing import Any, TypeVar
 import msgpack
 import pytest
 import torch
-from hypothesis import event, given, reject, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import ckpt_pipeline as cp
@@ -136,24 +137,11 @@ def _time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _known_bug(exc: BaseException) -> str | None:
-    """Which of the known, reported bugs (see the test_known_bug_* tests) raised ``exc``."""
-    frames = {f.name for f in traceback.extract_tb(exc.__traceback__)}
-    if isinstance(exc, TypeError) and "unhashable" in str(exc) and "_decode_record" in frames:
-        return "dtype of an unhashable type"
-    if (isinstance(exc, ValueError) and "invalid literal for int()" in str(exc)
-            and "_decode_dist" in frames):
-        return "placement 'R\\n'"
-    if isinstance(exc, RecursionError) and "materialize" in frames:
-        return "state tree nested too deep for restore"
-    return None
-
-
 def _outcome(call: Callable[[], T], refusal: type[CheckpointError] = CheckpointIntegrityError,
              limit: float = SMALL_DECODE_S) -> T | None:
     """The decoded value, or None when the decoder refused with ``refusal``.
 
-    Any other exception fails the property, except one of the known bugs, which is rejected.
+    Any other exception fails the property.
     """
     try:
         with _time_limit(limit):
@@ -162,10 +150,6 @@ def _outcome(call: Callable[[], T], refusal: type[CheckpointError] = CheckpointI
         assert exc.message, "a refusal says why"
         event(f"refused: {type(exc).__name__}")
         return None
-    except Exception as exc:
-        if _known_bug(exc) is not None:
-            reject()
-        raise
     event("accepted")
     return value
 
@@ -274,7 +258,7 @@ def _names_up_to(n: int, *, nonempty: bool = False) -> st.SearchStrategy[str]:
     return st.sampled_from(pool) | st.text(min_size=int(nonempty), max_size=min(n, 12))
 
 
-device_names = _names_up_to(64)
+device_names = st.from_regex(r"[a-z]{2,16}(:[0-9]{1,4})?", fullmatch=True)  # str(torch.device)
 path_names = _names_up_to(MAX_PATH_LEN)
 save_ids = _names_up_to(128, nonempty=True)
 
@@ -541,7 +525,7 @@ def _assert_header_valid(h: ShardHeader, file_size: int, header_offset: int) -> 
         assert r.offset % ALIGN == 0 and h.data_offset <= r.offset <= r.offset + r.nbytes <= end
         assert len(r.checksums) == chunk_count(r.nbytes, h.chunk_bytes)
         assert all(_is_int(s) and 0 <= s <= U64 for s in r.checksums)
-        assert isinstance(r.device, str) and len(r.device) <= 64
+        assert isinstance(r.device, str) and re.fullmatch(r"[a-z]{2,16}(:[0-9]{1,4})?", r.device)
         if r.dist is not None:
             d = r.dist
             assert d.mesh_shape and all(_is_int(m) and m > 0 for m in d.mesh_shape)
@@ -771,24 +755,35 @@ def test_valid_state_tree_round_trips(data: st.DataObject) -> None:
 
 @st.composite
 def rng_states(draw: st.DrawFn) -> RNGState:
-    python = draw(st.none() | st.tuples(st.integers(0, 3),
-                                        st.lists(st.integers(0, 2**32 - 1), max_size=8)
-                                        .map(tuple),
-                                        st.none() | st.floats(allow_nan=False)))
-    numpy = draw(st.none() | st.tuples(st.just("MT19937"), st.binary(max_size=16),
-                                       st.integers(0, 624), st.integers(0, 1),
-                                       st.floats(allow_nan=False)))
-    return RNGState(python=python, numpy=numpy,
-                    torch_cpu=draw(st.none() | st.binary(max_size=16)),
-                    torch_cuda=draw(st.none() | st.lists(st.binary(max_size=8), max_size=2)
-                                    .map(tuple)))
+    """Valid generator states (from seeded generators), each present or not."""
+    import numpy as np
+
+    seed = draw(st.integers(0, 2**32 - 1))
+    python = None
+    if draw(st.booleans()):
+        version, internal, _ = random.Random(seed).getstate()
+        gauss = draw(st.none() | st.floats(allow_nan=False, allow_infinity=False))
+        python = (version, internal, gauss)
+    numpy = None
+    if draw(st.booleans()):
+        name, keys, pos, has_gauss, cached = np.random.RandomState(seed).get_state(legacy=True)
+        numpy = (str(name), np.asarray(keys, dtype=np.uint32).tobytes(), int(pos),
+                 int(has_gauss), float(cached))
+    cpu = None
+    if draw(st.booleans()):
+        cpu = bytes(torch.Generator().manual_seed(seed).get_state().numpy().tobytes())
+    cuda = draw(st.none() | st.lists(  # Philox: seed and an offset that is a multiple of 4
+        st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**40))
+        .map(lambda so: struct.pack("<Qq", so[0], 4 * so[1])), max_size=2).map(tuple))
+    return RNGState(python=python, numpy=numpy, torch_cpu=cpu, torch_cuda=cuda)
 
 
 train_states = st.builds(
     TrainState,
     step=st.integers(0, U64), consumed_train_samples=st.integers(0, U64),
     skipped_train_samples=st.integers(0, U64),
-    floating_point_operations_so_far=st.integers(0, U64) | st.floats(0, allow_nan=False),
+    floating_point_operations_so_far=(st.integers(0, U64)
+                                      | st.floats(0, allow_nan=False, allow_infinity=False)),
     extra=st.dictionaries(names, plain, max_size=3), rng=st.none() | rng_states(),
 )
 TRAIN_STATE_KEYS = ("step", "consumed_train_samples", "skipped_train_samples",
@@ -1120,10 +1115,6 @@ def _check_restore(root: Path, accepted: Callable[[], bool]) -> None:
     except CheckpointError as exc:
         event(f"restore raised {type(exc).__name__}")
         return
-    except Exception as exc:
-        if _known_bug(exc) is not None:
-            reject()
-        raise
     assert result is not None
     if result.step == STEPS[1]:
         event("restored the fuzzed step (it still decodes to what was saved)")
@@ -1297,20 +1288,14 @@ def _one_record_header(record: list[Any]) -> tuple[bytes, int, int]:
     return raw, 2 * ALIGN + len(raw), 2 * ALIGN
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "_format._decode_record: `dtype not in DTYPES` raises TypeError (unhashable type) when "
-    "the dtype field of a tensor record is a list or map"))
 @pytest.mark.parametrize("dtype", [["float32"], {"a": 1}])
-def test_known_bug_unhashable_dtype_escapes_decode_header(dtype: Any) -> None:
+def test_fixed_unhashable_dtype_escapes_decode_header(dtype: Any) -> None:
     raw, size, offset = _one_record_header(["w", dtype, [2], ALIGN, 8, [0], "cpu", None])
     with pytest.raises(CheckpointIntegrityError):
         decode_header(raw, "x", file_size=size, header_offset=offset)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "the TypeError of _decode_record escapes scan() and restore_latest() (a re-signed header "
-    "whose record has dtype [\"x\"]): no fallback to the older step"))
-def test_known_bug_unhashable_dtype_escapes_restore_latest(template: Template) -> None:
+def test_fixed_unhashable_dtype_escapes_restore_latest(template: Template) -> None:
     doc = _plain_of(template.header)
     doc["tensors"][0][1] = ["float32"]
     with _copy_of(template) as root:
@@ -1319,20 +1304,14 @@ def test_known_bug_unhashable_dtype_escapes_restore_latest(template: Template) -
     assert result is not None and result.step == STEPS[0]
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "_format._decode_dist: _PLACEMENT ends in `$`, which also matches before a trailing "
-    "newline; placement 'R\\n' passes it and int('\\n') raises ValueError"))
-def test_known_bug_placement_r_newline_escapes_decode_header() -> None:
+def test_fixed_placement_r_newline_escapes_decode_header() -> None:
     raw, size, offset = _one_record_header(
         ["w", "float32", [2], ALIGN, 8, [0], "cpu", [[1], ["R\n"], [2], [1]]])
     with pytest.raises(CheckpointIntegrityError):
         decode_header(raw, "x", file_size=size, header_offset=offset)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_format._decode_dist: placement 'S0\\n' (trailing newline) is accepted as 'S0' "
-    "(same `$` in _PLACEMENT; docs/format.md allows only \"R\" and \"S<dim>\")"))
-def test_known_bug_placement_with_trailing_newline_is_accepted() -> None:
+def test_fixed_placement_with_trailing_newline_is_accepted() -> None:
     raw, size, offset = _one_record_header(
         ["w", "float32", [2], ALIGN, 8, [0], "cpu", [[1], ["S0\n"], [2], [1]]])
     with pytest.raises(CheckpointIntegrityError):
@@ -1359,11 +1338,7 @@ def _run_child(body: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=240, cwd=cwd)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_format._unpack: every tuple extension (code 2) is decoded by a nested msgpack.unpackb "
-    "call from ext_hook; each level costs ~40 KiB of C stack, so ~200 nested tuples "
-    "(a ~1 KB document) overflow an 8 MiB stack: SIGSEGV before RecursionError can be raised"))
-def test_known_bug_nested_tuple_extensions_crash_the_interpreter(tmp_path: Path) -> None:
+def test_fixed_nested_tuple_extensions_crash_the_interpreter(tmp_path: Path) -> None:
     proc = _run_child("""
         from ckpt_pipeline._format import decode_commit, decode_tree
         raw = nested(300)
@@ -1381,11 +1356,7 @@ def test_known_bug_nested_tuple_extensions_crash_the_interpreter(tmp_path: Path)
     assert proc.stdout.split() == ["refused", "refused"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "same stack overflow end to end: a 1.4 KB commit record of nested tuples kills the "
-    "process in CheckpointPipeline.open() (committed_steps, in an AnyIO worker thread), "
-    "before any restore"))
-def test_known_bug_nested_tuples_in_a_commit_record_kill_pipeline_open(
+def test_fixed_nested_tuples_in_a_commit_record_kill_pipeline_open(
         template: Template) -> None:
     with _copy_of(template) as root:
         _write(root / NEW / "rank-00000.commit", b"\x81\xa1t" + _nested_tuples(300))
@@ -1400,25 +1371,18 @@ def test_known_bug_nested_tuples_in_a_commit_record_kill_pipeline_open(
     assert "opened" in proc.stdout
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason=(
-    "decode_tree puts no bound on depth (msgpack allows ~1024 levels, the writer 64): a "
-    "re-signed header whose tree holds 1000 nested arrays under a key the live map lacks makes "
-    "_tree.materialize raise RecursionError out of restore_latest"))
-def test_known_bug_deep_state_tree_escapes_restore_latest(template: Template) -> None:
+def test_fixed_deep_state_tree_escapes_restore_latest(template: Template) -> None:
     doc = _plain_of(template.header)
     tree = _plain_of(doc["tree"])
     tree["opt"]["deep"] = "PLACEHOLDER"
     doc["tree"] = enc(tree).replace(enc("PLACEHOLDER"), b"\x91" * 1000 + b"\xc0")
     with _copy_of(template) as root:
         _install_header(template, root, enc(doc), "all")
-        _restore(root)
+        result, _, _ = _restore(root)
+    assert result is not None and result.step == STEPS[0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_format._unpack: ext code -1 (msgpack Timestamp) is decoded by msgpack itself, not by "
-    "ext_hook, so decode_tree accepts it though docs/format.md makes any extension other "
-    "than 1 and 2 an error; restore then puts a msgpack.Timestamp into the live state"))
-def test_known_bug_timestamp_extension_is_accepted_in_the_state_tree() -> None:
+def test_fixed_timestamp_extension_is_accepted_in_the_state_tree() -> None:
     with pytest.raises(CheckpointIntegrityError):
         decode_tree(bytes(msgpack.packb({"lr": msgpack.Timestamp(5, 0)})), "x")
 
@@ -1431,12 +1395,8 @@ BAD_RNG = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "train_state.RNGState.from_plain checks only container types: sizes and element types of "
-    "the python/numpy/torch states (docs/format.md: [version, [625 ints], gauss], 624 uint32, "
-    "...) are not checked, so an unusable state is returned as valid"))
 @pytest.mark.parametrize("rng", list(BAD_RNG.values()), ids=list(BAD_RNG))
-def test_known_bug_rng_state_of_the_wrong_size_is_accepted(rng: dict[str, Any]) -> None:
+def test_fixed_rng_state_of_the_wrong_size_is_accepted(rng: dict[str, Any]) -> None:
     with pytest.raises(StateError):
         TrainState.from_plain({"step": 1, "rng": rng})
 
@@ -1452,24 +1412,17 @@ def saved_global_rng() -> Iterator[None]:
     torch.set_rng_state(saved[2])
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "with restore_rng=True (the default) the unchecked RNG state reaches RNGState.apply: "
-    "torch.set_rng_state raises RuntimeError out of restore_latest (Recovery.apply and "
-    "_pipeline._apply catch only CheckpointError), after the tensors were already loaded"))
 @pytest.mark.usefixtures("saved_global_rng")
-def test_known_bug_bad_rng_state_escapes_restore_latest(template: Template) -> None:
+def test_fixed_bad_rng_state_escapes_restore_latest(template: Template) -> None:
     doc = _plain_of(template.header)
     doc["train_state"]["rng"]["torch_cpu"] = b"x"
     with _copy_of(template) as root:
         _install_header(template, root, enc(doc), "all")
-        _restore(root, restore_rng=True)
+        result, _, _ = _restore(root, restore_rng=True)
+    assert result is not None and result.step == STEPS[0]
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "_format._decode_record accepts any device string of <= 64 chars; on a CUDA host "
-    "_restore._target_device passes 'cuda:x' to torch.device, whose RuntimeError escapes "
-    "restore_latest (simulated here: torch.cuda.is_available patched to True)"))
-def test_known_bug_unparsable_cuda_device_escapes_restore_latest(
+def test_fixed_unparsable_cuda_device_escapes_restore_latest(
         template: Template, monkeypatch: pytest.MonkeyPatch) -> None:
     doc = _plain_of(template.header)
     doc["tensors"][0][6] = "cuda:x"
@@ -1480,6 +1433,7 @@ def test_known_bug_unparsable_cuda_device_escapes_restore_latest(
             monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
             monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
             try:
-                pipe.restore_latest(live)
+                result = pipe.restore_latest(live)
             finally:
                 monkeypatch.undo()
+    assert result is not None and result.step == STEPS[0]
