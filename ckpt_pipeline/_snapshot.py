@@ -274,7 +274,7 @@ class Snapshot:
     @property
     def needs_release(self) -> bool:
         """Whether the caller must still call ``wait_snapshot`` before mutating the tensors."""
-        return (self.streaming or bool(self.events)) and not self.released
+        return (self.streaming or self.has_device_copies) and not self.released
 
     def release_by_caller(self, *, block_cpu: bool) -> None:
         """Order the caller's streams after the copies and check that nothing was mutated.
@@ -396,12 +396,15 @@ def take_snapshot(
                     group: list[int] = []
                     group_bytes = 0
                     for i, t in zip(indices, sources):
-                        _dest(buffer, offsets[i], t).copy_(t, non_blocking=True)
                         group.append(i)
                         group_bytes += t.numel() * t.element_size()
                         if group_bytes >= COPY_GROUP_BYTES:
+                            _copy_all([_dest(buffer, offsets[j], tensors[j]) for j in group],
+                                      [tensors[j] for j in group])
                             _mark_copied(snap, group, side)
                             group, group_bytes = [], 0
+                    _copy_all([_dest(buffer, offsets[j], tensors[j]) for j in group],
+                              [tensors[j] for j in group])
                     wait = torch.cuda.Event()
                     wait.record(side)
                 snap.copied.update(dict.fromkeys(group, wait))
@@ -421,7 +424,10 @@ def take_snapshot(
 
 
 def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Device-to-device copies, as one multi-tensor launch where torch offers it."""
+    """Asynchronous copies in one call where torch offers it (one multi-tensor launch between
+    devices' memory; one C++ loop to pinned host memory), else one by one."""
+    if not dests:
+        return
     foreach = getattr(torch, "_foreach_copy_", None)
     if foreach is not None:
         try:
