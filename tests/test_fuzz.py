@@ -371,7 +371,7 @@ def shard_headers(draw: st.DrawFn) -> ShardHeader:
     return ShardHeader(
         step=draw(st.integers(0, U64)), rank=draw(st.integers(0, world - 1)), world_size=world,
         save_id=draw(save_ids),
-        created_unix=draw(st.floats(allow_nan=False)), chunk_bytes=chunk,
+        created_unix=draw(st.floats(allow_nan=False, allow_infinity=False)), chunk_bytes=chunk,
         data_offset=PREAMBLE_SIZE, data_length=cursor - PREAMBLE_SIZE, tensors=tuple(records),
         tree=draw(st.binary(max_size=32)),
         train_state=draw(st.dictionaries(st.one_of(names, st.integers(0, 9)), plain,
