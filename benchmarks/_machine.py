@@ -63,6 +63,11 @@ def machine_info(workdir: Path) -> dict[str, Any]:
     for package in ("numpy", "aiofiles", "anyio", "msgpack", "xxhash"):
         with contextlib.suppress(Exception):
             info[package] = version(package)
+    pinned = os.environ.get("CKPT_BENCH_COMMIT")
+    if pinned:  # a copy of the code without its own .git (e.g. a `git archive` on a GPU host)
+        info["git_commit"], info["git_dirty"] = pinned, False
+        info["git_commit_source"] = "CKPT_BENCH_COMMIT"
+        return info
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10)

@@ -5,6 +5,10 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
+# Without a .git of its own (a `git archive`), say which commit this is: CKPT_BENCH_COMMIT.
+if [ -z "${CKPT_BENCH_COMMIT:-}" ] && [ -f commit.txt ]; then
+  export CKPT_BENCH_COMMIT="$(cat commit.txt)"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_streamed.py \
   tests/test_direct_io.py -rs > "$OUT/gpu_tests.log" 2>&1
