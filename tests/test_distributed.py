@@ -271,6 +271,23 @@ def test_corrupt_shard_of_one_rank_makes_every_rank_fall_back(saved_by_4: Path,
     assert len(kept) == 1, files(root)  # the evidence is kept
 
 
+@pytest.mark.parametrize("files_swapped", [("shard",), ("shard", "manifest")])
+def test_a_shard_swapped_between_ranks_makes_every_rank_fall_back(
+        saved_by_4: Path, tmp_path: Path, files_swapped: tuple[str, ...]) -> None:
+    """Rank 1's files of step 20 copied over rank 2's: the sizes and the checksums inside the
+    copied files are right, but not for rank 2 (its manifest's record, or the rank the header
+    names)."""
+    root = copy_root(saved_by_4, tmp_path)
+    for kind in files_swapped:
+        (root / STEP_DIR / f"rank-00002.{kind}").write_bytes(
+            (root / STEP_DIR / f"rank-00001.{kind}").read_bytes())
+    results = run("plain", ["restore"], root, 4, tmp_path / "restore", shared=True)
+    assert_restored(results, OLDER)
+    for rank, out in phase(results, "restore").items():
+        assert NEWER not in valid_by_rank(out)[2], (rank, valid_by_rank(out))
+        assert valid_by_rank(out)[2] == [OLDER], rank
+
+
 def test_diverged_ranks_restore_the_newest_step_they_all_hold(saved_by_2: Path,
                                                               tmp_path: Path) -> None:
     root = copy_root(saved_by_2, tmp_path)

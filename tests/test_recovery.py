@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
+from ckpt_pipeline._format import decode_preamble
 
 
 def _save_steps(root: Path, steps: list[int], keep_last: int = 5) -> None:
@@ -54,6 +55,20 @@ def test_truncated_shard_falls_back_to_previous_step(root: Path, keep: int) -> N
     result, w, _ = _restore(root)
     assert result is not None and result.step == 10
     assert torch.equal(w, torch.full((1024,), 10.0))
+
+
+@pytest.mark.parametrize("where", ["header - 1", "header", "length - 1"])
+def test_shard_truncated_around_its_header_falls_back(root: Path, where: str) -> None:
+    _save_steps(root, [10, 20])
+    shard = _shard(root, 20)
+    data = shard.read_bytes()
+    header, _, _ = decode_preamble(data, len(data), str(shard))
+    keep = {"header - 1": header - 1, "header": header, "length - 1": len(data) - 1}[where]
+    os.truncate(shard, keep)
+    result, w, _ = _restore(root)
+    assert result is not None and result.step == 10
+    assert torch.equal(w, torch.full((1024,), 10.0))
+    assert [r.step for r in result.rejected] == [20]
 
 
 def test_corrupt_header_falls_back_to_previous_step(root: Path) -> None:
