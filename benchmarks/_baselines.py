@@ -22,7 +22,6 @@ __all__ = (
     "iter_tensors",
     "make_state",
     "plain_write_fsync",
-    "pwrite_threads_direct_fsync",
     "pwrite_threads_fsync",
     "torch_save",
 )
@@ -99,30 +98,18 @@ def plain_write_fsync(pieces: list[tuple[int, memoryview]], final: Path) -> None
 
 
 def pwrite_threads_fsync(
-    pieces: list[tuple[int, memoryview]], final: Path, pool: ThreadPoolExecutor
+    pieces: list[tuple[int, memoryview]], final: Path, pool: ThreadPoolExecutor, *,
+    direct: bool = False,
 ) -> None:
-    tmp = final.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        futures = [pool.submit(_pwrite_all, fd, piece, offset) for offset, piece in pieces]
-        for future in futures:
-            future.result()
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _publish(tmp, final)
+    """The pieces written from the pool's threads into disjoint ranges, fsync, publish.
 
-
-def pwrite_threads_direct_fsync(
-    pieces: list[tuple[int, memoryview]], final: Path, pool: ThreadPoolExecutor
-) -> None:
-    """``pwrite_threads_fsync`` through an ``O_DIRECT`` descriptor (no page cache).
-
-    Every piece must start at a 4 KiB-aligned address and offset and be a multiple of 4 KiB
-    long (the caller checks); raises OSError where the file system refuses direct I/O.
+    With ``direct`` through an ``O_DIRECT`` descriptor (no page cache): every piece must then
+    start at a 4 KiB-aligned address and offset and be a multiple of 4 KiB long (the caller
+    checks); raises OSError where the file system refuses direct I/O.
     """
     tmp = final.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(tmp, flags, 0o644)
     try:
         futures = [pool.submit(_pwrite_all, fd, piece, offset) for offset, piece in pieces]
         for future in futures:

@@ -22,7 +22,6 @@ import torch
 from _baselines import (
     chunked,
     plain_write_fsync,
-    pwrite_threads_direct_fsync,
     pwrite_threads_fsync,
 )
 from _training_workload import HostMirror, sync
@@ -74,7 +73,7 @@ def plain_write(mirror: HostMirror, workdir: Path, *, thread_counts: tuple[int, 
             t0 = time.perf_counter()
             try:
                 if direct:
-                    pwrite_threads_direct_fsync(pieces, final, pools[n])
+                    pwrite_threads_fsync(pieces, final, pools[n], direct=True)
                 elif n == 1:
                     plain_write_fsync(pieces, final)
                 else:

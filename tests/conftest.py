@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -61,3 +63,12 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         for name, value in oa["state"][key].items():
             assert torch.equal(value.cpu(), ob["state"][key][name].cpu()), (key, name)
     assert a["scheduler"].state_dict() == b["scheduler"].state_dict()
+
+
+def load_script(path: Path) -> ModuleType:
+    """Import a script beside the tests (a child process's code) to share its helpers."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -15,7 +15,6 @@ then: a step pruned between the scan's read of its commit record and of its mani
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -27,10 +26,10 @@ import time
 from collections.abc import Sequence
 from contextlib import redirect_stdout
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from conftest import load_script
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import cli
@@ -43,15 +42,7 @@ WORLD = 2
 TEMP_FILE = re.compile(r"^\.rank-[0-9]{5,}\.(shard|manifest|commit)\.tmp-")
 
 
-def _load_child() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("concurrent_child", CHILD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-child = _load_child()
+child = load_script(CHILD)
 
 
 class Processes:

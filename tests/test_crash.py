@@ -9,7 +9,6 @@ returned, with exactly that step's tensors, plain values and TrainState. The chi
 from __future__ import annotations
 
 import collections
-import importlib.util
 import os
 import random
 import re
@@ -18,10 +17,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import IO
 
 import pytest
+from conftest import load_script
 
 import ckpt_pipeline as cp
 
@@ -39,15 +38,7 @@ COMMITTED_FILES = ["rank-00000.commit", "rank-00000.manifest", "rank-00000.shard
 STEP_DIR = re.compile(r"step-[0-9]{10,}")
 
 
-def _load_child() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("crash_child", CHILD_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-child = _load_child()
+child = load_script(CHILD_SCRIPT)
 
 
 class _Child:

@@ -10,7 +10,6 @@ each test works on its own copy.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -22,10 +21,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from conftest import load_script
 
 pytestmark = pytest.mark.slow
 
@@ -42,15 +41,7 @@ REPORT_SLACK_S = 5.0
 TEMP_FILE = re.compile(r"^\.rank-[0-9]{5,}\.(shard|manifest|commit)\.tmp-")
 
 
-def _load_worker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("dist_worker", WORKER_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_script(WORKER_SCRIPT)
 OLDER, NEWER = worker.SAVE_STEPS
 FAULTY = worker.FAULTY_RANK
 STEP_DIR = f"step-{NEWER:010d}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import importlib.util
 import io
 import json
 import os
@@ -15,10 +14,10 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from conftest import load_script
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import _crash
@@ -134,15 +133,7 @@ def test_strict_mode_raises_at_the_next_save_after_any_failure(root: Path) -> No
 # process (CKPT_PIPELINE_CRASH_AT=LABEL:N), the three children of a label running at once.
 
 
-def _load_child() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("crash_point_child", CHILD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-child = _load_child()
+child = load_script(CHILD)
 HITS = (1, 2, 3)
 """Each label is killed at these hits, each in a child of its own."""
 CHILD_SAVES = len(HITS) + 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import importlib.util
 import json
 import os
 import re
@@ -25,13 +24,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anyio
 import pytest
 import structlog
 import torch
+from conftest import load_script
 from faults import GatedStorage
 
 import ckpt_pipeline as cp
@@ -52,15 +51,7 @@ STEP_DIR = re.compile(r"step-[0-9]{10,}")
 TEMP_FILE = re.compile(r"\.rank-00000\.(shard|manifest|commit)\.tmp-[0-9a-f]+")
 
 
-def _load_child() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("shutdown_child", CHILD_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-child = _load_child()
+child = load_script(CHILD_SCRIPT)
 ACKED, IN_FLIGHT = child.ACKED, child.IN_FLIGHT
 
 
