@@ -125,7 +125,10 @@ class Variant:
         """Untimed, after ``finish()``: collect results, extra measurements."""
 
     def close(self) -> None:
-        """Untimed clean-up."""
+        """Untimed clean-up: stop the peer's retention thread, if it has one."""
+        retain = getattr(self, "retain", None)
+        if retain is not None:
+            retain.close()
 
     def report(self) -> dict[str, Any]:
         return {"saves": self.saves, **self.extra}
@@ -152,12 +155,6 @@ class TorchSave(Variant):
         self.saves.append({"step": step, "blocking_s": seconds, "durable_s": seconds})
         self.retain.durable(index)
 
-    def close(self) -> None:
-        retain = getattr(self, "retain", None)
-        if retain is not None:
-            retain.close()
-
-
 class DcpSave(Variant):
     """``torch.distributed.checkpoint.save`` (synchronous; FileSystemWriter fsyncs its files)."""
 
@@ -178,12 +175,6 @@ class DcpSave(Variant):
         seconds = time.perf_counter() - t0
         self.saves.append({"step": step, "blocking_s": seconds, "durable_s": seconds})
         self.retain.durable(index)
-
-    def close(self) -> None:
-        retain = getattr(self, "retain", None)
-        if retain is not None:
-            retain.close()
-
 
 def _split_response(response: Any) -> tuple[Future[Any] | None, Future[Any]]:
     """(staging future or None, upload future) of what ``dcp.async_save`` returned."""
@@ -322,9 +313,7 @@ class DcpAsyncSave(Variant):
         if self.upload is not None:
             self.upload.exception()  # wait; an error was recorded by the callback
             self.uploaded.wait()  # the callback runs after the future is done
-        retain = getattr(self, "retain", None)
-        if retain is not None:
-            retain.close()
+        super().close()
 
 
 class CkptPipeline(Variant):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import queue
 import time
@@ -29,6 +28,7 @@ from ._hostmem import byte_view
 from ._job import SaveJob
 from ._parallel import first_leaf, run_groups, split_balanced, tensor_chunks
 from ._snapshot import Snapshot, copy_piece
+from ._write import close_quietly
 from .errors import StorageError
 from .storage import Storage
 
@@ -90,7 +90,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     except BaseException:
         if direct is not None:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_close_quietly, storage, direct,
+                await anyio.to_thread.run_sync(close_quietly, storage, direct,
                                                limiter=limiter)
         raise
     if direct is not None:
@@ -269,8 +269,3 @@ async def _stream(job: SaveJob, writer: _ChunkWriter, chunks: list[Chunk], chunk
     if snap.torn is not None:
         raise snap.torn
     return launched[0]
-
-
-def _close_quietly(storage: Storage, fd: int) -> None:
-    with contextlib.suppress(StorageError):
-        storage.close(fd)

@@ -380,8 +380,10 @@ def take_snapshot(
                 snap.sources.append(tensors[i])
                 snap.versions.append(tensors[i]._version)
                 snap.source_paths.append(paths[i])
-            stage_offsets, stage_bytes = plan_layout(sources)
-            stage = None if staging is None else staging.acquire(device, max(stage_bytes, 1))
+            stage = None
+            if staging is not None:
+                stage_offsets, stage_bytes = plan_layout(sources)
+                stage = staging.acquire(device, max(stage_bytes, 1))
             if stage is not None:
                 assert staging is not None
                 snap.deferred.append(_HostCopies(device, indices, [], buffer, offsets, staging))

@@ -29,7 +29,7 @@ from ._recovery import tidy_step_dir
 from .errors import StorageError
 from .storage import Storage
 
-__all__ = ("publish_small", "remove_published", "write_shard")
+__all__ = ("close_quietly", "publish_small", "remove_published", "write_shard")
 
 
 async def _thread(fn: Callable[..., Any], *args: Any, limiter: anyio.CapacityLimiter) -> Any:
@@ -55,7 +55,7 @@ async def write_shard(job: SaveJob, storage: Storage, *,
         crash_point("write.shard_fsynced")
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await _thread(_close_quietly, storage, fd, limiter=limiter)
+            await _thread(close_quietly, storage, fd, limiter=limiter)
         job.fd = None
         raise
     job.fd = None
@@ -87,7 +87,7 @@ async def publish_small(job: SaveJob, storage: Storage, final: str, data: bytes,
             storage.pwrite(fd, memoryview(data), 0)
             storage.fsync(fd)
         except BaseException:
-            _close_quietly(storage, fd)
+            close_quietly(storage, fd)
             raise
         storage.close(fd)
         storage.publish(job.dir_name, temp, final)
@@ -98,7 +98,8 @@ async def publish_small(job: SaveJob, storage: Storage, final: str, data: bytes,
     await _thread(publish, limiter=limiter)
 
 
-def _close_quietly(storage: Storage, fd: int) -> None:
+def close_quietly(storage: Storage, fd: int) -> None:
+    """Close a descriptor on a path that is failing already: a close error adds nothing."""
     with contextlib.suppress(StorageError):
         storage.close(fd)
 
@@ -110,7 +111,7 @@ def remove_published(job: SaveJob, storage: Storage) -> None:
     complete while the rest is being removed.
     """
     if job.fd is not None:
-        _close_quietly(storage, job.fd)
+        close_quietly(storage, job.fd)
         job.fd = None
     if not job.dir_name:
         return
