@@ -12,9 +12,12 @@ from .errors import CheckpointError as CheckpointError
 from .errors import CheckpointIntegrityError as CheckpointIntegrityError
 from .errors import ConfigError as ConfigError
 from .errors import CoordinationError as CoordinationError
+from .errors import ForkedProcessError as ForkedProcessError
+from .errors import PipelineBusyError as PipelineBusyError
 from .errors import PipelineClosedError as PipelineClosedError
 from .errors import PoolBusyError as PoolBusyError
 from .errors import RestoreError as RestoreError
+from .errors import RootInUseError as RootInUseError
 from .errors import SaveError as SaveError
 from .errors import SnapshotTornError as SnapshotTornError
 from .errors import StateError as StateError
@@ -26,6 +29,7 @@ from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
 from .events import Event as Event
+from .events import RetentionFailed as RetentionFailed
 from .events import SaveFailed as SaveFailed
 from .events import SaveRequested as SaveRequested
 from .events import SaveSkipped as SaveSkipped
@@ -37,6 +41,7 @@ from .handle import CommitInfo as CommitInfo
 from .handle import RejectedStep as RejectedStep
 from .handle import RestoreResult as RestoreResult
 from .handle import SaveHandle as SaveHandle
+from .logs import enable_logging as enable_logging
 from .storage import LocalStorage as LocalStorage
 from .storage import Storage as Storage
 from .train_state import RNGState as RNGState
@@ -60,8 +65,10 @@ __all__ = (
     "Coordinator",
     "DistributedCoordinator",
     "Event",
+    "ForkedProcessError",
     "LocalCoordinator",
     "LocalStorage",
+    "PipelineBusyError",
     "PipelineClosedError",
     "PipelineConfig",
     "PoolBusyError",
@@ -69,6 +76,8 @@ __all__ = (
     "RejectedStep",
     "RestoreError",
     "RestoreResult",
+    "RetentionFailed",
+    "RootInUseError",
     "SaveError",
     "SaveFailed",
     "SaveHandle",
@@ -87,4 +96,5 @@ __all__ = (
     "TrainState",
     "UnsafeRootError",
     "__version__",
+    "enable_logging",
 )

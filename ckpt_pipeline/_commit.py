@@ -40,8 +40,8 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             error = SaveError(f"rank(s) {sorted(failures)} failed this save ({detail}); no "
                               "rank committed it", step=job.step, rank=job.rank,
                               path=os.path.join(storage.root, job.dir_name),
-                              hint="the previous checkpoint is intact")
-            error.ranks = tuple(sorted(failures))
+                              hint="the previous checkpoint is intact",
+                              ranks=tuple(sorted(failures)))
             raise error
         crash_point("commit.voted")
         record = encode_commit(CommitRecord(job.step, job.rank, job.world_size, job.save_id,
@@ -65,6 +65,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             error = SaveError(f"rank(s) {sorted(failures)} could not write their commit "
                               f"record ({detail}); the step is not complete on every rank",
                               step=job.step, rank=job.rank,
-                              path=os.path.join(storage.root, job.dir_name), hint="the previous checkpoint is intact")
-            error.ranks = tuple(sorted(failures))
+                              path=os.path.join(storage.root, job.dir_name),
+                              hint="the previous checkpoint is intact",
+                              ranks=tuple(sorted(failures)))
             raise error

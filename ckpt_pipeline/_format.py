@@ -14,14 +14,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import torch
 import xxhash
 
+from ._limits import (
+    ALIGN,
+    DEVICE_PATTERN,
+    DTYPE_NAMES,
+    DTYPES,
+    MAX_HEADER_BYTES,
+    MAX_NDIM,
+    MAX_NESTING,
+    MAX_PATH_LEN,
+    MAX_SAVE_ID_LEN,
+    MAX_SMALL_FILE_BYTES,
+    MAX_TENSORS,
+    PLACEMENT_PATTERN,
+)
 from .errors import CheckpointIntegrityError
 
 __all__ = (
     "ALIGN",
     "DTYPES",
+    "DTYPE_NAMES",
     "FORMAT_VERSION",
     "CommitRecord",
     "DistLayout",
@@ -54,30 +68,16 @@ __all__ = (
 )
 
 FORMAT_VERSION = 1
-ALIGN = 4096
 SHARD_MAGIC = b"CKPTSHRD"
 _PREAMBLE = struct.Struct("<8sHHIQQQ")  # magic, version, flags, reserved, hdr off, hdr len, hdr xxh3
 PREAMBLE_SIZE = ALIGN  # the data region starts at the first aligned offset after the preamble
 
-MAX_HEADER_BYTES = 256 * 1024 * 1024
-MAX_SMALL_FILE_BYTES = 1024 * 1024
-MAX_TENSORS = 1_000_000
-MAX_NDIM = 64
-MAX_PATH_LEN = 4096
+# The limits every reader enforces (MAX_HEADER_BYTES, MAX_SMALL_FILE_BYTES, MAX_TENSORS,
+# MAX_NDIM, MAX_PATH_LEN, MAX_NESTING, MAX_SAVE_ID_LEN, the dtype allow-list, the device and
+# placement patterns) are defined in ``_limits``, the one table that save() checks first.
 
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
-
-DTYPES: dict[str, torch.dtype] = {
-    name: dtype
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    )
-    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 _STEP_DIR = re.compile(r"^step-([0-9]{10,})$")
 _RANK_FILE = re.compile(r"^rank-([0-9]{5,})\.(shard|manifest|commit)$")
@@ -159,10 +159,6 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
     raise TypeError(f"cannot encode {type(obj).__name__}")
-
-
-MAX_NESTING = 100
-"""Deepest nesting of containers in any decoded document (the writer stops at 64)."""
 
 
 class _Nested:
@@ -311,8 +307,8 @@ class DistLayout:
                 list(self.global_stride)]
 
 
-_PLACEMENT = re.compile(r"R|S[0-9]{1,2}")  # used with fullmatch: no trailing newline
-_DEVICE = re.compile(r"[a-z]{2,16}(:[0-9]{1,4})?")  # "cpu", "cuda:0" (str(torch.device))
+_PLACEMENT = PLACEMENT_PATTERN  # used with fullmatch: no trailing newline
+_DEVICE = DEVICE_PATTERN  # "cpu", "cuda:0" (str(torch.device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,7 +438,7 @@ def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int) 
     if world < 1 or rank >= world:
         raise CheckpointIntegrityError(f"rank {rank} is outside world size {world}", path=path)
     save_id = _req(data, "save_id", str, path)
-    if not (0 < len(save_id) <= 128):
+    if not (0 < len(save_id) <= MAX_SAVE_ID_LEN):
         raise CheckpointIntegrityError("save id is malformed", path=path)
     created = _req(data, "created_unix", float, path)
     if not math.isfinite(created):
@@ -578,7 +574,7 @@ def _placement(d: Mapping[str, Any], path: str) -> tuple[int, int, int, str]:
     if world < 1 or rank >= world:
         raise CheckpointIntegrityError(f"rank {rank} is outside world size {world}", path=path)
     save_id = _req(d, "save_id", str, path)
-    if not (0 < len(save_id) <= 128):
+    if not (0 < len(save_id) <= MAX_SAVE_ID_LEN):
         raise CheckpointIntegrityError("save id is malformed", path=path)
     return step, rank, world, save_id
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -15,7 +16,6 @@ from types import TracebackType
 from typing import Any
 
 import anyio
-import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -25,8 +25,10 @@ from ._commit import commit
 from ._crash import crash_point
 from ._format import DTYPE_NAMES, encode_tree
 from ._job import SaveJob
-from ._restore import Loaded, Recovery
-from ._retain import prune
+from ._logging import log
+from ._restore import AppliedState, Loaded, Recovery
+from ._retain import Pruned, PruneFailed, clear_marker, prune, write_marker
+from ._rootlock import RootLock
 from ._serialize import serialize
 from ._snapshot import (
     DeviceStaging,
@@ -43,6 +45,8 @@ from .coordination import Coordinator, DistributedCoordinator, LocalCoordinator
 from .errors import (
     CheckpointError,
     ConfigError,
+    ForkedProcessError,
+    PipelineBusyError,
     PipelineClosedError,
     PoolBusyError,
     SaveError,
@@ -53,6 +57,7 @@ from .events import (
     CheckpointCommitted,
     CheckpointPruned,
     Event,
+    RetentionFailed,
     SaveFailed,
     SaveRequested,
     SaveSkipped,
@@ -67,7 +72,7 @@ from .train_state import RNGState, TrainState
 
 __all__ = ("AsyncCheckpointPipeline",)
 
-_log = structlog.get_logger("ckpt_pipeline")
+_log = log
 Subscriber = Callable[[Event], None]
 
 
@@ -152,7 +157,9 @@ class AsyncCheckpointPipeline:
         self._staging = DeviceStaging() if self.config.device_staging else None
         self._recovery = Recovery(self.storage, self.coordinator, self.config, self._emit)
         self._subscribers: tuple[Subscriber, ...] = ()
+        self._subscriber_failures: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._admission = threading.Lock()  # save admission vs the start of a restore
         self._pending: dict[int, SaveHandle] = {}
         self._snapshots: list[SaveHandle] = []
         self._last_step: int | None = None
@@ -163,6 +170,10 @@ class AsyncCheckpointPipeline:
         self._state = "new"
         self._tg: TaskGroup | None = None
         self._send: MemoryObjectSendStream[SaveJob] | None = None
+        self._backlog: collections.deque[tuple[SaveJob, anyio.Event]] = collections.deque()
+        self._feeding = False
+        self._restoring = False
+        self._pid = os.getpid()
         self._limiter: anyio.CapacityLimiter | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -200,6 +211,15 @@ class AsyncCheckpointPipeline:
             raise PipelineClosedError("a pipeline can be opened once", rank=self.rank)
         self._limiter = anyio.CapacityLimiter(self.config.io_threads)
         await self._thread(self.storage.ensure_root)
+        # One job per root and rank: a second live opener is refused (RootInUseError).
+        self._root_lock = await self._thread(RootLock.acquire, self.storage.root, self.rank)
+        try:
+            await self._start()
+        except BaseException:
+            self._root_lock.release()
+            raise
+
+    async def _start(self) -> None:
         for path, size in await self._thread(_recovery.scrub, self.storage, self.rank):
             self._emit(TemporariesScrubbed(step=-1, rank=self.rank, path=path, bytes=size))
         # After the scrub: the agreement is also a barrier, so that no rank's first save can
@@ -313,6 +333,8 @@ class AsyncCheckpointPipeline:
         finally:
             # Every stage has ended: whatever did not settle was abandoned mid-way.
             jobs = list(self._working.values())
+            jobs.extend(job for job, _ in self._backlog)
+            self._backlog.clear()
             while True:
                 try:
                     jobs.append(self._queued.receive_nowait())
@@ -365,6 +387,7 @@ class AsyncCheckpointPipeline:
             self._pool.close()
             if self._staging is not None:
                 self._staging.close()
+            self._root_lock.release()
             self._state = "closed"
         if stopped is not None:
             raise stopped
@@ -380,14 +403,46 @@ class AsyncCheckpointPipeline:
             slot = await anyio.to_thread.run_sync(self._acquire, plan, True)
         return await self._submit(self._start_save(plan, slot))
 
-    async def _submit(self, job: SaveJob) -> SaveHandle:
+    async def _submit(self, job: SaveJob, *, wait: bool = True) -> SaveHandle:
+        """Hand a job to the first stage, in the order of the calls.
+
+        When the stage's queue is full, the job waits in a backlog that one task feeds in
+        order; ``wait=False`` (a skipped save, which must vote in its place but must never
+        block the caller) returns at once, the others once their job is queued.
+        """
         if self._send is None or self._state != "open":
             self._abandon(job, PipelineClosedError("the pipeline is closed", step=job.step,
                                                    rank=self.rank))
             return job.handle
-        await self._send.send(job)
-        crash_point("save.requested")
+        if not self._backlog:
+            try:
+                self._send.send_nowait(job)
+            except anyio.WouldBlock:
+                pass
+            else:
+                crash_point("save.requested")
+                return job.handle
+        queued = anyio.Event()
+        self._backlog.append((job, queued))
+        if not self._feeding:
+            assert self._tg is not None
+            self._feeding = True
+            self._tg.start_soon(self._feed_backlog)
+        if wait:
+            await queued.wait()
+            crash_point("save.requested")
         return job.handle
+
+    async def _feed_backlog(self) -> None:
+        assert self._send is not None
+        try:
+            while self._backlog:
+                job, queued = self._backlog[0]
+                await self._send.send(job)
+                self._backlog.popleft()
+                queued.set()
+        finally:
+            self._feeding = False
 
     def _check_step_order(self, step: int) -> None:
         """Raise unless ``step`` is greater than the last one saved; call under ``_lock``."""
@@ -405,9 +460,11 @@ class AsyncCheckpointPipeline:
         Bad input raises here, before anything is copied or written.
         """
         started = time.perf_counter()
+        self._check_process()
         if self._state != "open":
             raise PipelineClosedError("save() after close()", step=step, rank=self.rank,
                                       hint="open a new pipeline")
+        self._check_not_restoring("save()", step)
         self._apply_failure_policy(step)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StepOrderError(f"step must be a non-negative int, got {step!r}",
@@ -424,23 +481,55 @@ class AsyncCheckpointPipeline:
                              hint="advance the TrainState to this step before saving")
         if self.config.capture_rng:
             ts = ts.with_rng(RNGState.capture())
-        flat = flatten_state(state, step=step)
+        from ._limits import check_byte_copyable, check_save
+
+        try:
+            flat = flatten_state(state, step=step)
+        except StateError as exc:
+            if exc.rank is None:
+                exc.rank = self.rank
+            raise
+        ts_plain = ts.to_plain()
         try:
             tree = encode_tree(flat.skeleton)
-            ts_plain = ts.to_plain()
-            encode_tree(ts_plain)
         except (TypeError, ValueError, OverflowError) as exc:
             raise StateError(f"a value cannot be encoded: {exc}", step=step, rank=self.rank,
-                             hint="TrainState.extra and non-tensor leaves must be plain "
-                                  "values") from exc
+                             hint="non-tensor leaves must be plain values") from exc
         offsets, data_length = plan_layout(flat.tensors)
+        # Every limit a reader enforces (the table in _limits), before anything is written.
+        check_save(flat, tree, ts_plain, step=step, rank=self.rank,
+                   world_size=self.config.world_size, save_id=f"{self._run_id}-{step}",
+                   chunk_bytes=self.config.chunk_bytes, offsets=offsets,
+                   data_length=data_length)
         cap = self.config.host_buffer_bytes
         streamed = cap is not None and data_length > cap
         if streamed:
             _check_streamable(flat, step, self.rank)
+            check_byte_copyable(flat, step=step, rank=self.rank)
         return _Plan(step, started, flat, tree, ts_plain, offsets, data_length,
                      pinned=any(t.device.type == "cuda" for t in flat.tensors),
                      streamed=streamed)
+
+    def _check_process(self) -> None:
+        """Refuse use from a forked child: the pipeline's thread and loop stayed in its parent."""
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(
+                f"this pipeline was created by process {self._pid}; process {os.getpid()} is "
+                "a fork of it and cannot use it", rank=self.rank, path=str(self.storage.root),
+                hint="open a pipeline in the child (on another root or rank), or use it from "
+                     "the parent only")
+
+    def _check_not_restoring(self, what: str, step: int | None = None) -> None:
+        """Saves and restores exclude each other: a restore rewrites what a save would copy."""
+        with self._lock:
+            self._check_not_restoring_locked(what, step)
+
+    def _check_not_restoring_locked(self, what: str, step: int | None) -> None:
+        if self._restoring:
+            raise PipelineBusyError(
+                f"{what} while restore_latest() runs on this pipeline", step=step,
+                rank=self.rank, path=str(self.storage.root),
+                hint="call it after restore_latest() has returned")
 
     def _acquire(self, plan: _Plan, block: bool) -> Slot | None:
         """A host slot for the plan; None when none is free and this call may not wait."""
@@ -452,30 +541,33 @@ class AsyncCheckpointPipeline:
     def _start_save(self, plan: _Plan, slot: Slot | None) -> SaveJob:
         """Training-thread part two: claim the step, start the copies, build the job.
 
-        Without a slot the save is skipped (``when_busy="skip"``).
+        Without a slot the save is skipped (``when_busy="skip"``). Runs under the admission
+        lock: a restore that begins meanwhile waits until the save is registered as pending
+        (and then waits for it), or the save sees the restore and is refused.
         """
+        try:
+            with self._admission:
+                return self._admit(plan, slot)
+        except BaseException:
+            if slot is not None:
+                self._pool.release(slot)
+            raise
+
+    def _admit(self, plan: _Plan, slot: Slot | None) -> SaveJob:
         step, flat = plan.step, plan.flat
         if slot is None:
             return self._skip(step)
         with self._lock:
-            try:
-                self._check_step_order(step)  # another thread may have saved it meanwhile
-            except StepOrderError:
-                self._pool.release(slot)
-                raise
+            self._check_step_order(step)  # another thread may have saved it meanwhile
+            self._check_not_restoring_locked("save()", step)
             self._last_step = step
-        try:
-            if plan.streamed:
-                snap = begin_streamed_snapshot(flat.tensors, flat.paths, step=step,
-                                               rank=self.rank)
-            else:
-                snap = take_snapshot(flat.tensors, flat.paths, plan.offsets, slot.buffer,
-                                     step=step, rank=self.rank,
-                                     ordered=self.config.snapshot_mode == "ordered",
-                                     staging=self._staging)
-        except BaseException:
-            self._pool.release(slot)
-            raise
+        if plan.streamed:
+            snap = begin_streamed_snapshot(flat.tensors, flat.paths, step=step, rank=self.rank)
+        else:
+            snap = take_snapshot(flat.tensors, flat.paths, plan.offsets, slot.buffer,
+                                 step=step, rank=self.rank,
+                                 ordered=self.config.snapshot_mode == "ordered",
+                                 staging=self._staging)
         save_id = f"{self._run_id}-{step}"
         handle = SaveHandle(step, save_id, snap)
         job = SaveJob(
@@ -654,21 +746,49 @@ class AsyncCheckpointPipeline:
         job.handle._resolve(info)
 
     async def _retain_stage(self, job: SaveJob) -> None:
-        """Prune older steps. Never fails the save: it is committed already."""
+        """Prune older steps. Never fails the save: it is committed already.
+
+        A step that cannot be removed is reported (``RetentionFailed``, and a marker in the
+        root that ``ckpt-pipeline ls`` shows); a step pruned later loses its marker.
+        """
         started = time.perf_counter()
         try:
-            pruned = await self._thread(prune, self.storage, self.rank, self.config.keep_last,
-                                        job.step)
-        except Exception as exc:
-            _log.warning("ckpt.retain.failed", step=job.step, rank=self.rank,
-                         error=f"{type(exc).__name__}: {exc}")
-            pruned = []
+            pruned: list[Pruned] = []
+            failed: list[PruneFailed] = []
+            try:
+                pruned, failed = await self._thread(prune, self.storage, self.rank,
+                                                    self.config.keep_last, job.step)
+            except Exception as exc:  # the root could not even be listed
+                failed = [PruneFailed(-1, str(self.storage.root),
+                                      f"{type(exc).__name__}: {exc}")]
+            for item in failed:
+                self._emit(RetentionFailed(step=item.step, rank=self.rank,
+                                           committed_step=job.step, path=item.path,
+                                           error=item.error))
+            await self._record_prunes(pruned, failed)
         finally:
             self._settle(job)
-        for item in pruned:
-            self._emit(CheckpointPruned(step=item.step, rank=self.rank, path=item.path,
-                                        bytes=item.bytes,
+        for done in pruned:
+            self._emit(CheckpointPruned(step=done.step, rank=self.rank, path=done.path,
+                                        bytes=done.bytes,
                                         seconds=time.perf_counter() - started))
+
+    async def _record_prunes(self, pruned: list[Pruned], failed: list[PruneFailed]) -> None:
+        """Leave a marker for each step that could not be pruned, drop those of pruned ones."""
+        for item in failed:
+            if item.step < 0:
+                continue
+            try:
+                await self._thread(write_marker, self.storage, self.rank, item)
+            except Exception as exc:
+                _log.error("ckpt.retain.marker_failed", step=item.step, rank=self.rank,
+                           error=f"{type(exc).__name__}: {exc}")
+        for done in pruned:
+            try:
+                await self._thread(clear_marker, self.storage, self.rank, done.step)
+            except Exception as exc:
+                _log.error("ckpt.retain.marker_failed", step=done.step, rank=self.rank,
+                           error=f"{type(exc).__name__}: {exc}")
 
     def _settle(self, job: SaveJob) -> None:
         """The job has left the pipeline (retained after its commit, or failed)."""
@@ -779,36 +899,84 @@ class AsyncCheckpointPipeline:
 
         A corrupt, truncated or incomplete step is reported (``CheckpointRejected``) and the
         next older one is tried. Returns None when there is nothing to restore; raises
-        RestoreError when checkpoints exist but none can be loaded.
+        RestoreError when checkpoints exist but none can be loaded. A restore that raises
+        leaves ``state`` (and the RNG states) as they were, on every rank.
         """
         loaded = await self._load_latest(state)
         if loaded is None:
             return None
-        return await self._finish_restore(loaded, self._apply(loaded, state))
+        applied, apply_error = self._apply(loaded, state)
+        try:
+            result = await self._finish_restore(loaded, apply_error)
+        except BaseException as exc:
+            if applied is not None:  # every rank rolls back (this thread: its CUDA streams)
+                applied.undo(reason=f"the restore did not complete ({type(exc).__name__}: "
+                                    f"{exc})")
+            raise
+        if applied is not None:
+            applied.release()
+        return result
 
     async def _load_latest(self, state: Mapping[str, Any]) -> Loaded | None:
+        """Begin a restore: wait for the saves in flight, then read the newest good step.
+
+        From here until ``_finish_restore`` (or until this returns None or raises), saves are
+        refused with PipelineBusyError, so that nothing the restore scanned changes under it
+        and it never moves aside a step that a save of this pipeline is writing.
+        """
+        self._check_process()
         if self._state != "open":
             raise PipelineClosedError("restore_latest() on a pipeline that is not open",
                                       rank=self.rank)
-        await self._wait_pending(None, raise_errors=False)
-        assert self._limiter is not None
-        return await self._recovery.load_latest(state, self._limiter)
-
-    def _apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> CheckpointError | None:
-        """Load into the live state on the caller's thread; return the error, if any."""
+        await anyio.to_thread.run_sync(self._begin_restore)
         try:
-            self._recovery.apply(loaded, state)
+            await self._wait_pending(None, raise_errors=False)
+            assert self._limiter is not None
+            loaded = await self._recovery.load_latest(state, self._limiter)
+        except BaseException:
+            self._end_restore()
+            raise
+        if loaded is None:
+            self._end_restore()
+        return loaded
+
+    def _begin_restore(self) -> None:
+        """Mark the restore under the admission lock (worker thread: it may wait for a save
+        being admitted on the training thread; that save is then pending, and waited for)."""
+        with self._admission, self._lock:
+            if self._restoring:
+                raise PipelineBusyError("restore_latest() while another restore_latest() "
+                                        "runs on this pipeline", rank=self.rank,
+                                        path=str(self.storage.root),
+                                        hint="restore from one thread at a time")
+            self._restoring = True
+
+    def _end_restore(self) -> None:
+        with self._lock:
+            self._restoring = False
+
+    def _apply(self, loaded: Loaded, state: MutableMapping[str, Any]
+               ) -> tuple[AppliedState | None, CheckpointError | None]:
+        """Load into the live state on the caller's thread: (what can undo it, None), or
+        (None, the error) once a failed apply is undone. Whoever gets an AppliedState undoes
+        it (on the caller's thread) if ``_finish_restore`` raises, else releases it."""
+        try:
+            return self._recovery.apply(loaded, state), None
         except CheckpointError as exc:
-            return exc
-        return None
+            return None, exc
 
     async def _finish_restore(self, loaded: Loaded,
                               apply_error: CheckpointError | None) -> RestoreResult:
+        """Vote on every rank's apply and finish; raises if any rank's apply failed (the caller
+        then undoes its own apply)."""
         assert self._limiter is not None
-        result = await self._recovery.finish(loaded, apply_error, self._limiter)
-        with self._lock:
-            self._latest_committed = loaded.step
-            self._last_step = loaded.step
+        try:
+            result = await self._recovery.finish(loaded, apply_error, self._limiter)
+            with self._lock:
+                self._latest_committed = loaded.step
+                self._last_step = loaded.step
+        finally:
+            self._end_restore()
         return result
 
     # ------------------------------------------------------------------ events
@@ -828,13 +996,27 @@ class AsyncCheckpointPipeline:
         return unsubscribe
 
     def _emit(self, event: Event) -> None:
-        getattr(_log, event.log_level)(event.log_name, **event.fields())
+        """Log the event and hand it to every subscriber; never raises (best-effort)."""
+        _log.at(event.log_level, event.log_name, **event.fields())
         for callback in self._subscribers:
             try:
                 callback(event)
             except Exception as exc:
-                _log.error("ckpt.subscriber.failed", step=event.step, rank=event.rank,
-                           error=f"{type(exc).__name__}: {exc}")
+                self._subscriber_failed(callback, event, exc)
+
+    def _subscriber_failed(self, callback: Subscriber, event: Event, exc: Exception) -> None:
+        """Report a subscriber's first failure; it stays subscribed, later ones are counted."""
+        key = id(callback)
+        with self._lock:
+            count = self._subscriber_failures.get(key, 0) + 1
+            self._subscriber_failures[key] = count
+        if count == 1:
+            _log.error("ckpt.subscriber.failed", step=event.step, rank=event.rank,
+                       on=event.log_name, subscriber=getattr(callback, "__qualname__",
+                                                                repr(callback)),
+                       error=f"{type(exc).__name__}: {exc}",
+                       hint="the subscriber stays subscribed; its further failures are not "
+                            "logged")
 
     async def _thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)

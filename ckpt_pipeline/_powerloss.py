@@ -298,8 +298,8 @@ class PowerLossStorage(LocalStorage):
 
     def _power_off(self, kind: str, path: str) -> PowerCut:
         err = PowerCut(f"{kind} failed: the power is off (simulated power cut)",
-                       path=path if path.startswith("<") else self._path(path))
-        err.errno = errno_mod.EIO
+                       path=path if path.startswith("<") else self._path(path),
+                       errno=errno_mod.EIO)
         return err
 
     def _disk_rel(self, rel: str) -> str:

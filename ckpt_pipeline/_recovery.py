@@ -300,7 +300,7 @@ async def read_shard(
             storage.pread_into(fd, view, offset)
         except StorageError as exc:
             raise StorageError(exc.message, step=status.step, rank=rank, path=path,
-                               hint=exc.hint) from exc
+                               hint=exc.hint, errno=exc.errno) from exc
 
     def run(group: list[tuple[int, int, int]]) -> None:
         staging: list[torch.Tensor] = []

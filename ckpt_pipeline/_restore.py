@@ -1,25 +1,30 @@
 """The recovery coordinator of one rank: scan, agree across ranks, load and verify, fall back.
 
 Loading is split in three so that the sync face can apply the state on the caller's thread
-(its CUDA streams): ``load_latest`` (event loop: read, verify, agree), ``apply`` (caller's
-thread: into the live objects), ``finish`` (event loop: move newer unusable steps aside, report).
+(its CUDA streams): ``load_latest`` (event loop: read, verify, check against the live state,
+agree), ``apply`` (caller's thread: into the live objects, undone on failure), ``finish`` (event
+loop: vote on every rank's apply, move newer unusable steps aside, report). When ``finish``
+raises after a successful apply (another rank's apply failed, or the agreement did), the caller
+undoes the apply (``AppliedState.undo()``, on its own thread): a failed restore changes nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import structlog
 import torch
 
 from . import _recovery
 from ._agree import Candidates, agree_barrier, agree_candidates, agree_outcome
+from ._apply import AppliedState, apply_state, validate_state
 from ._format import TensorRecord
-from ._tree import apply_state, check_structure, find_mesh, to_dtensor
+from ._logging import log
+from ._tree import find_mesh, to_dtensor
 from .config import PipelineConfig
 from .coordination import Coordinator
 from .errors import CheckpointError, CheckpointIntegrityError, RestoreError, StateError
@@ -28,9 +33,9 @@ from .handle import RejectedStep, RestoreResult
 from .storage import Storage
 from .train_state import TrainState
 
-__all__ = ("Loaded", "Recovery")
+__all__ = ("AppliedState", "Loaded", "Recovery")
 
-_log = structlog.get_logger("ckpt_pipeline")
+_log = log
 
 
 @dataclass(slots=True)
@@ -47,6 +52,9 @@ class Loaded:
     started: float
     rejected: tuple[RejectedStep, ...]
     valid_by_rank: dict[int, tuple[int, ...]]
+    scanned: frozenset[tuple[int, str]] = frozenset()
+    """(step, directory) of every step this restore's scan saw: only those, when newer than
+    the restored step, are moved aside (never a step created after the scan)."""
 
 
 class Recovery:
@@ -93,6 +101,7 @@ class Recovery:
                                                    step=step, rank=self.rank)
                 loaded = await self._read_candidate(status, state, started, rejected, agreed,
                                                     limiter)
+                loaded.scanned = frozenset((st.step, st.dir_name) for st in statuses)
             except CheckpointError as exc:
                 error = exc
             fatal = isinstance(error, StateError)
@@ -146,41 +155,53 @@ class Recovery:
         tensors = [t if rec.dist is None
                    else to_dtensor(t, rec.dist, *meshes[rec.dist.mesh_shape])
                    for t, rec in zip(shard.tensors, header.tensors)]
-        check_structure(state, tree, tensors, step=status.step)
+        # Everything that can be checked before touching a live object (a StateError here is
+        # fatal on every rank, and nothing is rejected).
+        await self._thread(functools.partial(validate_state, state, tree, tensors,
+                                             step=status.step, rank=self.rank),
+                           limiter=limiter)
         return Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
                        tensors=tensors, train_state=train_state,
                        bytes=status.shard_size, started=started, rejected=tuple(rejected),
                       valid_by_rank=dict(agreed.valid_by_rank))
 
-    def apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> None:
-        """Load into the live objects; runs on the caller's thread (its CUDA streams)."""
-        apply_state(state, loaded.tree, loaded.tensors, step=loaded.step)
-        if self.config.restore_rng and loaded.train_state.rng is not None:
-            loaded.train_state.rng.apply()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        loaded.tensors = []
+    def apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> AppliedState:
+        """Load into the live objects and the RNG states; runs on the caller's thread (its CUDA
+        streams). On failure every change is undone before it raises (a CheckpointError);
+        on success the result can undo it until it is released (see ``finish``)."""
+        rng = loaded.train_state.rng if self.config.restore_rng else None
+        try:
+            return apply_state(state, loaded.tree, loaded.tensors, step=loaded.step,
+                               rank=self.rank, rng=rng)
+        finally:
+            loaded.tensors = []
 
     async def finish(self, loaded: Loaded, apply_error: CheckpointError | None,
                      limiter: anyio.CapacityLimiter) -> RestoreResult:
         """Vote on the apply; move this rank's newer, unusable steps aside; wait for all ranks.
 
-        Every rank must call it, also when its apply failed (``apply_error``): then every rank
-        raises instead of going on with a state that differs between ranks.
+        Every rank must call it, also when its apply failed (``apply_error``; that rank has
+        undone it already): then every rank raises instead of going on with a state that
+        differs between ranks. Whenever it raises, the caller undoes its own apply.
         """
-        failures, _ = await agree_outcome(
-            self.coordinator, loaded.step, loaded.save_id,
-            None if apply_error is None else apply_error.message, what="restore apply")
+        try:
+            failures, _ = await agree_outcome(
+                self.coordinator, loaded.step, loaded.save_id,
+                None if apply_error is None else apply_error.message, what="restore apply")
+        except CheckpointError as exc:
+            if apply_error is not None:
+                raise apply_error from exc
+            raise
         if apply_error is not None:
             raise apply_error
         if failures:
             raise RestoreError(f"loading step {loaded.step} failed on rank(s) "
                                f"{sorted(failures)}: {_listing(failures)}", step=loaded.step,
-                               rank=self.rank, hint="the live state may be partly loaded on "
-                                                    "those ranks; restart the job")
+                               rank=self.rank, hint="every rank rolls its live state back "
+                                                    "to what it was before the restore")
         dirs = await self._thread(_recovery.step_dirs, self.storage, limiter=limiter)
         for step, dir_name in sorted(dirs.items()):
-            if step > loaded.step:
+            if step > loaded.step and (step, dir_name) in loaded.scanned:
                 moved = await self._thread(_recovery.quarantine, self.storage, step, dir_name,
                                            self.rank, limiter=limiter)
                 if moved is not None:

@@ -1,16 +1,27 @@
-"""Stage 5, retain: prune committed steps beyond ``keep_last``, never the newest."""
+"""Stage 5, retain: prune committed steps beyond ``keep_last``, never the newest.
+
+A step that cannot be removed stays on disk and is reported, never silently: the stage emits
+``RetentionFailed`` and leaves a marker file in the root (``.retain-failed-rNNNNN-step-…``,
+holding the error) that ``ckpt-pipeline ls`` shows, until a later prune removes the step.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from ._crash import crash_point
-from ._format import commit_name, manifest_name, shard_name
+from ._format import commit_name, manifest_name, shard_name, step_dir_name
 from ._recovery import committed_steps, tidy_step_dir
+from .errors import CheckpointError
 from .storage import Storage
 
-__all__ = ("Pruned", "prune")
+__all__ = ("PruneFailed", "Pruned", "clear_marker", "marker_name", "prune", "read_markers",
+           "write_marker")
+
+_MARKER = re.compile(r"^\.retain-failed-r([0-9]{5,})-(step-[0-9]{10,})$")
+_MARKER_MAX_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,30 +31,106 @@ class Pruned:
     bytes: int
 
 
-def prune(storage: Storage, rank: int, keep_last: int, complete: int) -> list[Pruned]:
+@dataclass(frozen=True, slots=True)
+class PruneFailed:
+    """A step that retention could not remove, and why."""
+
+    step: int
+    path: str
+    error: str
+
+
+def prune(storage: Storage, rank: int, keep_last: int, complete: int
+          ) -> tuple[list[Pruned], list[PruneFailed]]:
     """Remove this rank's files of committed steps beyond the newest ``keep_last``.
 
     Only steps older than ``complete``, a step known to be committed on every rank, are ever
     removed: the newest complete set survives whatever happened to the newer ones. Steps are
     ordered by the step recorded in the commit record, not by names or times. The commit
-    record goes first, so a step being pruned is never mistaken for complete. Runs in a worker
-    thread.
+    record goes first, so a step being pruned is never mistaken for complete. A step that
+    cannot be removed is reported and the others are still tried. Runs in a worker thread.
     """
     steps = committed_steps(storage, rank)
     out: list[Pruned] = []
+    failed: list[PruneFailed] = []
     for step, dir_name in sorted(steps.items(), reverse=True)[keep_last:]:
         if step >= complete:
             continue
-        sizes = {e.name: e.size for e in storage.list_dir(dir_name)}
-        size = 0
-        for name in (commit_name(rank), manifest_name(rank), shard_name(rank)):
-            size += sizes.get(name, 0)
-            storage.unlink(os.path.join(dir_name, name))
-            if name == commit_name(rank):
-                # Durable before the data go: whatever a power cut keeps of the rest, this
-                # step can no longer look complete.
-                storage.fsync_dir(dir_name)
-                crash_point("retain.commit_removed")
-        tidy_step_dir(storage, dir_name)
-        out.append(Pruned(step, os.path.join(str(storage.root), dir_name), size))
+        path = os.path.join(str(storage.root), dir_name)
+        try:
+            size = _remove_step(storage, rank, dir_name)
+        except CheckpointError as exc:
+            failed.append(PruneFailed(step, path, str(exc)))
+            continue
+        out.append(Pruned(step, path, size))
+    return out, failed
+
+
+def _remove_step(storage: Storage, rank: int, dir_name: str) -> int:
+    sizes = {e.name: e.size for e in storage.list_dir(dir_name)}
+    size = 0
+    for name in (commit_name(rank), manifest_name(rank), shard_name(rank)):
+        size += sizes.get(name, 0)
+        storage.unlink(os.path.join(dir_name, name))
+        if name == commit_name(rank):
+            # Durable before the data go: whatever a power cut keeps of the rest, this
+            # step can no longer look complete.
+            storage.fsync_dir(dir_name)
+            crash_point("retain.commit_removed")
+    tidy_step_dir(storage, dir_name)
+    return size
+
+
+def marker_name(rank: int, step: int) -> str:
+    return f".retain-failed-r{rank:05d}-{step_dir_name(step)}"
+
+
+def write_marker(storage: Storage, rank: int, failure: PruneFailed) -> None:
+    """Record a failed prune in the root (a new file; an existing marker stays as it is)."""
+    name = marker_name(rank, failure.step)
+    if any(e.name == name for e in storage.list_dir("")):
+        return
+    data = failure.error.encode("utf-8", "replace")[:_MARKER_MAX_BYTES]
+    fd, temp = storage.create_temp("", name)
+    try:
+        storage.pwrite(fd, memoryview(data), 0)
+        storage.fsync(fd)
+    finally:
+        storage.close(fd)
+    try:
+        storage.publish("", temp, name)
+    except CheckpointError:
+        storage.unlink(temp)
+        raise
+    storage.fsync_dir("")
+
+
+def clear_marker(storage: Storage, rank: int, step: int) -> None:
+    """Forget a failed prune once the step is gone."""
+    name = marker_name(rank, step)
+    if any(e.name == name for e in storage.list_dir("")):
+        storage.unlink(name)
+        storage.fsync_dir("")
+
+
+def read_markers(storage: Storage, rank: int) -> dict[int, str]:
+    """{step: error} of this rank's failed prunes recorded in the root."""
+    out: dict[int, str] = {}
+    for entry in storage.list_dir(""):
+        m = _MARKER.match(entry.name)
+        if m is None or int(m.group(1)) != rank or not entry.is_file:
+            continue
+        step = int(m.group(2)[len("step-"):])
+        if marker_name(rank, step) != entry.name:
+            continue
+        try:
+            fd, size = storage.open_read(entry.name)
+            try:
+                buf = bytearray(min(size, _MARKER_MAX_BYTES))
+                storage.pread_into(fd, memoryview(buf), 0)
+            finally:
+                storage.close(fd)
+        except CheckpointError:
+            buf = bytearray(b"(the marker could not be read)")
+        out[step] = bytes(buf).decode("utf-8", "replace")
     return out

@@ -12,13 +12,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import structlog
 import torch
 
 from ._format import ALIGN, align_up
+from ._logging import log
 from .errors import PoolBusyError, SnapshotTornError
 
-_log = structlog.get_logger("ckpt_pipeline")
+_log = log
 
 __all__ = ("DeviceStaging", "HostPool", "Slot", "Snapshot", "begin_streamed_snapshot",
            "copy_piece", "plan_layout", "take_snapshot")

@@ -26,23 +26,25 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
-import structlog
 from anyio.from_thread import BlockingPortal
 
+from ._logging import log
 from ._pipeline import AsyncCheckpointPipeline, Subscriber
 from .config import PipelineConfig
 from .coordination import Coordinator
-from .errors import ConfigError, PipelineClosedError
+from .errors import ConfigError, ForkedProcessError, PipelineClosedError
 from .handle import RestoreResult, SaveHandle
 from .storage import Storage
 from .train_state import TrainState
 
-__all__ = ("CheckpointPipeline",)
+__all__ = ("CheckpointPipeline", "SigtermPolicy")
 
-_log = structlog.get_logger("ckpt_pipeline")
+_log = log
+
+SigtermPolicy = Literal["finish", "flag", "off"]
 
 DEFAULT_EXIT_TIMEOUT_S = 300.0
 """How long the interpreter's exit waits for saves in flight when ``close()`` was not called."""
@@ -55,7 +57,22 @@ class CheckpointPipeline:
     in-place update; ``restore_latest()`` loads the newest complete checkpoint in place.
 
     ``exit_timeout_s`` bounds how long the interpreter's exit waits for saves in flight when
-    the pipeline was never closed (``None``: no bound).
+    the pipeline was never closed (``None``: no bound), and how long a SIGTERM waits for them.
+
+    ``sigterm`` (what schedulers and torchrun send to stop a job), inside the ``with`` block,
+    on the main thread, when SIGTERM has its default disposition:
+
+    - ``"finish"`` (default): the signal ends the block (``SystemExit``) like Ctrl-C does;
+      the saves in flight finish (within ``exit_timeout_s``), then the process ends by
+      SIGTERM, as the signal asked.
+    - ``"flag"``: save on preemption. ``preempted`` becomes True and the loop goes on, so
+      that it can save its current step and leave the block; the process then ends by
+      SIGTERM once the saves are committed. A second SIGTERM acts as in ``"finish"``.
+    - ``"off"``: SIGTERM is left alone (it kills the process at once, losing the saves in
+      flight, unless the application handles it).
+
+    A handler of the application's own is never replaced. Either way, a signal that
+    arrives inside ``save()`` is held until the save is handed to the pipeline.
     """
 
     def __init__(
@@ -68,8 +85,12 @@ class CheckpointPipeline:
         coordinator: Coordinator | None = None,
         thread_name: str = "ckpt-pipeline",
         exit_timeout_s: float | None = DEFAULT_EXIT_TIMEOUT_S,
+        sigterm: SigtermPolicy = "finish",
         **options: Any,
     ) -> None:
+        if sigterm not in ("finish", "flag", "off"):
+            raise ConfigError(f"sigterm={sigterm!r} is not a policy",
+                              hint='use "finish" (default), "flag" or "off"')
         if exit_timeout_s is not None and (
             isinstance(exit_timeout_s, bool) or not isinstance(exit_timeout_s, (int, float))
             or not math.isfinite(exit_timeout_s) or exit_timeout_s <= 0
@@ -91,13 +112,19 @@ class CheckpointPipeline:
         self._closed = False
         self._at_exit: Callable[[], None] | None = None
         self._owner_pid = os.getpid()
+        self._sigterm_policy: SigtermPolicy = sigterm
+        self._sigterm: _SigtermGuard | None = None
 
     @property
     def root(self) -> str:
         return str(self._pipe.storage.root)
 
     def __enter__(self) -> CheckpointPipeline:
-        self.open()
+        """Open (unless ``open()`` was already called) and watch SIGTERM (see ``sigterm``)."""
+        if self._thread is None or self._closed:
+            self.open()  # a closed pipeline raises here: it cannot be opened again
+        if self._sigterm_policy != "off":
+            self._sigterm = _SigtermGuard.install(self._sigterm_policy, self._pipe.rank)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -107,17 +134,39 @@ class CheckpointPipeline:
         An exception leaving the block (KeyboardInterrupt from Ctrl-C included) propagates
         unchanged once they are done; an error of the close itself is then logged
         (``ckpt.close.failed``), not raised over it. An interrupt while waiting (a second
-        Ctrl-C) abandons the wait and propagates.
+        Ctrl-C or SIGTERM) abandons the wait and propagates. After a SIGTERM (see
+        ``sigterm``), the wait is bounded by ``exit_timeout_s`` and the process then ends by
+        SIGTERM.
         """
-        if exc is None:
-            self.close()
-            return
+        guard, self._sigterm = self._sigterm, None
+        if guard is not None:
+            guard.closing = True  # from now, the first SIGTERM only shortens the wait
         try:
-            self._close(None, exc)
-        except Exception as error:
-            _log.error("ckpt.close.failed", rank=self._pipe.rank,
-                       error=f"{type(error).__name__}: {error}",
-                       hint=f"the {type(exc).__name__} raised in the with block propagates")
+            terminated = guard is not None and guard.count > 0
+            timeout = self.exit_timeout_s if terminated else None
+            if exc is None:
+                try:
+                    self._close(timeout, "SIGTERM" if terminated else None)
+                except TimeoutError:
+                    if not terminated:
+                        raise
+                return
+            try:
+                self._close(timeout, exc)
+            except Exception as error:
+                _log.error("ckpt.close.failed", rank=self._pipe.rank,
+                           error=f"{type(error).__name__}: {error}",
+                           hint=f"the {type(exc).__name__} raised in the with block "
+                                "propagates")
+        finally:
+            if guard is not None:
+                guard.uninstall()
+
+    @property
+    def preempted(self) -> bool:
+        """A SIGTERM arrived in the ``with`` block (see ``sigterm="flag"``)."""
+        guard = self._sigterm
+        return guard is not None and guard.count > 0
 
     def open(self) -> None:
         """Start the background thread and the pipeline in it (scrubbing leftovers first)."""
@@ -180,6 +229,7 @@ class CheckpointPipeline:
         self._close(timeout, None)
 
     def _close(self, timeout: float | None, why: BaseException | str | None) -> None:
+        self._check_process()
         self._unregister_at_exit()
         thread, portal, closing = self._thread, self._portal, self._closing
         if self._closed or thread is None or portal is None or closing is None:
@@ -246,7 +296,17 @@ class CheckpointPipeline:
         if hook is not None:
             atexit.unregister(hook)
 
+    def _check_process(self) -> None:
+        """Refuse use from a forked child: the pipeline's thread exists only in its parent."""
+        if os.getpid() != self._owner_pid:
+            raise ForkedProcessError(
+                f"this pipeline was opened by process {self._owner_pid}; process "
+                f"{os.getpid()} is a fork of it and cannot use it", rank=self._pipe.rank,
+                path=self.root, hint="open a pipeline in the child (on another root or "
+                                     "rank), or use it from the parent only")
+
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._check_process()
         if self._closed or self._portal is None:
             raise PipelineClosedError("the pipeline is closed (or was never opened)",
                                       hint="use it inside `with CheckpointPipeline(...)`")
@@ -262,6 +322,7 @@ class CheckpointPipeline:
         the pipeline is raised once it is handed over, so the save is in flight (and
         ``close()`` finishes it) rather than half registered.
         """
+        self._check_process()
         portal = self._portal
         if self._closed or portal is None:
             raise PipelineClosedError("save() after close()", step=step,
@@ -271,10 +332,12 @@ class CheckpointPipeline:
         slot = pipe._acquire(plan, True)
         handed_over = False
         try:
-            with _sigint_held():
+            with _signals_held():
                 handed_over = True  # from here _start_save releases the slot if it fails
                 job = pipe._start_save(plan, slot)
                 try:
+                    if slot is None:  # skipped: queued behind the saves in flight, no wait
+                        return portal.call(functools.partial(pipe._submit, job, wait=False))
                     submitted = portal.start_task_soon(pipe._submit, job)
                 except RuntimeError as exc:  # the loop stopped: closed from another thread
                     error = PipelineClosedError("save() while the pipeline closes", step=step,
@@ -289,6 +352,7 @@ class CheckpointPipeline:
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Order the caller's CUDA streams after pending snapshot copies (see the async face)."""
+        self._check_process()
         self._pipe._wait_snapshot(block_cpu=block_cpu)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -296,12 +360,24 @@ class CheckpointPipeline:
         self._call(self._pipe.wait, timeout)
 
     def restore_latest(self, state: MutableMapping[str, Any]) -> RestoreResult | None:
-        """Load the newest complete, verified checkpoint into ``state`` in place."""
+        """Load the newest complete, verified checkpoint into ``state`` in place.
+
+        The state is applied, and undone when the restore fails after that (on any rank), on
+        this thread: a restore that raises leaves ``state`` and the RNG states as they were.
+        """
         loaded = self._call(self._pipe._load_latest, state)
         if loaded is None:
             return None
-        apply_error = self._pipe._apply(loaded, state)
-        result: RestoreResult = self._call(self._pipe._finish_restore, loaded, apply_error)
+        applied, apply_error = self._pipe._apply(loaded, state)
+        try:
+            result: RestoreResult = self._call(self._pipe._finish_restore, loaded, apply_error)
+        except BaseException as exc:
+            if applied is not None:  # every rank rolls back (this thread: its CUDA streams)
+                applied.undo(reason=f"the restore did not complete ({type(exc).__name__}: "
+                                    f"{exc})")
+            raise
+        if applied is not None:
+            applied.release()
         return result
 
     def latest_step(self) -> int | None:
@@ -311,6 +387,7 @@ class CheckpointPipeline:
 
     def pending_steps(self) -> list[int]:
         """Steps still in the pipeline (not yet committed and retained, or failed)."""
+        self._check_process()
         return self._pipe.pending_steps()
 
     @property
@@ -357,28 +434,79 @@ def _close_at_exit(ref: weakref.ref[CheckpointPipeline]) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
-    """Hold SIGINT back for a short critical section of the main thread, then deliver it.
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back for a short critical section of the main thread.
 
-    Only when the handler is a Python callable (the default raises KeyboardInterrupt); off
+    Only signals whose handler is a Python callable (SIGINT's default raises
+    KeyboardInterrupt; an application's or our SIGTERM handler) can interrupt Python code;
+    each such signal that arrives is delivered to its handler once the section is left. Off
     the main thread, signals are not delivered to this thread anyway.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
-    if not callable(previous):
-        yield
-        return
+    previous: dict[int, Callable[[int, FrameType | None], Any]] = {}
     held: list[tuple[int, FrameType | None]] = []
 
     def hold(signum: int, frame: FrameType | None) -> None:
         held.append((signum, frame))
 
-    signal.signal(signal.SIGINT, hold)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            previous[signum] = handler
+            signal.signal(signum, hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            previous(*held[0])
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        delivered: set[int] = set()
+        for number, frame in held:
+            if number not in delivered:
+                delivered.add(number)
+                previous[number](number, frame)
+
+
+class _SigtermGuard:
+    """Our SIGTERM handler for the ``with`` block (see ``CheckpointPipeline``'s ``sigterm``)."""
+
+    def __init__(self, policy: SigtermPolicy, rank: int) -> None:
+        self.policy = policy
+        self.rank = rank
+        self.count = 0
+        self.closing = False
+
+    @classmethod
+    def install(cls, policy: SigtermPolicy, rank: int) -> _SigtermGuard | None:
+        """Install on the main thread over the default disposition only; else None."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return None  # the application handles SIGTERM (or ignores it): its choice
+        guard = cls(policy, rank)
+        signal.signal(signal.SIGTERM, guard._handle)
+        return guard
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if self.count == 1 and (self.closing or self.policy == "flag"):
+            _log.warning("ckpt.sigterm.received", rank=self.rank, policy=self.policy,
+                         hint="the saves in flight finish, then the process ends by SIGTERM"
+                              if self.closing else "save and leave the with block "
+                              "(pipe.preempted is True); a second SIGTERM ends it at once")
+            return
+        _log.warning("ckpt.sigterm.received", rank=self.rank, policy=self.policy,
+                     hint="leaving the with block: the saves in flight finish, then the "
+                          "process ends by SIGTERM" if self.count == 1
+                     else "a second SIGTERM: the saves in flight are abandoned")
+        raise SystemExit(128 + signum)
+
+    def uninstall(self) -> None:
+        """Give SIGTERM its default back; end by it if one arrived (as it asked)."""
+        if signal.getsignal(signal.SIGTERM) == self._handle:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.count:
+            _log.warning("ckpt.sigterm.exit", rank=self.rank,
+                         hint="ending the process by the SIGTERM it received")
+            signal.raise_signal(signal.SIGTERM)

@@ -7,28 +7,37 @@ plain values (None, bool, int, float, str, bytes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, MutableSequence
+from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._format import DTYPE_NAMES, DistLayout, TensorRef
+from ._format import DistLayout, TensorRef
+from ._limits import (
+    DEVICE_PATTERN,
+    DEVICE_TYPES,
+    DTYPE_NAMES,
+    INT_MAX,
+    INT_MIN,
+    MAX_NDIM,
+    MAX_NESTING,
+    MAX_PATH_LEN,
+    MAX_TENSORS,
+    check_text,
+    nesting_error,
+)
 from .errors import StateError
 
 __all__ = (
     "FlatState",
-    "apply_state",
-    "check_structure",
     "dist_layout",
     "find_mesh",
     "flatten_state",
     "materialize",
     "to_dtensor",
 )
-
-_INT_MIN = -(2**63)
-_INT_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +61,92 @@ def _is_stateful(obj: object) -> bool:
             and callable(getattr(obj, "load_state_dict", None)))
 
 
+def _type_name(obj: object) -> str:
+    kind = type(obj)
+    return kind.__qualname__ if kind.__module__ == "builtins" else (
+        f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _container_refusal(obj: object) -> tuple[str, str] | None:
+    """(what it is, hint) for a container that would not come back as what was saved."""
+    kind = type(obj)
+    if kind is dict or kind is OrderedDict or kind is list or kind is tuple:
+        return None
+    if isinstance(obj, Mapping):
+        return (f"a mapping of type {_type_name(obj)}; it would come back as a plain dict",
+                "convert it to a dict (dict(value)) before saving")
+    if isinstance(obj, tuple):
+        if hasattr(kind, "_fields"):
+            what = f"a namedtuple {_type_name(obj)}"
+        else:
+            what = f"a tuple subclass {_type_name(obj)}"
+        return (f"{what}; it would come back as a plain tuple",
+                "convert it to a tuple (tuple(value)) or a dict (value._asdict()) before "
+                "saving")
+    if isinstance(obj, list):
+        return (f"a list subclass {_type_name(obj)}; it would come back as a plain list",
+                "convert it to a list (list(value)) before saving")
+    return None
+
+
+_SUPPORTED = ", ".join(DTYPE_NAMES.values())
+
+
+_DEVICE_OK: dict[torch.device, bool] = {}
+
+
+def _device_ok(device: torch.device) -> bool:
+    """A CPU or CUDA device whose name a reader accepts (cached: ``device.type`` is slow)."""
+    ok = _DEVICE_OK.get(device)
+    if ok is None:
+        ok = _DEVICE_OK[device] = (device.type in DEVICE_TYPES
+                                   and DEVICE_PATTERN.fullmatch(str(device)) is not None)
+    return ok
+
+
+def _tensor_refusal(t: torch.Tensor) -> tuple[str, str] | None:
+    """(what the tensor is, hint) when its exact value cannot be saved as raw bytes."""
+    if t.is_nested:
+        return ("is a nested tensor", "save its components (t.unbind()) or a padded tensor "
+                                      "(t.to_padded_tensor(0.0))")
+    if t.is_quantized:
+        return (f"is a quantized tensor ({t.dtype})",
+                "save t.dequantize(), or t.int_repr() with its scale and zero point")
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return (f"is a tensor subclass {_type_name(t)}", "save a plain tensor or a DTensor")
+    if t.layout != torch.strided:
+        layout = str(t.layout).removeprefix("torch.")
+        return (f"is a {layout} tensor", "convert it to a dense tensor (t.to_dense()), or save "
+                                         "its parts (indices, values) as dense tensors")
+    device = t.device
+    if not _device_ok(device):
+        return (f"is on device {device}; only CPU and CUDA tensors can be saved (limit device)",
+                "move it to the CPU or a CUDA device")
+    if t.dtype not in DTYPE_NAMES:
+        return (f"has dtype {t.dtype}: dtype {t.dtype} is not supported: supported dtypes are "
+                f"{_SUPPORTED} (limit dtype)",
+                "convert it (t.to(...)) or save its bytes (t.view(torch.uint8)) with a note of "
+                "the dtype")
+    if t.dim() > MAX_NDIM:
+        return (f"has {t.dim()} dimensions; a reader accepts at most {MAX_NDIM} (limit ndim)",
+                "reshape it to fewer dimensions and save the shape beside it")
+    return None
+
+
+def _check_text(text: str, path: str, step: int) -> str:
+    """The string as stored (UTF-8: a lone surrogate cannot be encoded)."""
+    check_text(text, path, step=step)
+    return str(text)
+
+
 def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
-    """Turn the state into a skeleton and a tensor list; unsupported leaves raise StateError."""
+    """Turn the state into a skeleton and a tensor list; unsupported leaves raise StateError.
+
+    Everything accepted here comes back from restore as it was (tensors bit for bit, plain
+    values with their types): anything that would not, or that a reader's limit refuses
+    (``_limits``), raises StateError naming its path. Containers are counted in the depth the
+    state tree's decoder sees: the state mapping is depth 0, ``state[name]`` depth 1.
+    """
     if not isinstance(state, Mapping):
         raise StateError(f"the state must be a mapping of names to objects, got "
                          f"{type(state).__name__}", step=step,
@@ -63,34 +156,48 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
     layouts: list[DistLayout | None] = []
 
     def walk(obj: Any, path: str, depth: int) -> Any:
-        if depth > 64:
-            raise StateError("the state is nested more than 64 levels deep", step=step,
-                             path=path)
+        """``depth``: the depth ``obj`` has in the state tree if it is a container."""
         if isinstance(obj, torch.Tensor):
             return tensor_leaf(obj, path)
-        if obj is None or isinstance(obj, (bool, bytes)):
+        if obj is None or isinstance(obj, bool):
             return obj
         if isinstance(obj, int):
-            if not _INT_MIN <= obj <= _INT_MAX:
-                raise StateError(f"integer {obj} does not fit in 64 bits", step=step,
-                                 path=path)
+            if not INT_MIN <= obj <= INT_MAX:
+                raise StateError(f"integer {obj} does not fit in 64 bits (limit int_range)",
+                                 step=step, path=path)
             return int(obj)
         if isinstance(obj, float):
             return float(obj)
         if isinstance(obj, str):
-            return str(obj)
-        if isinstance(obj, (bytearray, memoryview)):
-            return bytes(obj)
+            return _check_text(obj, path, step)
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            return obj if type(obj) is bytes else bytes(obj)
         if _is_stateful(obj):
-            return walk(obj.state_dict(), path, depth + 1)
-        if isinstance(obj, Mapping):
+            value = obj.state_dict()
+            # A state dict takes the object's place; one that is stateful again counts as a
+            # level, so that a chain of them cannot recurse forever.
+            return walk(value, path, depth + 1 if _is_stateful(value) else depth)
+        refusal = _container_refusal(obj)
+        if refusal is not None:
+            what, hint = refusal
+            raise StateError(f"{path} is {what}", step=step, path=path, hint=hint)
+        if isinstance(obj, (dict, list, tuple)) and depth >= MAX_NESTING:
+            raise nesting_error(path, depth, step=step)
+        if isinstance(obj, dict):
             out: dict[Any, Any] = {}
             for key, value in obj.items():
                 if isinstance(key, bool) or not isinstance(key, (str, int)):
                     raise StateError(
                         f"map key {key!r} of type {type(key).__name__} is not supported "
-                        "(keys must be str or int)", step=step, path=path)
-                plain_key = str(key) if isinstance(key, str) else int(key)
+                        "(limit map_keys: keys must be str or int)", step=step, path=path,
+                        hint="use str or int keys")
+                if isinstance(key, str):
+                    plain_key: str | int = _check_text(key, path, step)
+                else:
+                    if not INT_MIN <= key <= INT_MAX:
+                        raise StateError(f"map key {key} does not fit in 64 bits (limit "
+                                         "int_range)", step=step, path=path)
+                    plain_key = int(key)
                 out[plain_key] = walk(value, _join(path, key), depth + 1)
             return out
         if isinstance(obj, list):
@@ -111,18 +218,23 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
         if _is_dtensor(t):
             layout = dist_layout(t, step=step, path=path)
             t = t.to_local()  # type: ignore[attr-defined]
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise StateError(f"tensor subclass {type(t).__name__} is not supported",
-                             step=step, path=path,
-                             hint="save a plain tensor or a DTensor")
-        if t.layout != torch.strided or t.is_quantized or t.is_nested:
-            raise StateError(f"tensor layout {t.layout} is not supported", step=step,
-                             path=path, hint="convert it to a dense tensor")
-        if t.device.type not in ("cpu", "cuda"):
-            raise StateError(f"tensors on {t.device} are not supported", step=step,
-                             path=path, hint="move it to the CPU or a CUDA device")
-        if t.dtype not in DTYPE_NAMES:
-            raise StateError(f"dtype {t.dtype} is not supported", step=step, path=path)
+        refusal = _tensor_refusal(t)
+        if refusal is not None:
+            what, hint = refusal
+            raise StateError(f"tensor {_short(path)} {what}", step=step, path=path,
+                             hint=hint)
+        if len(path) > MAX_PATH_LEN:
+            raise StateError(
+                f"the path of tensor {_short(path)} is {len(path)} characters; a reader "
+                f"accepts at most {MAX_PATH_LEN} (limit path_length)", step=step, path=path,
+                hint="use shorter keys (a tensor's path joins the keys leading to it with "
+                     "'/')")
+        if len(tensors) >= MAX_TENSORS:
+            raise StateError(
+                f"the state holds more than {MAX_TENSORS} tensors, the most a shard may hold "
+                f"(limit tensor_count); the next is {_short(path)}", step=step, path=path,
+                hint="merge small tensors into larger ones (for example one flat buffer "
+                     "per dtype)")
         paths.append(path)
         tensors.append(t.detach())
         layouts.append(layout)
@@ -132,8 +244,12 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
     for name, value in state.items():
         if not isinstance(name, str):
             raise StateError(f"top-level key {name!r} is not a string", step=step)
-        skeleton[name] = walk(value, name, 0)
+        skeleton[_check_text(name, name, step)] = walk(value, name, 1)
     return FlatState(skeleton, tuple(paths), tuple(tensors), tuple(layouts))
+
+
+def _short(path: str) -> str:
+    return path if len(path) <= 120 else f"{path[:60]}...{path[-40:]}"
 
 
 def _is_dtensor(t: object) -> bool:
@@ -206,77 +322,3 @@ def materialize(tree: Any, tensors: list[torch.Tensor]) -> Any:
         return tuple(materialize(v, tensors) for v in tree)
     return tree
 
-
-def check_structure(live: Mapping[str, Any], tree: Any, tensors: list[torch.Tensor],
-                    *, step: int) -> None:
-    """Raise StateError if the checkpoint cannot be loaded into ``live``, touching nothing."""
-    if not isinstance(tree, dict):
-        raise StateError("the checkpoint's state is not a map", step=step)
-    missing = [k for k in live if k not in tree]
-    if missing:
-        raise StateError(f"the checkpoint holds no {missing}; it has {sorted(map(str, tree))}",
-                         step=step, hint="restore into the same state layout that was saved")
-
-    def walk(obj: Any, node: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            if not isinstance(node, TensorRef):
-                raise StateError("the checkpoint has no tensor here", step=step, path=path)
-            saved = tensors[node.index]
-            if saved.shape != obj.shape or saved.dtype != obj.dtype:
-                raise StateError(
-                    f"saved tensor is {saved.dtype}{list(saved.shape)}, the live one "
-                    f"{obj.dtype}{list(obj.shape)}", step=step, path=path)
-        elif _is_stateful(obj):
-            return  # load_state_dict validates its own input
-        elif isinstance(obj, MutableMapping):
-            if not isinstance(node, dict):
-                raise StateError("the checkpoint has no map here", step=step, path=path)
-            for key, value in obj.items():
-                if key not in node:
-                    raise StateError(f"the checkpoint has no key {key!r}", step=step,
-                                     path=path)
-                walk(value, node[key], _join(path, key))
-        elif isinstance(obj, MutableSequence):
-            if not isinstance(node, list) or len(node) != len(obj):
-                raise StateError("the checkpoint has no list of this length here", step=step,
-                                 path=path)
-            for i, value in enumerate(obj):
-                walk(value, node[i], _join(path, i))
-
-    for name, value in live.items():
-        walk(value, tree[name], name)
-
-
-def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
-                tensors: list[torch.Tensor], *, step: int) -> None:
-    """Load the checkpoint into the live objects, in place."""
-    check_structure(live, tree, tensors, step=step)
-
-    def load(obj: Any, node: Any, path: str) -> Any:
-        """Load ``node`` into ``obj`` in place; return the value the parent should hold."""
-        if isinstance(obj, torch.Tensor):
-            with torch.no_grad():
-                obj.copy_(tensors[node.index])
-            return obj
-        if _is_stateful(obj):
-            try:
-                obj.load_state_dict(materialize(node, tensors))
-            except Exception as exc:
-                raise StateError(f"load_state_dict failed: {exc}", step=step,
-                                 path=path) from exc
-            return obj
-        if isinstance(obj, MutableMapping):
-            for key in list(node):
-                if key in obj:
-                    obj[key] = load(obj[key], node[key], _join(path, key))
-                else:
-                    obj[key] = materialize(node[key], tensors)
-            return obj
-        if isinstance(obj, MutableSequence):
-            for i in range(len(obj)):
-                obj[i] = load(obj[i], node[i], _join(path, i))
-            return obj
-        return materialize(node, tensors)
-
-    for name in list(live):
-        live[name] = load(live[name], tree[name], name)

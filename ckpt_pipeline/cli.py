@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 import anyio
@@ -30,6 +30,7 @@ from ._format import (
     parse_rejected_dir,
     shard_name,
 )
+from ._retain import read_markers
 from .errors import CheckpointError, CheckpointIntegrityError
 from .storage import LocalStorage, Storage
 
@@ -74,6 +75,8 @@ class _Listing:
     world_size: int | None
     ranks_committed: tuple[int, ...]
     ranks_present: tuple[int, ...]
+    retention_failed: str | None = None
+    """Why a running job's retention could not remove this step (its marker in the root)."""
 
     def age_seconds(self, now: float) -> float | None:
         when = self.committed_unix if self.committed_unix is not None else self.mtime_unix
@@ -88,6 +91,10 @@ def _list_steps(storage: Storage, rank: int) -> list[_Listing]:
         step = None if parsed is None else parsed[0]
         if step is not None and entry.is_dir and not entry.is_symlink:
             rows.append(_listing(storage, rank, step, entry.name, None))
+    failed = read_markers(storage, rank)
+    rows = [replace(r, retention_failed=failed[r.step],
+                    reason=r.reason or f"retention could not remove it: {failed[r.step]}")
+            if r.step in failed and r.status != "rejected" else r for r in rows]
     rows.sort(key=lambda r: (r.step, r.status != "rejected", r.dir_name), reverse=True)
     return rows
 
@@ -177,6 +184,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 "world_size": r.world_size,
                 "ranks_committed": list(r.ranks_committed),
                 "ranks_present": list(r.ranks_present),
+                "retention_failed": r.retention_failed,
             } for r in rows],
         })
         return EXIT_OK
@@ -235,16 +243,24 @@ class _Progress:
             now = time.monotonic()
             if now - self._drawn_at >= _PROGRESS_INTERVAL_S or self.done >= self.total:
                 self._drawn_at = now
-                self._stream.write(f"\r{self._label} {_progress_text(self.done, self.total)}")
-                self._stream.flush()
+                self._draw(f"\r{self._label} {_progress_text(self.done, self.total)}")
+
+    def _draw(self, text: str) -> None:
+        """Best-effort: a terminal that went away stops the bar, never the verification."""
+        if self._stream is None:
+            return
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except (OSError, ValueError):
+            self._stream = None
 
     def close(self) -> None:
         """Erase the bar, so that the result line takes its place."""
         with self._lock:
             if self._stream is not None and self._drawn_at:
                 width = len(self._label) + 1 + len(_progress_text(self.total, self.total))
-                self._stream.write("\r" + " " * width + "\r")
-                self._stream.flush()
+                self._draw("\r" + " " * width + "\r")
             self._stream = None
 
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import torch
 
+from ._hostmem import byte_view
 from .errors import ConfigError, CoordinationError
 
 __all__ = ("Coordinator", "DistributedCoordinator", "LocalCoordinator")
@@ -115,8 +116,7 @@ class DistributedCoordinator:
                 f"{what}: {who} ({when}; {type(exc).__name__}: {exc})",
                 step=step, rank=self.rank,
                 hint="a rank died or is stuck; restart the job, it resumes from the newest "
-                     "checkpoint committed on every rank")
-            error.ranks = tuple(missing)
+                     "checkpoint committed on every rank", ranks=tuple(missing))
             raise error from exc
 
     def _gather(self, payload: bytes, seq: int) -> list[bytes]:
@@ -132,7 +132,7 @@ class DistributedCoordinator:
             mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
-        return [bytes(g[:int(s.item())].numpy().tobytes()) if int(s.item()) else b""
+        return [bytes(byte_view(g, 0, int(s.item()))) if int(s.item()) else b""
                 for g, s in zip(gathered, sizes, strict=True)]
 
     def _key(self, rank: int) -> str:

@@ -14,9 +14,12 @@ __all__ = (
     "CheckpointIntegrityError",
     "ConfigError",
     "CoordinationError",
+    "ForkedProcessError",
+    "PipelineBusyError",
     "PipelineClosedError",
     "PoolBusyError",
     "RestoreError",
+    "RootInUseError",
     "SaveError",
     "SnapshotTornError",
     "StateError",
@@ -84,28 +87,56 @@ class PoolBusyError(CheckpointError):
     """Every host buffer was busy and the policy did not allow waiting."""
 
 
+class PipelineBusyError(CheckpointError):
+    """The pipeline is doing something that this call must not overlap (a restore)."""
+
+
+class ForkedProcessError(CheckpointError):
+    """The pipeline was used from a process other than the one that opened it (a fork)."""
+
+
+class RootInUseError(CheckpointError):
+    """Another live process holds this rank's lock on the checkpoint root."""
+
+
 class SnapshotTornError(CheckpointError):
     """A tensor was mutated in place while its snapshot copy could still be running."""
 
 
 class SaveError(CheckpointError):
-    """A save failed in the pipeline (serialize, write or commit); nothing was committed."""
+    """A save failed in the pipeline (serialize, write or commit); nothing was committed.
 
-    ranks: tuple[int, ...] = ()
-    """The ranks that failed, when the failure was another rank's."""
+    ``ranks``: the ranks that failed, when the failure was another rank's.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, rank: int | None = None,
+                 path: str | Path | None = None, hint: str | None = None,
+                 ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, step=step, rank=rank, path=path, hint=hint)
+        self.ranks = tuple(ranks)
 
 
 class CoordinationError(CheckpointError):
-    """The ranks could not agree in time: a rank died, hung, or the control plane failed."""
+    """The ranks could not agree in time: a rank died, hung, or the control plane failed.
 
-    ranks: tuple[int, ...] = ()
-    """The ranks that did not answer, when known."""
+    ``ranks``: the ranks that did not answer, when known.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, rank: int | None = None,
+                 path: str | Path | None = None, hint: str | None = None,
+                 ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, step=step, rank=rank, path=path, hint=hint)
+        self.ranks = tuple(ranks)
 
 
 class StorageError(CheckpointError):
-    """An I/O call of the storage layer failed."""
+    """An I/O call of the storage layer failed; ``errno`` is the OS error number, if any."""
 
-    errno: int | None = None
+    def __init__(self, message: str, *, step: int | None = None, rank: int | None = None,
+                 path: str | Path | None = None, hint: str | None = None,
+                 errno: int | None = None) -> None:
+        super().__init__(message, step=step, rank=rank, path=path, hint=hint)
+        self.errno = errno
 
 
 class CheckpointIntegrityError(CheckpointError):

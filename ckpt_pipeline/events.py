@@ -1,7 +1,9 @@
-"""Typed events that every stage emits, for subscribers and for structlog.
+"""Typed events that every stage emits, for subscribers and for the log.
 
-Each event is a frozen dataclass named for what happened. ``log_name`` is the structlog event
-name; the fields become the log line's key-value pairs.
+Each event is a frozen dataclass named for what happened. ``log_name`` is the event name of
+its log line (stdlib logger ``ckpt_pipeline``) and ``log_level`` its level: the per-stage
+lines at DEBUG, a commit, a restore and a start-up scrub at INFO, problems at WARNING or ERROR.
+The fields become the line's key-value pairs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ __all__ = (
     "CheckpointRejected",
     "CheckpointRestored",
     "Event",
+    "RetentionFailed",
     "SaveFailed",
     "SaveRequested",
     "SaveSkipped",
@@ -30,7 +33,7 @@ class Event:
     """Base of all pipeline events."""
 
     log_name: ClassVar[str] = "ckpt.event"
-    log_level: ClassVar[str] = "info"
+    log_level: ClassVar[str] = "debug"
 
     step: int
     rank: int
@@ -96,6 +99,7 @@ class CheckpointCommitted(Event):
     """The commit record is durable: the step is complete and restorable."""
 
     log_name: ClassVar[str] = "ckpt.commit.done"
+    log_level: ClassVar[str] = "info"
     save_id: str
     path: str
     bytes: int
@@ -114,6 +118,21 @@ class CheckpointPruned(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionFailed(Event):
+    """Retention could not remove an older step (it stays on disk; the save is committed).
+
+    ``step`` is the step that could not be pruned, ``committed_step`` the save whose
+    retention ran. ``ckpt-pipeline ls`` marks the step until a later prune removes it.
+    """
+
+    log_name: ClassVar[str] = "ckpt.retain.failed"
+    log_level: ClassVar[str] = "warning"
+    committed_step: int
+    path: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class SaveFailed(Event):
     """A save failed; nothing of it was committed and the previous checkpoint is intact."""
 
@@ -129,6 +148,7 @@ class TemporariesScrubbed(Event):
     """Start-up removed what crashed saves left behind (never a committed step)."""
 
     log_name: ClassVar[str] = "ckpt.recovery.scrubbed"
+    log_level: ClassVar[str] = "info"
     path: str
     bytes: int
 
@@ -148,6 +168,7 @@ class CheckpointRestored(Event):
     """A step was loaded into the live state."""
 
     log_name: ClassVar[str] = "ckpt.recovery.restored"
+    log_level: ClassVar[str] = "info"
     save_id: str
     path: str
     bytes: int

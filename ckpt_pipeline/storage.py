@@ -14,6 +14,7 @@ import errno
 import os
 import secrets
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -103,6 +104,18 @@ class LocalStorage:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(os.path.abspath(os.fspath(root)))
+        self._fd_names: dict[int, str] = {}  # open descriptor -> its path, for error messages
+        self._fd_lock = threading.Lock()
+
+    def _opened(self, fd: int, rel: str) -> int:
+        with self._fd_lock:
+            self._fd_names[fd] = rel
+        return fd
+
+    def _fd_rel(self, fd: int) -> str:
+        """The path an open descriptor was opened for (relative to the root)."""
+        with self._fd_lock:
+            return self._fd_names.get(fd, f"<fd {fd}>")
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, rel) if rel else str(self.root)
@@ -113,10 +126,8 @@ class LocalStorage:
             hint = "the disk is full: free space or point the pipeline at a larger disk"
         elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             hint = "check the permissions of the checkpoint root"
-        err = StorageError(f"{what} failed: {exc.strerror or exc}", path=self._path(rel),
-                           hint=hint)
-        err.errno = exc.errno
-        return err
+        return StorageError(f"{what} failed: {exc.strerror or exc}", path=self._path(rel),
+                            hint=hint, errno=exc.errno)
 
     def ensure_root(self) -> None:
         path = str(self.root)
@@ -186,7 +197,7 @@ class LocalStorage:
             fd = os.open(self._path(rel), flags, 0o600)
         except OSError as exc:
             raise self._fail("create", rel, exc) from exc
-        return fd, name
+        return self._opened(fd, rel), name
 
     def open_direct(self, rel_dir: str, temp_name: str) -> int | None:
         direct = getattr(os, "O_DIRECT", 0)
@@ -195,7 +206,7 @@ class LocalStorage:
         rel = os.path.join(rel_dir, temp_name)
         flags = os.O_WRONLY | direct | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            return os.open(self._path(rel), flags)
+            return self._opened(os.open(self._path(rel), flags), rel)
         except OSError as exc:
             if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 return None  # this file system has no direct I/O: buffered writes then
@@ -209,22 +220,24 @@ class LocalStorage:
             try:
                 n = os.pwrite(fd, view[done:], offset + done)
             except OSError as exc:
-                raise self._fail("write", f"<fd {fd}>", exc) from exc
+                raise self._fail("write", self._fd_rel(fd), exc) from exc
             if n <= 0:
-                raise StorageError("write made no progress", path=f"<fd {fd}>")
+                raise StorageError("write made no progress", path=self._path(self._fd_rel(fd)))
             done += n
 
     def fsync(self, fd: int) -> None:
         try:
             os.fsync(fd)
         except OSError as exc:
-            raise self._fail("fsync", f"<fd {fd}>", exc) from exc
+            raise self._fail("fsync", self._fd_rel(fd), exc) from exc
 
     def close(self, fd: int) -> None:
+        with self._fd_lock:
+            rel = self._fd_names.pop(fd, f"<fd {fd}>")
         try:
             os.close(fd)
         except OSError as exc:
-            raise self._fail("close", f"<fd {fd}>", exc) from exc
+            raise self._fail("close", rel, exc) from exc
 
     def publish(self, rel_dir: str, temp_name: str, final_name: str) -> None:
         src = os.path.join(rel_dir, temp_name)
@@ -265,7 +278,7 @@ class LocalStorage:
         except BaseException:
             os.close(fd)
             raise
-        return fd, st.st_size
+        return self._opened(fd, rel), st.st_size
 
     def pread_into(self, fd: int, buf: memoryview, offset: int) -> None:
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
@@ -275,10 +288,11 @@ class LocalStorage:
             try:
                 n = os.preadv(fd, [view[done:]], offset + done)
             except OSError as exc:
-                raise self._fail("read", f"<fd {fd}>", exc) from exc
+                raise self._fail("read", self._fd_rel(fd), exc) from exc
             if n == 0:
                 raise StorageError(f"unexpected end of file at byte {offset + done}",
-                                   path=f"<fd {fd}>", hint="the file is truncated")
+                                   path=self._path(self._fd_rel(fd)),
+                                   hint="the file is truncated")
             done += n
 
     def unlink(self, rel: str) -> None:

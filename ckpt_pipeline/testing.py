@@ -20,15 +20,20 @@ of the writes since each file's last fsync (kept, dropped or torn). See ``_power
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
+import logging
 import os
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from ._crash import CRASH_ENV as CRASH_ENV
 from ._crash import CRASH_POINTS as CRASH_POINTS
 from ._crash import crash_point as crash_point
+from ._logging import LOGGER_NAME
 from ._powerloss import CrashImage as CrashImage
 from ._powerloss import PowerCut as PowerCut
 from ._powerloss import PowerLossStorage as PowerLossStorage
@@ -38,7 +43,35 @@ from .errors import StorageError
 from .storage import LocalStorage
 
 __all__ = ("CRASH_ENV", "CRASH_POINTS", "CrashImage", "Fault", "FaultyStorage", "PowerCut",
-           "PowerLossStorage", "StorageCall", "VolatileChange", "crash_point")
+           "PowerLossStorage", "StorageCall", "VolatileChange", "capture_logs", "crash_point")
+
+@contextlib.contextmanager
+def capture_logs(level: int = logging.DEBUG) -> Iterator[list[dict[str, Any]]]:
+    """Collect the library's log lines as dicts (``event``, ``log_level`` and the fields).
+
+    Like ``structlog.testing.capture_logs``, for the ``ckpt_pipeline`` logger: it lowers the
+    logger's level to ``level`` for the duration and restores it afterwards.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    entries: list[dict[str, Any]] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            fields = getattr(record, "ckpt_fields", None)
+            entries.append({"event": getattr(record, "ckpt_event", record.getMessage()),
+                            "log_level": record.levelname.lower(),
+                            **(fields if isinstance(fields, dict) else {})})
+
+    handler = _Collect(level)
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield entries
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
 
 CALLS = ("make_dir", "create_temp", "open_direct", "pwrite", "fsync", "close", "publish",
          "fsync_dir", "unlink", "rmdir", "move", "free_bytes")
@@ -96,8 +129,7 @@ class FaultyStorage(LocalStorage):
     def _raise(self, fault: Fault) -> None:
         err = StorageError(f"{fault.call} failed: injected "
                            f"{errno_mod.errorcode.get(fault.errno, fault.errno)}",
-                           path=str(self.root))
-        err.errno = fault.errno
+                           path=str(self.root), errno=fault.errno)
         raise err
 
     def make_dir(self, rel: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ._hostmem import byte_view
 from .errors import StateError
 
 __all__ = ("RNGState", "TrainState")
@@ -47,11 +48,11 @@ class RNGState:
                         int(has_gauss), float(cached))
         cuda: tuple[bytes, ...] | None = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            cuda = tuple(bytes(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all())
+            cuda = tuple(_tensor_bytes(s) for s in torch.cuda.get_rng_state_all())
         return cls(
             python=_python_state_to_plain(random.getstate()),
             numpy=np_state,
-            torch_cpu=bytes(torch.get_rng_state().numpy().tobytes()),
+            torch_cpu=_tensor_bytes(torch.get_rng_state()),
             torch_cuda=cuda,
         )
 
@@ -61,12 +62,15 @@ class RNGState:
             version, internal, gauss = self.python
             random.setstate((int(version), tuple(int(x) for x in internal), gauss))
         if self.numpy is not None:
-            import numpy as np
-
-            name, keys, pos, has_gauss, cached = self.numpy
-            np.random.set_state(
-                (name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached)
-            )
+            try:
+                import numpy as np
+            except ImportError:  # saved where NumPy was installed: nothing here uses its RNG
+                pass
+            else:
+                name, keys, pos, has_gauss, cached = self.numpy
+                np.random.set_state(
+                    (name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached)
+                )
         if self.torch_cpu is not None:
             torch.set_rng_state(torch.frombuffer(bytearray(self.torch_cpu), dtype=torch.uint8))
         if self.torch_cuda is not None and torch.cuda.is_available():
@@ -148,6 +152,11 @@ class RNGState:
         except (TypeError, ValueError, RuntimeError, OverflowError, IndexError,
                 KeyError) as exc:
             raise StateError(f"an rng state is not accepted by its generator: {exc}") from exc
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a CPU generator state (NumPy is optional: no ``.numpy()``)."""
+    return bytes(byte_view(t.detach().cpu().contiguous()))
 
 
 def _python_state_to_plain(state: tuple[Any, ...]) -> tuple[Any, ...]:

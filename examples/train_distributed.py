@@ -42,7 +42,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -133,18 +132,14 @@ class Reporter:
 
 
 def configure_logging(verbose: bool) -> None:
-    """Send the pipeline's structlog events to stderr; only warnings and errors unless verbose.
+    """Show the pipeline's log lines on stderr: every commit and restore with ``--verbose``,
+    else only warnings and errors.
 
-    The library never configures logging itself; without this, structlog's defaults would print
-    every event to stdout, mixed with the progress lines. Every rank logs; each line carries the
+    The library is silent until asked (stdlib logging, logger ``ckpt_pipeline``); this is the
+    one call that asks. Every rank logs; each line carries the
     rank that emitted it.
     """
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.INFO if verbose else logging.WARNING
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    cp.enable_logging(logging.INFO if verbose else logging.WARNING)
 
 
 def init_distributed(choice: str) -> tuple[int, int, torch.device]:

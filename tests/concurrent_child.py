@@ -25,6 +25,11 @@ votes and confirmations between the processes) and saves steps A..B, waiting for
 - Once ``result()`` returned it appends the step to ``CTL/ack-R`` (what the job knows to be
   acknowledged).
 - ``--opened``: touch ``CTL/opened-NAME`` once ``open()`` returned (its start-up scrub done).
+- Its first ``TemporariesScrubbed`` event touches ``CTL/scrubbed-NAME`` (its start-up scrub
+  removed something and returned).
+- ``--retry-locked``: when the root's lock for this rank is held by another live process
+  (``RootInUseError``: the previous job's process still finishing), touch ``CTL/refused-NAME``,
+  record the refusal and open again every 50 ms, as a requeued job waiting for its old copy.
 - ``--restore-first``: ``restore_latest`` right after opening, as a restarted job does; the
   output has the step restored and every value that differs from that step's.
 - ``--hold-prune STEP``: the storage stops right after the retain stage removed this rank's
@@ -66,7 +71,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import structlog
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -212,7 +216,7 @@ def run_writer(args: argparse.Namespace) -> dict[str, Any]:
     ctl: Path = args.ctl
     rank = args.rank
     out: dict[str, Any] = {"rank": rank, "acked": [], "scrubbed": [], "restored": None,
-                           "final": None, "holds": [], "failed": []}
+                           "final": None, "holds": [], "failed": [], "refused": []}
     touch(ctl / f"ready-{args.name}")
     if not wait_for([ctl / args.go], WAIT_MAX_S):
         raise RuntimeError(f"{args.go} never came")
@@ -230,10 +234,25 @@ def run_writer(args: argparse.Namespace) -> dict[str, Any]:
             append_line(journal, str(event.step))
         elif isinstance(event, TemporariesScrubbed):
             out["scrubbed"].append(os.path.relpath(event.path, args.root))
+            touch(ctl / f"scrubbed-{args.name}")
 
-    pipe = cp.CheckpointPipeline(args.root, keep_last=args.keep_last, storage=storage,
-                                 coordination_timeout_s=30, restore_rng=False)
-    pipe.subscribe(on_event)
+    deadline = time.monotonic() + WAIT_MAX_S
+    # One control-plane group for every attempt: creating it is a collective of all ranks.
+    coordinator = cp.DistributedCoordinator(timeout_s=30)
+    while True:
+        pipe = cp.CheckpointPipeline(args.root, keep_last=args.keep_last, storage=storage,
+                                     coordinator=coordinator, restore_rng=False)
+        pipe.subscribe(on_event)
+        try:
+            pipe.open()
+        except cp.RootInUseError as exc:
+            if not args.retry_locked or time.monotonic() > deadline:
+                raise
+            out["refused"].append(str(exc))
+            touch(ctl / f"refused-{args.name}")
+            time.sleep(0.05)
+            continue
+        break
     state = zeros()
     with pipe:
         if args.opened:
@@ -539,6 +558,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--restore-first", action="store_true")
     parser.add_argument("--final-restore", action="store_true")
     parser.add_argument("--opened", action="store_true")
+    parser.add_argument("--retry-locked", action="store_true")
     parser.add_argument("--hold-prune", type=int)
     parser.add_argument("--release", default="")
     parser.add_argument("--hold-create-temp", type=int)
@@ -549,8 +569,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str]) -> int:
     args = _parse(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
-                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    cp.enable_logging(logging.ERROR)
     faulthandler.dump_traceback_later(MAX_SECONDS, exit=True)
     torch.set_num_threads(1)
     out_path = args.ctl / f"out-{args.name}.json"

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import structlog
 import torch
 from torch import nn
 
@@ -133,10 +132,7 @@ def _tracer(path: str | None) -> Callable[[int, str], None]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     # This process is the application: it may configure logging (the library never does).
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    cp.enable_logging(logging.WARNING)
     torch.set_num_threads(1)  # tensors this small only lose time to intra-op threads
     start = args.start_step
     if start is None:

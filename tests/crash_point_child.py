@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 
-import structlog
 import torch
 
 import ckpt_pipeline as cp
@@ -43,7 +42,7 @@ def train_state_for(step: int) -> cp.TrainState:
 
 
 def main(argv: list[str]) -> int:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    cp.enable_logging(logging.ERROR)
     torch.set_num_threads(1)
     root = argv[0]
     if argv[1:] == ["--open-only"]:

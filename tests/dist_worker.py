@@ -55,7 +55,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -322,10 +321,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     # This process is the application: it may configure logging (the library never does).
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    cp.enable_logging(logging.WARNING)
     faulthandler.dump_traceback_later(args.max_seconds, exit=True)
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -19,9 +19,8 @@ class FailingStorage(LocalStorage):
 
     def _maybe_fail(self, call: str) -> None:
         if self.armed and call == self.call:
-            err = StorageError(f"{call} failed: injected {errno.errorcode[self.errno_]}")
-            err.errno = self.errno_
-            raise err
+            raise StorageError(f"{call} failed: injected {errno.errorcode[self.errno_]}",
+                               errno=self.errno_)
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
         self._maybe_fail("pwrite")

@@ -15,7 +15,6 @@ import os
 import time
 from typing import Any
 
-import structlog
 import torch
 import torch.distributed as dist
 
@@ -65,7 +64,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    cp.enable_logging(logging.WARNING)
     rank = int(os.environ["RANK"])
     if args.device == "cuda":
         torch.cuda.set_device(rank)

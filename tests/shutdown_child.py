@@ -17,8 +17,13 @@ fsync, whatever the load of the machine. Then:
 - ``normal``: leaves the ``with`` block; ``raise``: raises RuntimeError inside it;
 - ``exit``: never closes the pipeline (no ``with``) and returns: the atexit hook closes it;
 - ``sigint`` / ``sigterm``: trains (sleeps in a loop) inside the block until a signal ends
-  it; ``sigterm`` with ``sigterm_handler`` installs a handler that raises SystemExit(143);
-- ``sigint_in_save``: a subscriber sends SIGINT to the process from inside ``save()``;
+  it; ``sigterm_handler`` installs a handler of the application's that raises
+  SystemExit(143) (the pipeline's own SIGTERM policy is ``orders["sigterm"]``, default
+  ``"finish"``);
+- ``sigint_in_save`` / ``sigterm_in_save``: a subscriber sends SIGINT (SIGTERM) to the
+  process from inside ``save()``;
+- ``sigterm_flag``: ``sigterm="flag"``; trains until ``pipe.preempted``, then saves step
+  ``IN_FLIGHT + 1`` (the preemption save) and leaves the block;
 - ``async``: ``AsyncCheckpointPipeline`` under four cancellations, one root each below
   ``root`` (``anyio``: a cancel scope, in the fsync; ``asyncio``: ``Task.cancel()``, in the
   fsync; ``early``: a cancel scope right after ``save()`` returned; ``shielded``: a cancel
@@ -45,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import structlog
 import torch
 
 import ckpt_pipeline as cp
@@ -187,26 +191,42 @@ def _train_until_signalled() -> None:
     sys.exit(3)
 
 
+def _train_until_preempted(pipe: cp.CheckpointPipeline, state: dict[str, Any]) -> None:
+    _say("TRAINING")
+    deadline = time.monotonic() + 60
+    while not pipe.preempted:
+        if time.monotonic() > deadline:
+            _say("NOT SIGNALLED")
+            sys.exit(3)
+        time.sleep(0.005)
+    step = IN_FLIGHT + 1  # the live state holds this step's values (training went on)
+    pipe.save(step, state, train_state(step))
+    _say("PREEMPTION_SAVE", step)
+
+
 def run_sync(orders: dict[str, Any]) -> int:
     case = orders["case"]
     state = make_state()
     storage = SlowStorage(orders["root"], orders["fsync_delay"], _ending,
                           on_slow=_announce_writing)
     pipe = cp.CheckpointPipeline(orders["root"], storage=storage, keep_last=KEEP_LAST,
-                                 exit_timeout_s=orders.get("exit_timeout", 60.0))
+                                 exit_timeout_s=orders.get("exit_timeout", 60.0),
+                                 sigterm=orders.get("sigterm", "finish"))
     if case == "exit":
         pipe.open()
         _first_steps(pipe, state)
         _say("RETURNING")
         _ending.set()
         return 0  # no close(): the interpreter's exit finishes (or abandons) the save
-    if case == "sigint_in_save":
+    if case in ("sigint_in_save", "sigterm_in_save"):
+        signum = signal.SIGINT if case == "sigint_in_save" else signal.SIGTERM
+
         def interrupt(event: cp.Event) -> None:
             if isinstance(event, cp.SaveRequested) and event.step == IN_FLIGHT:
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
 
         pipe.subscribe(interrupt)
-    if case == "sigterm" and orders.get("sigterm_handler"):
+    if orders.get("sigterm_handler"):
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.monotonic()
     with pipe:
@@ -214,8 +234,10 @@ def run_sync(orders: dict[str, Any]) -> int:
             handle = _first_steps(pipe, state)
             if case == "raise":
                 raise RuntimeError("boom in the training loop")
-            if case in ("sigint", "sigterm", "sigint_in_save"):
+            if case in ("sigint", "sigterm", "sigint_in_save", "sigterm_in_save"):
                 _train_until_signalled()
+            if case == "sigterm_flag":
+                _train_until_preempted(pipe, state)
         finally:  # leaving the block (KeyboardInterrupt, SystemExit, ... included)
             _ending.set()
         started = time.monotonic()
@@ -277,7 +299,8 @@ async def _async_case(kind: str, root: Path, delay: float) -> dict[str, Any]:
         cancelled_at = stamps[0]
     out["seconds_to_exit"] = round(time.monotonic() - cancelled_at, 3)
     out["handles"] = {h.step: _outcome(h) for h in handles}
-    out["files"] = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    out["files"] = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                          if not p.name.startswith(".lock-"))
     return out
 
 
@@ -299,13 +322,7 @@ async def run_async(orders: dict[str, Any]) -> int:
 
 def main() -> int:
     # This process is the application: it may configure logging (the library never does).
-    structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt=None, key="unix"),
-                    structlog.processors.JSONRenderer()],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    cp.enable_logging(logging.INFO, fmt="json")
     torch.set_num_threads(1)
     orders = json.loads(sys.argv[1])
     if orders["case"] == "async":

@@ -7,10 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_training.py"
 # dcp_async_save_pinned needs an accelerator for its non-blocking staging copies.
 VARIANTS = ("ckpt_pipeline", "ckpt_pipeline_2slots", "ckpt_pipeline_streamed", "torch_save",
             "dcp_save", "dcp_async_save")
+
+pytestmark = pytest.mark.slow  # trains every variant in child processes: the slow suite
 
 
 def test_the_training_benchmark_runs_small_on_the_cpu(tmp_path: Path) -> None:

@@ -191,3 +191,17 @@ def test_progress_text_shows_bar_percent_and_sizes_in_the_unit_of_the_total() ->
     mib = 1024**2
     text = _progress_text(1920 * mib, 2560 * mib, width=10)
     assert text == "[#######...]  75% 1.9/2.5 GiB"
+
+
+def test_progress_bar_on_a_closed_terminal_never_stops_verification() -> None:
+    import io
+
+    from ckpt_pipeline.cli import _Progress
+
+    stream = io.StringIO()
+    stream.close()  # writes raise ValueError, as a closed pipe raises OSError
+    bar = _Progress(100, "step 1", stream)
+    bar(50)
+    bar(50)
+    bar.close()
+    assert bar.done == 100

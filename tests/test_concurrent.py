@@ -178,22 +178,24 @@ def test_two_ranks_prune_with_keep_last_1_while_readers_scan(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_a_restarted_rank_scrubs_while_the_other_rank_is_in_the_middle_of_pruning(
         tmp_path: Path) -> None:
-    """A job restarts after rank 1 died pruning; its scrubs run while rank 0 is still pruning.
+    """A job restarts after rank 1 died pruning, while the old rank 0 is still pruning.
 
     First job (``a-0``, ``a-1``): steps 1..20, keep_last=1. Rank 1 is SIGKILLed at its 19th
     ``retain.commit_removed``: in the retain stage of step 20, its commit record of step 19
     gone, its manifest and shard not. Rank 0 removed its own commit record of step 19 too and
-    stays there (alive, mid-prune) until both ranks of the restarted job (``b-0``, ``b-1``) have
-    opened: their start-up scrubs remove both ranks' leftovers of step 19 under the feet of the
-    old rank 0, which then finishes its prune (its files already gone) while the new job
-    restores step 20 and saves 21..40 with keep_last=2. Two readers scan throughout, the gap
-    between the jobs included.
+    stays there (alive, mid-prune). The restarted job (``b-0``, ``b-1``) starts meanwhile:
+    ``b-1``'s start-up scrub removes rank 1's leftovers of step 19 while the old rank 0 is
+    mid-prune; ``b-0`` is refused by the root's lock (the old rank 0 still holds it) and
+    retries, as a requeued job waiting for its old copy. Only then is the old rank 0 released:
+    it finishes its prune and exits, ``b-0`` opens, and the new job restores step 20 and saves
+    21..40 with keep_last=2. Two readers scan throughout, the gap between the jobs included.
 
     Why the old rank 0 is still alive: a rank prunes only after a commit confirmation that
     every rank took part in, and a rank's start-up scrub runs before its first vote, so within
     one job a scrub never overlaps another rank's pruning. It does when a process of the
     previous job is still finishing its retain stage as the new job starts, which is what this
-    builds (rank 0 is held there by ``OrderedStorage``, after the real unlink).
+    builds (rank 0 is held there by ``OrderedStorage``, after the real unlink). The lock keeps
+    the new rank 0 from scrubbing under the old rank 0's feet.
     """
     first_job, last = 20, 40
     procs = Processes(tmp_path)
@@ -201,12 +203,13 @@ def test_a_restarted_rank_scrubs_while_the_other_rank_is_in_the_middle_of_prunin
         for name in ("reader-a", "reader-b"):
             procs.start("reader", name)
         procs.writer("a-0", 0, "init-a", 1, first_job, "--keep-last", "1", "--hold-prune",
-                     str(first_job - 1), "--release", "opened-b-0,opened-b-1")
+                     str(first_job - 1), "--release", "refused-b-0,scrubbed-b-1")
         procs.writer("a-1", 1, "init-a", 1, first_job, "--keep-last", "1",
                      env={CRASH_ENV: f"retain.commit_removed:{first_job - 1}"})
         for rank in range(WORLD):
             procs.writer(f"b-{rank}", rank, "init-b", first_job + 1, last, "--keep-last", "2",
-                         "--go", "go-b", "--opened", "--restore-first", "--final-restore")
+                         "--go", "go-b", "--opened", "--restore-first", "--final-restore",
+                         "--retry-locked")
         procs.wait_files(*(f"ready-{n}" for n in procs.procs))
         (procs.ctl / "go").touch()
         procs.wait_files("held-a-0")
@@ -228,10 +231,15 @@ def test_a_restarted_rank_scrubs_while_the_other_rank_is_in_the_middle_of_prunin
     assert acked_1[:first_job - 1] == list(range(1, first_job))
     hold = old0["holds"]
     assert len(hold) == 1 and hold[0]["released"], hold
-    # Each new rank's scrub removed its rank's leftovers of step 19, while the old rank 0 held.
-    for rank, out in enumerate((new0, new1)):
-        assert sorted(out["scrubbed"]) == [
-            f"{step19.name}/rank-{rank:05d}.manifest", f"{step19.name}/rank-{rank:05d}.shard"]
+    # The new rank 0 was refused while the old one lived (the refusal names its holder); the
+    # old one then finished its own prune, so the new rank 0 found nothing to scrub. The new
+    # rank 1 scrubbed its rank's leftovers of step 19 while the old rank 0 held.
+    assert new0["refused"] and all("lock is held by pid" in r for r in new0["refused"])
+    assert new1["refused"] == []
+    assert new0["scrubbed"] == []
+    assert sorted(new1["scrubbed"]) == [
+        f"{step19.name}/rank-00001.manifest", f"{step19.name}/rank-00001.shard"]
+    for out in (new0, new1):
         restored = out["restored"]
         assert restored["step"] == first_job and restored["mismatches"] == [], restored
         assert restored["train_state_ok"]

@@ -99,6 +99,8 @@ def _layout_problems(root: Path) -> list[str]:
     """Anything under the root other than step directories holding exactly a committed set."""
     problems = []
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.name.startswith(".lock-"):  # the pipeline's lock file (one job per root)
+            continue
         if not (STEP_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
             problems.append(f"unexpected entry {entry.name!r}")
             continue

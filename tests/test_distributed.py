@@ -169,7 +169,9 @@ def valid_by_rank(out: dict[str, Any]) -> dict[int, list[int]]:
 
 
 def files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    """Everything under the root but the pipelines' lock files (one job per root and rank)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if not p.name.startswith(".lock-"))
 
 
 def temporaries(root: Path) -> list[str]:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from structlog.testing import capture_logs
 
 import ckpt_pipeline as cp
+from ckpt_pipeline.testing import capture_logs
 
 STAGES = [cp.SaveRequested, cp.SnapshotTaken, cp.ShardSerialized, cp.ShardWritten,
           cp.CheckpointCommitted]

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the example trains in child processes: the slow suite
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_resume.py"
 

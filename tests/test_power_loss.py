@@ -392,6 +392,7 @@ def _report(outcomes: list[Outcome], seconds: float) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_power_cuts_during_saving_never_lose_an_acknowledged_step(tmp_path: Path) -> None:
     started = time.perf_counter()
     probe = _probe(tmp_path)
@@ -453,6 +454,7 @@ def _damage_newest(root: Path) -> int | None:
     return complete[-1]
 
 
+@pytest.mark.slow
 def test_power_cuts_during_recovery_never_lose_a_step(tmp_path: Path) -> None:
     """A second cut while the crashed image is scrubbed, restored and saved to again."""
     started = time.perf_counter()

@@ -1,0 +1,49 @@
+"""The storage layer names the file in every error, never a bare descriptor."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_pipeline as cp
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["pwrite", "fsync"])
+def test_a_failed_write_names_the_file(root: Path, call: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    with cp.CheckpointPipeline(root, direct_io=False) as pipe:
+        pipe.save(1, {"x": torch.ones(1024)}).result(30)
+        real = getattr(os, call)
+
+        def failing(fd: int, *args: object) -> object:
+            if ".shard.tmp-" in os.readlink(f"/proc/self/fd/{fd}"):  # this save's shard
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real(fd, *args)
+
+        monkeypatch.setattr(os, call, failing)
+        with pytest.raises(cp.StorageError) as caught:
+            pipe.save(2, {"x": torch.ones(1024)}).result(30)
+        monkeypatch.setattr(os, call, real)
+    message = str(caught.value)
+    assert "<fd" not in message
+    assert "step-0000000002/.rank-00000." in message, message
+    assert caught.value.errno == errno.EIO
+
+
+@pytest.mark.timeout(60)
+def test_read_errors_name_the_file(root: Path) -> None:
+    storage = cp.LocalStorage(root)
+    storage.ensure_root()
+    (root / "short").write_bytes(b"abc")
+    fd, _size = storage.open_read("short")
+    try:
+        with pytest.raises(cp.StorageError) as caught:
+            storage.pread_into(fd, memoryview(bytearray(10)), 0)
+    finally:
+        storage.close(fd)
+    assert caught.value.path == str(root / "short")
