@@ -31,6 +31,7 @@ other objects) is replaced by the checkpoint's value.
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from ._tree import _is_dtensor, _is_stateful, _join, materialize
 from .errors import CheckpointError, RestoreError, StateError
 from .train_state import RNGState
 
-__all__ = ("AppliedState", "apply_state", "validate_state")
+__all__ = ("AppliedState", "BackupCopies", "apply_state", "validate_state")
 
 _SHOWN_KEYS = 8
 """How many missing or unexpected keys an error lists."""
@@ -409,6 +410,74 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True)
 
 
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies the memory a (detached) view reads: the same for every alias of it."""
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+
+class BackupCopies:
+    """Host copies of the live tensors that a restore will overwrite, taken ahead of time.
+
+    Copying a model's tensors to fresh host memory runs at a few GB/s, as long as reading a
+    large part of the checkpoint: taken while the shard is read (``prefetch`` in a worker
+    thread), the rollback backup costs the restore almost nothing. Each copy is keyed by the
+    memory it read and kept with the tensor's version counter: a tensor changed since (or one
+    not prefetched) is copied again when its backup is taken.
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[Any, ...], tuple[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def prefetch(self, live: Any) -> None:
+        """Copy what ``apply_state`` would back up: plain tensors, and the tensors of the
+        state dicts of stateful objects (not plain optimizers: kept by reference)."""
+        self._walk(live, 0)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def _walk(self, obj: Any, depth: int) -> None:
+        if depth > 256:
+            return
+        if isinstance(obj, torch.Tensor):
+            self._take(_local(obj))
+        elif _is_stateful(obj):
+            if not _OptimizerBackup.applies_to(obj):
+                self._walk(obj.state_dict(), depth + 1)
+        elif isinstance(obj, Mapping):
+            for value in list(obj.values()):
+                self._walk(value, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for value in list(obj):
+                self._walk(value, depth + 1)
+
+    def _take(self, t: torch.Tensor) -> None:
+        t = t.detach()
+        if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
+            return
+        key = _view_key(t)
+        with self._lock:
+            if key in self._copies:
+                return
+        version = t._version
+        copy_ = _host_copy(t)
+        with self._lock:
+            self._copies[key] = (version, copy_)
+
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """The prefetched copy of ``t`` if it is still current, else a fresh one."""
+        t = t.detach()
+        with self._lock:
+            found = self._copies.pop(_view_key(t), None) if t.layout == torch.strided else None
+        if found is not None and found[0] == t._version:
+            return found[1]
+        return _host_copy(t)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._copies.clear()
+
+
 @dataclass(frozen=True, slots=True)
 class _HostDTensor:
     """A DTensor's local shard kept on the host, rebuilt on its device when undone."""
@@ -427,29 +496,30 @@ class _HostDTensor:
                                   run_check=False, shape=self.shape, stride=self.stride)
 
 
-def _deep_copy(obj: Any, depth: int = 0) -> Any:
+def _deep_copy(obj: Any, depth: int = 0,
+               copy_tensor: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> Any:
     """A copy of a state dict whose tensors are in host memory and share nothing with it."""
     if isinstance(obj, torch.Tensor):
         if _is_dtensor(obj):
             local = _local(obj)
-            return _HostDTensor(_host_copy(local), local.device, obj.device_mesh,  # type: ignore[attr-defined]
+            return _HostDTensor(copy_tensor(local), local.device, obj.device_mesh,  # type: ignore[attr-defined]
                                 tuple(obj.placements), obj.shape,  # type: ignore[attr-defined]
                                 tuple(obj.stride()))
-        return _host_copy(obj)
+        return copy_tensor(obj)
     if depth > 256:
         return obj
     if isinstance(obj, dict):
         out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
         for key, value in obj.items():
-            out[key] = _deep_copy(value, depth + 1)
+            out[key] = _deep_copy(value, depth + 1, copy_tensor)
         metadata = getattr(obj, "_metadata", None)
         if metadata is not None:  # module versions, read by _load_from_state_dict
             out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
         return out
     if isinstance(obj, list) and type(obj) is list:
-        return [_deep_copy(v, depth + 1) for v in obj]
+        return [_deep_copy(v, depth + 1, copy_tensor) for v in obj]
     if type(obj) is tuple or _is_namedtuple(obj):
-        return _rebuild_tuple(obj, [_deep_copy(v, depth + 1) for v in obj])
+        return _rebuild_tuple(obj, [_deep_copy(v, depth + 1, copy_tensor) for v in obj])
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     try:
@@ -510,10 +580,10 @@ class _Backup:
 
 
 class _TensorBackup(_Backup):
-    def __init__(self, live: torch.Tensor, path: str) -> None:
+    def __init__(self, live: torch.Tensor, path: str, copies: BackupCopies) -> None:
         self.live = live
         self.path = path
-        self.old = _host_copy(_local(live))
+        self.old = copies.host_copy(_local(live))
         self.nbytes = _nbytes(self.old)
 
     def undo(self) -> None:
@@ -522,10 +592,10 @@ class _TensorBackup(_Backup):
 
 
 class _StatefulBackup(_Backup):
-    def __init__(self, obj: Any, path: str) -> None:
+    def __init__(self, obj: Any, path: str, copies: BackupCopies) -> None:
         self.obj = obj
         self.path = path
-        self.old = _deep_copy(obj.state_dict())
+        self.old = _deep_copy(obj.state_dict(), copy_tensor=copies.host_copy)
         self.nbytes = _nbytes(self.old)
 
     def undo(self) -> None:
@@ -631,9 +701,11 @@ class AppliedState:
 # ---------------------------------------------------------------- applying
 
 class _Applier:
-    def __init__(self, tensors: Sequence[torch.Tensor], journal: list[_Backup]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], journal: list[_Backup],
+                 copies: BackupCopies) -> None:
         self.tensors = list(tensors)
         self.journal = journal
+        self.copies = copies
 
     def slot(self, container: Any, key: Any, node: Any, path: str) -> None:
         """Load ``node`` into ``container[key]``; the slot changes only if its value does."""
@@ -672,7 +744,7 @@ class _Applier:
         return materialize(node, self.tensors)
 
     def _copy_into(self, live: torch.Tensor, node: TensorRef, path: str) -> None:
-        self.journal.append(_TensorBackup(live, path))
+        self.journal.append(_TensorBackup(live, path, self.copies))
         with torch.no_grad():
             live.copy_(self.tensors[node.index])
 
@@ -680,7 +752,7 @@ class _Applier:
         if _OptimizerBackup.applies_to(obj):
             self.journal.append(_OptimizerBackup(obj, path))
         else:
-            self.journal.append(_StatefulBackup(obj, path))
+            self.journal.append(_StatefulBackup(obj, path, self.copies))
         obj.load_state_dict(materialize(node, self.tensors))
 
     @staticmethod
@@ -696,14 +768,15 @@ class _Applier:
 
 def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
                 tensors: Sequence[torch.Tensor], *, step: int, rank: int | None = None,
-                rng: RNGState | None = None) -> AppliedState:
+                rng: RNGState | None = None, copies: BackupCopies | None = None
+                ) -> AppliedState:
     """Validate, then load the checkpoint into the live objects in place, and ``rng`` into the
     global generators; on any failure undo every change and raise (StateError for the state,
     RestoreError for the RNG states or a failed rollback). The returned ``AppliedState`` can
-    undo it all later."""
+    undo it all later. ``copies``: backups prefetched while the checkpoint was read."""
     validate_state(live, tree, tensors, step=step, rank=rank)
     journal: list[_Backup] = []
-    applier = _Applier(tensors, journal)
+    applier = _Applier(tensors, journal, copies if copies is not None else BackupCopies())
     stage = "state"
     try:
         for name in list(live):
@@ -716,12 +789,14 @@ def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
             stage = "cuda"
             torch.cuda.synchronize()
     except BaseException as exc:
+        applier.copies.clear()
         applied = AppliedState(journal, step=step, rank=rank)
         # Raises RestoreError (from its own cause, naming this failure) if that fails too.
         applied.undo(reason=f"{type(exc).__name__}: {exc}")
         if not isinstance(exc, Exception):
             raise  # an interrupt: the state is as it was, let it through
         raise _rolled_back(exc, stage, step, rank) from exc
+    applier.copies.clear()  # prefetched copies of what was not overwritten after all
     return AppliedState(journal, step=step, rank=rank)
 
 

@@ -11,6 +11,7 @@ undoes the apply (``AppliedState.undo()``, on its own thread): a failed restore 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 
 from . import _recovery
 from ._agree import Candidates, agree_barrier, agree_candidates, agree_outcome
-from ._apply import AppliedState, apply_state, validate_state
+from ._apply import AppliedState, BackupCopies, apply_state, validate_state
 from ._format import TensorRecord
 from ._logging import log
 from ._tree import find_mesh, to_dtensor
@@ -52,6 +53,8 @@ class Loaded:
     started: float
     rejected: tuple[RejectedStep, ...]
     valid_by_rank: dict[int, tuple[int, ...]]
+    copies: BackupCopies | None = None
+    """Host copies of the live tensors, prefetched for the rollback backup."""
     scanned: frozenset[tuple[int, str]] = frozenset()
     """(step, directory) of every step this restore's scan saw: only those, when newer than
     the restored step, are moved aside (never a step created after the scan)."""
@@ -149,8 +152,19 @@ class Recovery:
         header = status.header
         meshes = _live_meshes(header.tensors, state, status)
         devices = [_target_device(rec, meshes) for rec in header.tensors]
-        shard = await _recovery.read_shard(self.storage, status, self.rank, devices=devices,
-                                           threads=self.config.io_threads, limiter=limiter)
+        # The rollback backup of the live state is copied to host memory while the shard is
+        # read (in a thread of its own): as long as a large part of the read, it then costs
+        # the restore almost nothing (see BackupCopies).
+        copies = BackupCopies()
+        prefetch = threading.Thread(target=_prefetch, args=(copies, state, self.rank),
+                                    name="ckpt-restore-backup", daemon=True)
+        prefetch.start()
+        try:
+            shard = await _recovery.read_shard(self.storage, status, self.rank,
+                                               devices=devices, threads=self.config.io_threads,
+                                               limiter=limiter)
+        finally:
+            await anyio.to_thread.run_sync(prefetch.join, abandon_on_cancel=True)
         tree, train_state = _recovery.decode_contents(status, self.rank)
         tensors = [t if rec.dist is None
                    else to_dtensor(t, rec.dist, *meshes[rec.dist.mesh_shape])
@@ -161,9 +175,9 @@ class Recovery:
                                              step=status.step, rank=self.rank),
                            limiter=limiter)
         return Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
-                       tensors=tensors, train_state=train_state,
-                       bytes=status.shard_size, started=started, rejected=tuple(rejected),
-                      valid_by_rank=dict(agreed.valid_by_rank))
+                      tensors=tensors, train_state=train_state,
+                      bytes=status.shard_size, started=started, rejected=tuple(rejected),
+                      valid_by_rank=dict(agreed.valid_by_rank), copies=copies)
 
     def apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> AppliedState:
         """Load into the live objects and the RNG states; runs on the caller's thread (its CUDA
@@ -172,9 +186,10 @@ class Recovery:
         rng = loaded.train_state.rng if self.config.restore_rng else None
         try:
             return apply_state(state, loaded.tree, loaded.tensors, step=loaded.step,
-                               rank=self.rank, rng=rng)
+                               rank=self.rank, rng=rng, copies=loaded.copies)
         finally:
             loaded.tensors = []
+            loaded.copies = None
 
     async def finish(self, loaded: Loaded, apply_error: CheckpointError | None,
                      limiter: anyio.CapacityLimiter) -> RestoreResult:
@@ -219,6 +234,16 @@ class Recovery:
     def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
         self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))
         return RejectedStep(step, path, reason)
+
+
+def _prefetch(copies: BackupCopies, state: Mapping[str, Any], rank: int) -> None:
+    """Best-effort: a failure here only means the backup is copied when it is taken."""
+    try:
+        copies.prefetch(state)
+    except Exception as exc:
+        copies.clear()
+        _log.debug("ckpt.recovery.prefetch_failed", rank=rank,
+                   error=f"{type(exc).__name__}: {exc}")
 
 
 def _live_meshes(records: tuple[TensorRecord, ...], state: Mapping[str, Any],

@@ -722,3 +722,20 @@ def test_dtensor_and_plain_tensor_mismatch_is_refused_on_every_rank(tmp_path: Pa
             r["attempts"][0]["message"]
         assert "live tensor is a DTensor, the checkpoint's a plain tensor" in \
             r["attempts"][1]["message"]
+
+
+def test_prefetched_backup_copies_are_used_only_while_current() -> None:
+    from ckpt_pipeline._apply import BackupCopies
+
+    model = torch.nn.Linear(4, 3)
+    live = {"model": model, "extra": torch.arange(6.0)}
+    copies = BackupCopies()
+    copies.prefetch(live)
+    weight = model.state_dict()["weight"]  # another alias of the same memory
+    taken = copies.host_copy(weight)
+    assert torch.equal(taken, model.weight.detach())
+    assert taken.data_ptr() != model.weight.data_ptr()
+    with torch.no_grad():
+        live["extra"].add_(1)  # changed since the prefetch: its copy is stale
+    fresh = copies.host_copy(live["extra"])
+    assert torch.equal(fresh, torch.arange(6.0) + 1)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the tests that exercise CUDA (every gpu-marked test, and the
+# suites whose cases run on CUDA when it is there), then the training benchmark, results under
+# $OUT. The machine's image lacks a few wheels: fetch them first with
+#   ../shared/tools/gpu-wheels.sh pytest-timeout==2.4.0        (into .whl/, carried along)
+# Environment: VARIANTS (default: the pipeline's own variants; "all" for every peer),
+# BENCH_ARGS (extra arguments for bench_training.py), TESTS (default: the CUDA test set).
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"
+fi
+if [ -z "${CKPT_BENCH_COMMIT:-}" ] && [ -f commit.txt ]; then
+  export CKPT_BENCH_COMMIT="$(cat commit.txt)"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+TESTS="${TESTS:-tests/test_gpu.py tests/test_streamed.py tests/test_direct_io.py tests/test_dtypes.py tests/test_restore_atomic.py tests/test_concurrent_use.py tests/test_save_restore.py}"
+# shellcheck disable=SC2086
+python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" $TESTS -rs > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"
+variants="${VARIANTS:-ckpt_pipeline,ckpt_pipeline_staged}"
+variant_args=(--variants "$variants")
+[ "$variants" = "all" ] && variant_args=()
+# shellcheck disable=SC2086
+(cd benchmarks && python3 bench_training.py "${variant_args[@]}" ${BENCH_ARGS:-} \
+  --budget-s "${BUDGET_S:-420}" --hard-limit-s "${HARD_LIMIT_S:-480}" \
+  --out "$OUT/training_gpu.json") > "$OUT/bench.log" 2>&1
+echo "bench exit $?" >> "$OUT/bench.log"
+tail -4 "$OUT/gpu_tests.log"
+tail -30 "$OUT/bench.log"
