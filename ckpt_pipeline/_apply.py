@@ -410,6 +410,10 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True)
 
 
+_DEVICE_MARGIN_BYTES = 1 << 30
+"""GPU memory left free when backups are kept on the GPU (or a tenth of it, if more)."""
+
+
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """What identifies the memory a (detached) view reads: the same for every alias of it."""
     return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
@@ -428,10 +432,24 @@ class BackupCopies:
     def __init__(self) -> None:
         self._copies: dict[tuple[Any, ...], tuple[int, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._device_budget: dict[int, int] = {}
 
-    def prefetch(self, live: Any) -> None:
+    def prefetch(self, live: Any, *, device_reserved: Mapping[int, int] | None = None) -> None:
         """Copy what ``apply_state`` would back up: plain tensors, and the tensors of the
-        state dicts of stateful objects (not plain optimizers: kept by reference)."""
+        state dicts of stateful objects (not plain optimizers: kept by reference).
+
+        A CUDA tensor is copied on its own GPU where the GPU has room to spare (a copy there
+        takes microseconds, to host memory a second per couple of GB), else to host memory.
+        ``device_reserved``: bytes per GPU that the restore is about to allocate itself.
+        """
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for index in range(torch.cuda.device_count()):
+                free, total = torch.cuda.mem_get_info(index)
+                cached = (torch.cuda.memory_reserved(index)
+                          - torch.cuda.memory_allocated(index))
+                margin = max(_DEVICE_MARGIN_BYTES, total // 10)
+                reserved = (device_reserved or {}).get(index, 0)
+                self._device_budget[index] = max(0, free + cached - margin - reserved)
         self._walk(live, 0)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
@@ -460,7 +478,13 @@ class BackupCopies:
             if key in self._copies:
                 return
         version = t._version
-        copy_ = _host_copy(t)
+        nbytes = t.numel() * t.element_size()
+        index = t.device.index if t.device.type == "cuda" else None
+        if index is not None and self._device_budget.get(index, 0) >= nbytes:
+            self._device_budget[index] -= nbytes
+            copy_ = t.clone()
+        else:
+            copy_ = _host_copy(t)
         with self._lock:
             self._copies[key] = (version, copy_)
 
@@ -667,7 +691,8 @@ class AppliedState:
 
     @property
     def backup_bytes(self) -> int:
-        """Host memory held by the copies of what was overwritten."""
+        """Memory held by the copies of what was overwritten (host, or the GPU's own where a
+        GPU had room to spare)."""
         return sum(entry.nbytes for entry in self._journal)
 
     def release(self) -> None:

@@ -156,7 +156,12 @@ class Recovery:
         # read (in a thread of its own): as long as a large part of the read, it then costs
         # the restore almost nothing (see BackupCopies).
         copies = BackupCopies()
-        prefetch = threading.Thread(target=_prefetch, args=(copies, state, self.rank),
+        reading: dict[int, int] = {}  # GPU memory the read below allocates
+        for rec, device in zip(header.tensors, devices, strict=True):
+            if device.type == "cuda":
+                index = device.index if device.index is not None else 0
+                reading[index] = reading.get(index, 0) + rec.nbytes
+        prefetch = threading.Thread(target=_prefetch, args=(copies, state, self.rank, reading),
                                     name="ckpt-restore-backup", daemon=True)
         prefetch.start()
         try:
@@ -236,10 +241,11 @@ class Recovery:
         return RejectedStep(step, path, reason)
 
 
-def _prefetch(copies: BackupCopies, state: Mapping[str, Any], rank: int) -> None:
+def _prefetch(copies: BackupCopies, state: Mapping[str, Any], rank: int,
+              reading: Mapping[int, int]) -> None:
     """Best-effort: a failure here only means the backup is copied when it is taken."""
     try:
-        copies.prefetch(state)
+        copies.prefetch(state, device_reserved=reading)
     except Exception as exc:
         copies.clear()
         _log.debug("ckpt.recovery.prefetch_failed", rank=rank,
