@@ -30,10 +30,11 @@ other objects) is replaced by the checkpoint's value.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, NoReturn
@@ -45,7 +46,7 @@ from ._tree import _is_dtensor, _is_stateful, _join, materialize
 from .errors import CheckpointError, RestoreError, StateError
 from .train_state import RNGState
 
-__all__ = ("AppliedState", "BackupCopies", "apply_state", "validate_state")
+__all__ = ("AppliedState", "BackupCopies", "apply_state", "undone_on_error", "validate_state")
 
 _SHOWN_KEYS = 8
 """How many missing or unexpected keys an error lists."""
@@ -842,3 +843,17 @@ def _rolled_back(exc: Exception, stage: str, step: int, rank: int | None) -> Che
     except TypeError:  # a subclass with another signature
         error = RestoreError(message + done, step=step, rank=rank, path=path, hint=hint)
     return error
+
+
+@contextlib.contextmanager
+def undone_on_error(applied: AppliedState | None) -> Iterator[None]:
+    """Around the rest of a restore after the apply: if it raises (another rank failed, a
+    barrier, a cancellation), undo the apply on this thread; if it returns, keep it."""
+    try:
+        yield
+    except BaseException as exc:
+        if applied is not None:
+            applied.undo(reason=f"the restore did not complete ({type(exc).__name__}: {exc})")
+        raise
+    if applied is not None:
+        applied.release()

@@ -21,6 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from . import _recovery
 from ._agree import agree_run_id
+from ._apply import undone_on_error
 from ._commit import commit
 from ._crash import crash_point
 from ._format import DTYPE_NAMES, encode_tree
@@ -906,16 +907,8 @@ class AsyncCheckpointPipeline:
         if loaded is None:
             return None
         applied, apply_error = self._apply(loaded, state)
-        try:
-            result = await self._finish_restore(loaded, apply_error)
-        except BaseException as exc:
-            if applied is not None:  # every rank rolls back (this thread: its CUDA streams)
-                applied.undo(reason=f"the restore did not complete ({type(exc).__name__}: "
-                                    f"{exc})")
-            raise
-        if applied is not None:
-            applied.release()
-        return result
+        with undone_on_error(applied):  # every rank rolls back when any rank failed
+            return await self._finish_restore(loaded, apply_error)
 
     async def _load_latest(self, state: Mapping[str, Any]) -> Loaded | None:
         """Begin a restore: wait for the saves in flight, then read the newest good step.

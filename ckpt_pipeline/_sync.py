@@ -31,6 +31,7 @@ from typing import Any, Literal
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from ._apply import undone_on_error
 from ._logging import log
 from ._pipeline import AsyncCheckpointPipeline, Subscriber
 from .config import PipelineConfig
@@ -369,15 +370,8 @@ class CheckpointPipeline:
         if loaded is None:
             return None
         applied, apply_error = self._pipe._apply(loaded, state)
-        try:
+        with undone_on_error(applied):  # on this thread (its CUDA streams), on every rank
             result: RestoreResult = self._call(self._pipe._finish_restore, loaded, apply_error)
-        except BaseException as exc:
-            if applied is not None:  # every rank rolls back (this thread: its CUDA streams)
-                applied.undo(reason=f"the restore did not complete ({type(exc).__name__}: "
-                                    f"{exc})")
-            raise
-        if applied is not None:
-            applied.release()
         return result
 
     def latest_step(self) -> int | None:

@@ -64,8 +64,8 @@ class Flaky:
         self.buf.copy_(state["buf"])
         self.count = state["count"]
         if state["version"] != self.version:
-            raise RuntimeError(f"injected: version {state['version']} on rank "
-                               f"{dist.get_rank()}, this object takes version {self.version}")
+            raise RuntimeError(f"injected: version {state['version']}, this object takes version "
+                               f"{self.version}")
 
 
 # ---------------------------------------------------------------- bit-exact comparison

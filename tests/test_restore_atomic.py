@@ -26,6 +26,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from conftest import load_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -76,25 +77,7 @@ def make_state(seed: int, *, model: nn.Module | None = None,
             "scheduler": sched, **extra}
 
 
-class Flaky:
-    """A stateful object whose load_state_dict changes part of itself before it checks the
-    version of what it loads, and raises if it is not its own (``fail=True``: version 2, where
-    the checkpoint holds version 1). Its own state (the rollback's) always loads."""
-
-    def __init__(self, value: float, *, fail: bool = False) -> None:
-        self.buf = torch.full((16,), value)
-        self.count = int(value)
-        self.version = 2 if fail else 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"buf": self.buf, "count": self.count, "version": self.version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.buf.copy_(state["buf"])
-        self.count = state["count"]
-        if state["version"] != self.version:
-            raise RuntimeError(f"injected: version {state['version']}, this object takes version "
-                               f"{self.version}")
+Flaky = load_script(Path(__file__).with_name("restore_atomic_worker.py")).Flaky
 
 
 # ---------------------------------------------------------------- bit-exact comparison
