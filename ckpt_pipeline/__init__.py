@@ -1,7 +1,7 @@
 """ckpt_pipeline: asynchronous, crash-safe checkpointing for PyTorch training."""
 
-from ._pipeline import AsyncCheckpointPipeline as AsyncCheckpointPipeline
-from ._sync import CheckpointPipeline as CheckpointPipeline
+from ._pipeline.blocking import CheckpointPipeline as CheckpointPipeline
+from ._pipeline.lifecycle import AsyncCheckpointPipeline as AsyncCheckpointPipeline
 from .config import BusyPolicy as BusyPolicy
 from .config import PipelineConfig as PipelineConfig
 from .config import SnapshotMode as SnapshotMode

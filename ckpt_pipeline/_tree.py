@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ._format import DistLayout, TensorRef
-from ._limits import (
+from ._format.codec import DistLayout, TensorRef
+from ._format.limits import (
     DEVICE_PATTERN,
     DEVICE_TYPES,
     DTYPE_NAMES,

@@ -19,8 +19,7 @@ from typing import Any, TextIO
 
 import anyio
 
-from . import _recovery
-from ._format import (
+from ._format.codec import (
     CommitRecord,
     ShardHeader,
     commit_name,
@@ -30,7 +29,8 @@ from ._format import (
     parse_rejected_dir,
     shard_name,
 )
-from ._retain import read_markers
+from ._restore import scan as _recovery
+from ._save.retain import read_markers
 from .errors import CheckpointError, CheckpointIntegrityError
 from .storage import LocalStorage, Storage
 

@@ -12,7 +12,7 @@ from .errors import CheckpointError
 from .train_state import TrainState
 
 if TYPE_CHECKING:
-    from ._snapshot import Snapshot
+    from ._save.copy import Snapshot
 
 __all__ = ("CommitInfo", "RejectedStep", "RestoreResult", "SaveHandle")
 

@@ -75,8 +75,8 @@ import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 import ckpt_pipeline as cp
-from ckpt_pipeline import _recovery
-from ckpt_pipeline._format import commit_name, decode_commit
+from ckpt_pipeline._format.codec import commit_name, decode_commit
+from ckpt_pipeline._restore import scan as _recovery
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.events import CheckpointCommitted, Event, TemporariesScrubbed
 from ckpt_pipeline.storage import FileInfo

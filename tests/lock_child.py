@@ -35,7 +35,7 @@ structlog.configure(
 )
 
 import ckpt_pipeline as cp  # noqa: E402 (after the logging setup)
-from ckpt_pipeline._rootlock import RootLock  # noqa: E402
+from ckpt_pipeline._pipeline.rootlock import RootLock  # noqa: E402
 from ckpt_pipeline.errors import CheckpointError  # noqa: E402
 
 

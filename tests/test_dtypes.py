@@ -15,7 +15,7 @@ import torch
 from roundtrip import assert_bit_equal, assert_refused, restore, round_trip, save
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._limits import DTYPES, MAX_NDIM
+from ckpt_pipeline._format.limits import DTYPES, MAX_NDIM
 
 ALL_DTYPES: list[torch.dtype] = sorted(
     {value for name in dir(torch) if isinstance(value := getattr(torch, name), torch.dtype)},

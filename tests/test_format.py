@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_pipeline import CheckpointIntegrityError
-from ckpt_pipeline._format import (
+from ckpt_pipeline._format.codec import (
     ALIGN,
     ShardHeader,
     TensorRecord,

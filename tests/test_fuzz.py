@@ -51,7 +51,7 @@ from hypothesis import strategies as st
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import CheckpointError, CheckpointIntegrityError, StateError
-from ckpt_pipeline._format import (
+from ckpt_pipeline._format.codec import (
     ALIGN,
     DTYPES,
     MAX_HEADER_BYTES,
@@ -80,7 +80,7 @@ from ckpt_pipeline._format import (
     encode_preamble,
     encode_tree,
 )
-from ckpt_pipeline._recovery import StepStatus, decode_contents
+from ckpt_pipeline._restore.scan import StepStatus, decode_contents
 from ckpt_pipeline.train_state import RNGState, TrainState
 
 T = TypeVar("T")
@@ -1340,7 +1340,7 @@ def _run_child(body: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_fixed_nested_tuple_extensions_crash_the_interpreter(tmp_path: Path) -> None:
     proc = _run_child("""
-        from ckpt_pipeline._format import decode_commit, decode_tree
+        from ckpt_pipeline._format.codec import decode_commit, decode_tree
         raw = nested(300)
         def run():
             for decode in (decode_tree, decode_commit):

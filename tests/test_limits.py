@@ -1,4 +1,4 @@
-"""Every limit a reader enforces is checked in save() first (the table in ckpt_pipeline._limits).
+"""Every limit a reader enforces is checked in save() first (the table in ckpt_pipeline._format.limits).
 
 For each entry of the table: a state just over the limit is refused by save(), naming the path,
 before anything is written; a state exactly at it is saved and restored exactly. A new entry
@@ -20,9 +20,10 @@ import torch
 from roundtrip import STEP, assert_refused, restore, round_trip, save, step_dirs
 
 import ckpt_pipeline as cp
-from ckpt_pipeline import _format, _limits
-from ckpt_pipeline._format import DistLayout
-from ckpt_pipeline._limits import (
+from ckpt_pipeline._format import codec as _format
+from ckpt_pipeline._format import limits as _limits
+from ckpt_pipeline._format.codec import DistLayout
+from ckpt_pipeline._format.limits import (
     ALIGN,
     DTYPES,
     INT_MAX,

@@ -25,14 +25,14 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline import _rootlock
-from ckpt_pipeline._format import (
+from ckpt_pipeline._format.codec import (
     TEMP_FILE,
     parse_rank_file,
     parse_rejected_dir,
     parse_step_dir,
 )
-from ckpt_pipeline._rootlock import RootLock
+from ckpt_pipeline._pipeline import rootlock as _rootlock
+from ckpt_pipeline._pipeline.rootlock import RootLock
 from ckpt_pipeline.errors import RootInUseError, UnsafeRootError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from roundtrip import assert_same, restore, save
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._limits import DTYPES, INT_MAX, INT_MIN
+from ckpt_pipeline._format.limits import DTYPES, INT_MAX, INT_MIN
 
 DTYPE_LIST = list(DTYPES.values())
 

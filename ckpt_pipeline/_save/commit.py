@@ -7,14 +7,14 @@ import time
 
 import anyio
 
-from ._agree import agree_outcome
-from ._crash import crash_point
-from ._format import CommitRecord, commit_name, encode_commit
-from ._job import SaveJob
-from ._write import publish_small
-from .coordination import Coordinator
-from .errors import CheckpointError, SaveError
-from .storage import Storage
+from .._crash import crash_point
+from .._format.codec import CommitRecord, commit_name, encode_commit
+from ..coordination import Coordinator
+from ..coordination._agree import agree_outcome
+from ..errors import CheckpointError, SaveError
+from ..storage import Storage
+from .job import SaveJob
+from .seal import publish_small
 
 __all__ = ("commit",)
 

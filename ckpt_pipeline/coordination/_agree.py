@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._format import decode_message, encode_message
-from .coordination import Coordinator
-from .errors import CoordinationError
+from .._format.codec import decode_message, encode_message
+from ..errors import CoordinationError
+from ._control_plane import Coordinator
 
 __all__ = ("Candidates", "agree_barrier", "agree_candidates", "agree_outcome", "agree_run_id")
 

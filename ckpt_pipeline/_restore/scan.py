@@ -18,8 +18,8 @@ import anyio
 import torch
 import xxhash
 
-from ._crash import crash_point
-from ._format import (
+from .._crash import crash_point
+from .._format.codec import (
     DTYPES,
     PREAMBLE_SIZE,
     TEMP_FILE,
@@ -39,11 +39,11 @@ from ._format import (
     rejected_dir_name,
     shard_name,
 )
-from ._hostmem import byte_view
-from ._parallel import run_groups, split_balanced
-from .errors import CheckpointIntegrityError, StateError, StorageError
-from .storage import Storage
-from .train_state import TrainState
+from .._hostmem import byte_view
+from .._parallel import run_groups, split_balanced
+from ..errors import CheckpointIntegrityError, StateError, StorageError
+from ..storage import Storage
+from ..train_state import TrainState
 
 __all__ = (
     "LoadedShard",

@@ -41,10 +41,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from ._format import TensorRef
-from ._tree import _is_dtensor, _is_stateful, _join, materialize
-from .errors import CheckpointError, RestoreError, StateError
-from .train_state import RNGState
+from .._format.codec import TensorRef
+from .._tree import _is_dtensor, _is_stateful, _join, materialize
+from ..errors import CheckpointError, RestoreError, StateError
+from ..train_state import RNGState
 
 __all__ = ("AppliedState", "BackupCopies", "apply_state", "undone_on_error", "validate_state")
 

@@ -16,7 +16,8 @@ from typing import Any
 import msgpack
 import xxhash
 
-from ._limits import (
+from ..errors import CheckpointIntegrityError
+from .limits import (
     ALIGN,
     DEVICE_PATTERN,
     DTYPE_NAMES,
@@ -30,7 +31,6 @@ from ._limits import (
     MAX_TENSORS,
     PLACEMENT_PATTERN,
 )
-from .errors import CheckpointIntegrityError
 
 __all__ = (
     "ALIGN",

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._format import ALIGN, align_up
-from ._logging import log
-from .errors import PoolBusyError, SnapshotTornError
+from .._format.codec import ALIGN, align_up
+from .._logging import log
+from ..errors import PoolBusyError, SnapshotTornError
 
 _log = log
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import anyio
 
-from ._crash import crash_point
-from ._format import (
+from .._crash import crash_point
+from .._format.codec import (
     PREAMBLE_SIZE,
     Manifest,
     align_up,
@@ -24,10 +24,10 @@ from ._format import (
     manifest_name,
     shard_name,
 )
-from ._job import SaveJob
-from ._recovery import tidy_step_dir
-from .errors import StorageError
-from .storage import Storage
+from .._restore.scan import tidy_step_dir
+from ..errors import StorageError
+from ..storage import Storage
+from .job import SaveJob
 
 __all__ = ("close_quietly", "publish_small", "remove_published", "write_shard")
 

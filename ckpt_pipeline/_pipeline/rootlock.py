@@ -47,8 +47,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ._logging import log
-from .errors import RootInUseError, StorageError, UnsafeRootError
+from .._logging import log
+from ..errors import RootInUseError, StorageError, UnsafeRootError
 
 try:
     import fcntl

@@ -20,19 +20,19 @@ from typing import Any
 import anyio
 import torch
 
-from . import _recovery
-from ._agree import Candidates, agree_barrier, agree_candidates, agree_outcome
-from ._apply import AppliedState, BackupCopies, apply_state, validate_state
-from ._format import TensorRecord
-from ._logging import log
-from ._tree import find_mesh, to_dtensor
-from .config import PipelineConfig
-from .coordination import Coordinator
-from .errors import CheckpointError, CheckpointIntegrityError, RestoreError, StateError
-from .events import CheckpointRejected, CheckpointRestored, Event
-from .handle import RejectedStep, RestoreResult
-from .storage import Storage
-from .train_state import TrainState
+from .._format.codec import TensorRecord
+from .._logging import log
+from .._tree import find_mesh, to_dtensor
+from ..config import PipelineConfig
+from ..coordination import Coordinator
+from ..coordination._agree import Candidates, agree_barrier, agree_candidates, agree_outcome
+from ..errors import CheckpointError, CheckpointIntegrityError, RestoreError, StateError
+from ..events import CheckpointRejected, CheckpointRestored, Event
+from ..handle import RejectedStep, RestoreResult
+from ..storage import Storage
+from ..train_state import TrainState
+from . import scan as _recovery
+from .apply import AppliedState, BackupCopies, apply_state, validate_state
 
 __all__ = ("AppliedState", "Loaded", "Recovery")
 

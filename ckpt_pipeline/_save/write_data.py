@@ -10,8 +10,8 @@ from functools import partial
 import anyio
 import torch
 
-from ._crash import crash_point
-from ._format import (
+from .._crash import crash_point
+from .._format.codec import (
     ALIGN,
     PREAMBLE_SIZE,
     ShardHeader,
@@ -24,13 +24,13 @@ from ._format import (
     shard_name,
     step_dir_name,
 )
-from ._hostmem import byte_view
-from ._job import SaveJob
-from ._parallel import first_leaf, run_groups, split_balanced, tensor_chunks
-from ._snapshot import Snapshot, copy_piece
-from ._write import close_quietly
-from .errors import StorageError
-from .storage import Storage
+from .._hostmem import byte_view
+from .._parallel import first_leaf, run_groups, split_balanced, tensor_chunks
+from ..errors import StorageError
+from ..storage import Storage
+from .copy import Snapshot, copy_piece
+from .job import SaveJob
+from .seal import close_quietly
 
 __all__ = ("required_bytes", "serialize")
 

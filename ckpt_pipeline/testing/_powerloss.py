@@ -44,9 +44,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import storage as _storage_mod
-from .errors import StorageError
-from .storage import FileInfo, LocalStorage
+from .. import storage as _storage_mod
+from ..errors import StorageError
+from ..storage import FileInfo, LocalStorage
 
 __all__ = ("CrashImage", "PowerCut", "PowerLossStorage", "StorageCall", "VolatileChange")
 

@@ -11,11 +11,11 @@ import os
 import re
 from dataclasses import dataclass
 
-from ._crash import crash_point
-from ._format import commit_name, manifest_name, shard_name, step_dir_name
-from ._recovery import committed_steps, tidy_step_dir
-from .errors import CheckpointError
-from .storage import Storage
+from .._crash import crash_point
+from .._format.codec import commit_name, manifest_name, shard_name, step_dir_name
+from .._restore.scan import committed_steps, tidy_step_dir
+from ..errors import CheckpointError
+from ..storage import Storage
 
 __all__ = ("PruneFailed", "Pruned", "clear_marker", "marker_name", "prune", "read_markers",
            "write_marker")

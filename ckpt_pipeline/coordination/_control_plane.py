@@ -1,6 +1,6 @@
 """The control plane between ranks: one primitive, an all-gather of small byte messages.
 
-The pipeline builds every agreement on it (``_agree.py``), always from its event loop and in
+The pipeline builds every agreement on it (``coordination/_agree.py``), always from its event loop and in
 the same order on every rank:
 
 1. at open: the run id that save ids are built from (rank 0's proposal);
@@ -25,8 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import torch
 
-from ._hostmem import byte_view
-from .errors import ConfigError, CoordinationError
+from .._hostmem import byte_view
+from ..errors import ConfigError, CoordinationError
 
 __all__ = ("Coordinator", "DistributedCoordinator", "LocalCoordinator")
 

@@ -30,17 +30,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ._crash import CRASH_ENV as CRASH_ENV
-from ._crash import CRASH_POINTS as CRASH_POINTS
-from ._crash import crash_point as crash_point
-from ._logging import LOGGER_NAME
+from .._crash import CRASH_ENV as CRASH_ENV
+from .._crash import CRASH_POINTS as CRASH_POINTS
+from .._crash import crash_point as crash_point
+from .._logging import LOGGER_NAME
+from ..errors import StorageError
+from ..storage import LocalStorage
 from ._powerloss import CrashImage as CrashImage
 from ._powerloss import PowerCut as PowerCut
 from ._powerloss import PowerLossStorage as PowerLossStorage
 from ._powerloss import StorageCall as StorageCall
 from ._powerloss import VolatileChange as VolatileChange
-from .errors import StorageError
-from .storage import LocalStorage
 
 __all__ = ("CRASH_ENV", "CRASH_POINTS", "CrashImage", "Fault", "FaultyStorage", "PowerCut",
            "PowerLossStorage", "StorageCall", "VolatileChange", "capture_logs", "crash_point")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._format import DistLayout
-from ._snapshot import Slot, Snapshot
-from .errors import CheckpointError
-from .handle import SaveHandle
+from .._format.codec import DistLayout
+from ..errors import CheckpointError
+from ..handle import SaveHandle
+from .copy import Slot, Snapshot
 
 __all__ = ("SaveJob",)
 

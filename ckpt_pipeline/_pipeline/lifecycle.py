@@ -1,7 +1,7 @@
 """The pipeline: stages connected by bounded streams, owned by one task group.
 
 ``AsyncCheckpointPipeline`` runs inside the caller's event loop. ``CheckpointPipeline``
-(``_sync.py``) runs the same object in a background thread for synchronous training loops.
+(``blocking.py``) runs the same object in a background thread for synchronous training loops.
 """
 
 from __future__ import annotations
@@ -19,19 +19,14 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from . import _recovery
-from ._agree import agree_run_id
-from ._apply import undone_on_error
-from ._commit import commit
-from ._crash import crash_point
-from ._format import DTYPE_NAMES, encode_tree
-from ._job import SaveJob
-from ._logging import log
-from ._restore import AppliedState, Loaded, Recovery
-from ._retain import Pruned, PruneFailed, clear_marker, prune, write_marker
-from ._rootlock import RootLock
-from ._serialize import serialize
-from ._snapshot import (
+from .._crash import crash_point
+from .._format.codec import DTYPE_NAMES, encode_tree
+from .._logging import log
+from .._restore import scan as _recovery
+from .._restore.apply import undone_on_error
+from .._restore.recovery import AppliedState, Loaded, Recovery
+from .._save.commit import commit
+from .._save.copy import (
     DeviceStaging,
     HostPool,
     Slot,
@@ -39,11 +34,15 @@ from ._snapshot import (
     plan_layout,
     take_snapshot,
 )
-from ._tree import FlatState, flatten_state
-from ._write import remove_published, write_shard
-from .config import PipelineConfig
-from .coordination import Coordinator, DistributedCoordinator, LocalCoordinator
-from .errors import (
+from .._save.job import SaveJob
+from .._save.retain import Pruned, PruneFailed, clear_marker, prune, write_marker
+from .._save.seal import remove_published, write_shard
+from .._save.write_data import serialize
+from .._tree import FlatState, flatten_state
+from ..config import PipelineConfig
+from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
+from ..coordination._agree import agree_run_id
+from ..errors import (
     CheckpointError,
     ConfigError,
     ForkedProcessError,
@@ -54,7 +53,7 @@ from .errors import (
     StateError,
     StepOrderError,
 )
-from .events import (
+from ..events import (
     CheckpointCommitted,
     CheckpointPruned,
     Event,
@@ -67,9 +66,10 @@ from .events import (
     SnapshotTaken,
     TemporariesScrubbed,
 )
-from .handle import CommitInfo, RestoreResult, SaveHandle
-from .storage import LocalStorage, Storage
-from .train_state import RNGState, TrainState
+from ..handle import CommitInfo, RestoreResult, SaveHandle
+from ..storage import LocalStorage, Storage
+from ..train_state import RNGState, TrainState
+from .rootlock import RootLock
 
 __all__ = ("AsyncCheckpointPipeline",)
 
@@ -482,7 +482,7 @@ class AsyncCheckpointPipeline:
                              hint="advance the TrainState to this step before saving")
         if self.config.capture_rng:
             ts = ts.with_rng(RNGState.capture())
-        from ._limits import check_byte_copyable, check_save
+        from .._format.limits import check_byte_copyable, check_save
 
         try:
             flat = flatten_state(state, step=step)

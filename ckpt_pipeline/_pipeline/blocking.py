@@ -31,15 +31,15 @@ from typing import Any, Literal
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ._apply import undone_on_error
-from ._logging import log
-from ._pipeline import AsyncCheckpointPipeline, Subscriber
-from .config import PipelineConfig
-from .coordination import Coordinator
-from .errors import ConfigError, ForkedProcessError, PipelineClosedError
-from .handle import RestoreResult, SaveHandle
-from .storage import Storage
-from .train_state import TrainState
+from .._logging import log
+from .._restore.apply import undone_on_error
+from ..config import PipelineConfig
+from ..coordination import Coordinator
+from ..errors import ConfigError, ForkedProcessError, PipelineClosedError
+from ..handle import RestoreResult, SaveHandle
+from ..storage import Storage
+from ..train_state import TrainState
+from .lifecycle import AsyncCheckpointPipeline, Subscriber
 
 __all__ = ("CheckpointPipeline", "SigtermPolicy")
 

@@ -1,0 +1,13 @@
+"""Coordination across ranks: the control plane (one all-gather primitive) and the agreements
+built on it.
+
+``Coordinator`` is the extension point; ``LocalCoordinator`` serves one process and
+``DistributedCoordinator`` a torch.distributed job (a gloo group of its own). The agreements
+(run id, commit votes, restore candidates) are in the private ``_agree`` module.
+"""
+
+from ._control_plane import Coordinator as Coordinator
+from ._control_plane import DistributedCoordinator as DistributedCoordinator
+from ._control_plane import LocalCoordinator as LocalCoordinator
+
+__all__ = ("Coordinator", "DistributedCoordinator", "LocalCoordinator")
