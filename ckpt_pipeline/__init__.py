@@ -42,6 +42,8 @@ from .handle import RejectedStep as RejectedStep
 from .handle import RestoreResult as RestoreResult
 from .handle import SaveHandle as SaveHandle
 from .logs import enable_logging as enable_logging
+from .retention import KeepLast as KeepLast
+from .retention import RetentionPolicy as RetentionPolicy
 from .storage import LocalStorage as LocalStorage
 from .storage import Storage as Storage
 from .train_state import RNGState as RNGState
@@ -66,6 +68,7 @@ __all__ = (
     "DistributedCoordinator",
     "Event",
     "ForkedProcessError",
+    "KeepLast",
     "LocalCoordinator",
     "LocalStorage",
     "PipelineBusyError",
@@ -77,6 +80,7 @@ __all__ = (
     "RestoreError",
     "RestoreResult",
     "RetentionFailed",
+    "RetentionPolicy",
     "RootInUseError",
     "SaveError",
     "SaveFailed",

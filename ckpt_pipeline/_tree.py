@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._format.codec import DistLayout, TensorRef
+from ._format.documents import TensorRef
 from ._format.limits import (
     DEVICE_PATTERN,
     DEVICE_TYPES,
@@ -28,6 +28,7 @@ from ._format.limits import (
     check_text,
     nesting_error,
 )
+from ._format.shard import DistLayout
 from .errors import StateError
 
 __all__ = (

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict
 
 from .errors import ConfigError
+from .retention import KeepLast, RetentionPolicy
 
-__all__ = ("BusyPolicy", "PipelineConfig", "SnapshotMode")
+__all__ = ("BusyPolicy", "PipelineConfig", "PipelineOptions", "SnapshotMode")
 
 BusyPolicy = Literal["block", "skip"]
 SnapshotMode = Literal["overlap", "ordered"]
@@ -20,7 +21,10 @@ class PipelineConfig:
     """How a pipeline checkpoints. Defaults suit a single-process training job.
 
     - ``keep_last``: committed steps kept on disk; older ones are pruned once a newer one is
-      committed. The newest committed step is never pruned.
+      committed. The newest committed step is never pruned. Shorthand for
+      ``retention=KeepLast(keep_last)``.
+    - ``retention``: a retention policy (``ckpt_pipeline.retention``) instead of
+      ``keep_last``; ``None`` means ``KeepLast(keep_last)``.
     - ``buffer_slots``: host buffers in the pool (1, or 2 to let a save start while the previous
       one is still being written). Each slot is as large as the state, or ``host_buffer_bytes``.
     - ``host_buffer_bytes``: cap on the size of each slot (None: as large as the state). A
@@ -55,6 +59,7 @@ class PipelineConfig:
     """
 
     keep_last: int = 3
+    retention: RetentionPolicy | None = None
     buffer_slots: int = 1
     host_buffer_bytes: int | None = None
     when_busy: BusyPolicy = "block"
@@ -72,8 +77,17 @@ class PipelineConfig:
     max_failures_in_row: int = 3
     strict: bool = False
 
+    @property
+    def retention_policy(self) -> RetentionPolicy:
+        """The policy the retain stage applies (``retention``, or ``KeepLast(keep_last)``)."""
+        return self.retention if self.retention is not None else KeepLast(self.keep_last)
+
     def __post_init__(self) -> None:
         _positive_int("keep_last", self.keep_last, "keep at least one checkpoint: keep_last=1")
+        if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
+            raise ConfigError(f"retention={self.retention!r} is not a retention policy",
+                              hint="pass e.g. ckpt_pipeline.KeepLast(3), or an object with "
+                                   "keep(steps) -> set of steps")
         _positive_int("buffer_slots", self.buffer_slots, "use 1, or 2 for double buffering")
         _positive_int("io_threads", self.io_threads, "for example io_threads=8")
         _positive_int("queue_depth", self.queue_depth, "for example queue_depth=4")
@@ -122,3 +136,30 @@ class PipelineConfig:
 def _positive_int(name: str, value: object, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a positive int", hint=hint)
+
+
+class PipelineOptions(TypedDict, total=False):
+    """The keyword options of the pipelines' constructors: the fields of PipelineConfig.
+
+    Typed so that a misspelled or mistyped option is a type error, not only a run-time
+    ``ConfigError`` (a test checks that the two lists agree).
+    """
+
+    keep_last: int
+    retention: RetentionPolicy | None
+    buffer_slots: int
+    host_buffer_bytes: int | None
+    when_busy: BusyPolicy
+    device_staging: bool
+    snapshot_mode: SnapshotMode
+    capture_rng: bool
+    restore_rng: bool
+    chunk_bytes: int
+    io_threads: int
+    direct_io: bool
+    queue_depth: int
+    rank: int
+    world_size: int
+    coordination_timeout_s: float
+    max_failures_in_row: int
+    strict: bool

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline.cli import _progress_text, _ranks_text
+from ckpt_pipeline.cli._output import _progress_text, _ranks_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,7 +196,7 @@ def test_progress_text_shows_bar_percent_and_sizes_in_the_unit_of_the_total() ->
 def test_progress_bar_on_a_closed_terminal_never_stops_verification() -> None:
     import io
 
-    from ckpt_pipeline.cli import _Progress
+    from ckpt_pipeline.cli._output import _Progress
 
     stream = io.StringIO()
     stream.close()  # writes raise ValueError, as a closed pipe raises OSError

@@ -66,10 +66,10 @@ def test_restore_while_another_thread_saves_loses_no_acknowledged_step(root: Pat
 def test_save_during_a_restore_is_refused_with_a_clear_error(root: Path) -> None:
     with cp.CheckpointPipeline(root) as pipe:
         pipe.save(1, {"x": torch.ones(4)}).result(30)
-        pipe._pipe._restoring = True  # as from inside restore_latest() on another thread
+        pipe._pipe.ledger.begin_restore()  # as from inside restore_latest() on another thread
         with pytest.raises(cp.PipelineBusyError, match="restore_latest"):
             pipe.save(2, {"x": torch.ones(4)})
-        pipe._pipe._restoring = False
+        pipe._pipe.ledger.end_restore()
         pipe.save(2, {"x": torch.ones(4)}).result(30)
 
 

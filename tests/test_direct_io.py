@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._format.codec import ALIGN, PREAMBLE_SIZE, align_up
+from ckpt_pipeline._format.limits import ALIGN
+from ckpt_pipeline._format.shard import PREAMBLE_SIZE, align_up
 from ckpt_pipeline.storage import LocalStorage
 from ckpt_pipeline.testing import Fault, FaultyStorage
 

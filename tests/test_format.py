@@ -11,21 +11,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_pipeline import CheckpointIntegrityError
-from ckpt_pipeline._format.codec import (
-    ALIGN,
-    ShardHeader,
-    TensorRecord,
+from ckpt_pipeline._format.documents import (
     TensorRef,
     decode_commit,
-    decode_header,
     decode_manifest,
-    decode_preamble,
     decode_tree,
-    encode_header,
     encode_tree,
-    parse_rank_file,
-    parse_step_dir,
-    step_dir_name,
+)
+from ckpt_pipeline._format.limits import ALIGN
+from ckpt_pipeline._format.names import parse_rank_file, parse_step_dir, step_dir_name
+from ckpt_pipeline._format.shard import (
+    ShardHeader,
+    TensorRecord,
+    decode_header,
+    decode_preamble,
+    encode_header,
 )
 from ckpt_pipeline._tree import flatten_state, materialize
 

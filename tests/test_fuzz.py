@@ -51,34 +51,38 @@ from hypothesis import strategies as st
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import CheckpointError, CheckpointIntegrityError, StateError
-from ckpt_pipeline._format.codec import (
+from ckpt_pipeline._format.documents import (
+    CommitRecord,
+    Manifest,
+    TensorRef,
+    decode_commit,
+    decode_manifest,
+    decode_message,
+    decode_tree,
+    encode_commit,
+    encode_manifest,
+    encode_tree,
+)
+from ckpt_pipeline._format.limits import (
     ALIGN,
     DTYPES,
     MAX_HEADER_BYTES,
     MAX_NDIM,
     MAX_PATH_LEN,
     MAX_SMALL_FILE_BYTES,
+)
+from ckpt_pipeline._format.shard import (
     PREAMBLE_SIZE,
-    CommitRecord,
     DistLayout,
-    Manifest,
     ShardHeader,
     TensorRecord,
-    TensorRef,
     align_up,
     checksum,
     chunk_count,
-    decode_commit,
     decode_header,
-    decode_manifest,
-    decode_message,
     decode_preamble,
-    decode_tree,
-    encode_commit,
     encode_header,
-    encode_manifest,
     encode_preamble,
-    encode_tree,
 )
 from ckpt_pipeline._restore.scan import StepStatus, decode_contents
 from ckpt_pipeline.train_state import RNGState, TrainState
@@ -1340,7 +1344,7 @@ def _run_child(body: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_fixed_nested_tuple_extensions_crash_the_interpreter(tmp_path: Path) -> None:
     proc = _run_child("""
-        from ckpt_pipeline._format.codec import decode_commit, decode_tree
+        from ckpt_pipeline._format.documents import decode_commit, decode_tree
         raw = nested(300)
         def run():
             for decode in (decode_tree, decode_commit):

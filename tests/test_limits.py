@@ -20,9 +20,10 @@ import torch
 from roundtrip import STEP, assert_refused, restore, round_trip, save, step_dirs
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._format import codec as _format
+from ckpt_pipeline._format import documents as _documents
 from ckpt_pipeline._format import limits as _limits
-from ckpt_pipeline._format.codec import DistLayout
+from ckpt_pipeline._format import names as _names
+from ckpt_pipeline._format import shard as _shard
 from ckpt_pipeline._format.limits import (
     ALIGN,
     DTYPES,
@@ -37,6 +38,7 @@ from ckpt_pipeline._format.limits import (
     check_save,
     small_file_bytes_bound,
 )
+from ckpt_pipeline._format.shard import DistLayout
 from ckpt_pipeline._tree import FlatState
 
 Check = Callable[[Path, pytest.MonkeyPatch], None]
@@ -64,7 +66,7 @@ def deep_path(prefix: str, levels: int) -> str:
 
 def header_length(root: Path, step: int = STEP) -> int:
     """The header length recorded in the preamble of rank 0's shard of ``step``."""
-    path = root / _format.step_dir_name(step) / _format.shard_name(0)
+    path = root / _names.step_dir_name(step) / _names.shard_name(0)
     with open(path, "rb") as f:
         raw = f.read(48)
     return int(struct.unpack_from("<8sHHIQQQ", raw)[5])
@@ -288,7 +290,7 @@ def save_id_at(root: Path, mp: pytest.MonkeyPatch) -> None:
     mp.setattr(_limits, "MAX_SAVE_ID_LEN", length)
     round_trip(root, {"m": {"x": torch.ones(1)}})
     with cp.CheckpointPipeline(root) as pipe:
-        assert len(pipe._pipe._run_id) == _run_id_length()
+        assert len(pipe._pipe.admission.run_id) == _run_id_length()
 
 
 # --------------------------------------------------------------------------- small_file_bytes
@@ -310,8 +312,8 @@ def small_at(root: Path, mp: pytest.MonkeyPatch) -> None:
     bound = _small_bound()
     mp.setattr(_limits, "MAX_SMALL_FILE_BYTES", bound)
     round_trip(root, {"m": {"x": torch.ones(1)}})
-    step_dir = root / _format.step_dir_name(STEP)
-    for name in (_format.manifest_name(0), _format.commit_name(0)):
+    step_dir = root / _names.step_dir_name(STEP)
+    for name in (_names.manifest_name(0), _names.commit_name(0)):
         assert os.path.getsize(step_dir / name) <= bound
 
 
@@ -335,11 +337,11 @@ def chunk_at(root: Path, mp: pytest.MonkeyPatch) -> None:
 
 
 def _flat_with(layout: DistLayout) -> FlatState:
-    return FlatState({"w": _format.TensorRef(0)}, ("w",), (torch.zeros(2, 4),), (layout,))
+    return FlatState({"w": _documents.TensorRef(0)}, ("w",), (torch.zeros(2, 4),), (layout,))
 
 
 def _check(flat: FlatState) -> None:
-    check_save(flat, _format.encode_tree(flat.skeleton), cp.TrainState(step=STEP).to_plain(),
+    check_save(flat, _documents.encode_tree(flat.skeleton), cp.TrainState(step=STEP).to_plain(),
                step=STEP, rank=0, world_size=2, save_id="r-1", chunk_bytes=ALIGN,
                offsets=[0], data_length=32)
 
@@ -355,14 +357,14 @@ def dtensor_over(root: Path, mp: pytest.MonkeyPatch) -> None:
             _check(_flat_with(layout))
         assert info.value.path == "w"
         with pytest.raises(cp.CheckpointIntegrityError):  # and a reader refuses it too
-            _format._decode_dist(layout.to_plain(), 2, "w", "x")
+            _shard._decode_dist(layout.to_plain(), 2, "w", "x")
 
 
 def dtensor_at(root: Path, mp: pytest.MonkeyPatch) -> None:
     for layout in (DistLayout((2,), ("S1",), (2, 8), (8, 1)),
                    DistLayout((1,) * MAX_NDIM, ("R",) * MAX_NDIM, (2, 4), (4, 1))):
         _check(_flat_with(layout))
-        assert _format._decode_dist(layout.to_plain(), 2, "w", "x") == layout
+        assert _shard._decode_dist(layout.to_plain(), 2, "w", "x") == layout
 
 
 CASES: dict[str, Case] = {
@@ -394,16 +396,16 @@ def test_every_limit_has_a_case() -> None:
 
 def test_format_reads_its_limits_from_the_table() -> None:
     values = {limit.name: limit.value for limit in LIMITS}
-    assert values["path_length"] == _format.MAX_PATH_LEN
-    assert values["nesting"] == _format.MAX_NESTING
-    assert values["header_bytes"] == _format.MAX_HEADER_BYTES
-    assert values["tensor_count"] == _format.MAX_TENSORS
-    assert values["ndim"] == _format.MAX_NDIM
-    assert tuple(_format.DTYPES) == values["dtype"]
-    assert values["small_file_bytes"] == _format.MAX_SMALL_FILE_BYTES
-    assert values["save_id_length"] == _format.MAX_SAVE_ID_LEN
-    assert _format._DEVICE is _limits.DEVICE_PATTERN
-    assert _format._PLACEMENT is _limits.PLACEMENT_PATTERN
+    assert values["path_length"] == _shard.MAX_PATH_LEN
+    assert values["nesting"] == _documents.MAX_NESTING
+    assert values["header_bytes"] == _shard.MAX_HEADER_BYTES
+    assert values["tensor_count"] == _shard.MAX_TENSORS
+    assert values["ndim"] == _shard.MAX_NDIM
+    assert tuple(_shard.DTYPES) == values["dtype"]
+    assert values["small_file_bytes"] == _documents.MAX_SMALL_FILE_BYTES
+    assert values["save_id_length"] == _documents.MAX_SAVE_ID_LEN
+    assert _shard._DEVICE is _limits.DEVICE_PATTERN
+    assert _shard._PLACEMENT is _limits.PLACEMENT_PATTERN
 
 
 @pytest.mark.parametrize("name", [
@@ -476,7 +478,7 @@ def test_the_planned_header_size_bounds_the_written_one(root: Path) -> None:
         mp.setattr(_limits, "header_bytes_bound", spy)
         save(root, state, ts, chunk_bytes=ALIGN)
     written = header_length(root)
-    checksums = sum(_format.chunk_count(t.numel() * t.element_size(), ALIGN)
+    checksums = sum(_shard.chunk_count(t.numel() * t.element_size(), ALIGN)
                     for part in ("m", "big") for t in state[part].values())
     assert checksums == 50 + 12
     # each checksum is counted at 9 bytes; its real encoding takes 1 to 9

@@ -9,8 +9,8 @@ import ckpt_pipeline
 
 
 def test_every_module_declares_a_tuple_all() -> None:
-    for info in pkgutil.iter_modules(ckpt_pipeline.__path__):
-        module = importlib.import_module(f"ckpt_pipeline.{info.name}")
+    for info in pkgutil.walk_packages(ckpt_pipeline.__path__, "ckpt_pipeline."):
+        module = importlib.import_module(info.name)
         assert isinstance(getattr(module, "__all__", None), tuple), info.name
         for name in module.__all__:
             assert hasattr(module, name), f"{info.name}.{name}"
@@ -22,3 +22,39 @@ def test_package_exports_the_issue_contract() -> None:
         assert name in ckpt_pipeline.__all__
     assert all(issubclass(getattr(ckpt_pipeline, n), ckpt_pipeline.CheckpointError)
                for n in ckpt_pipeline.__all__ if n.endswith("Error"))
+
+
+def test_every_public_name_is_exported_and_documented() -> None:
+    """Both ways: what a public module defines is in its __all__, and what the __all__ of a
+    public module names exists and has a docstring."""
+    import inspect
+
+    for info in pkgutil.walk_packages(ckpt_pipeline.__path__, "ckpt_pipeline."):
+        module = importlib.import_module(info.name)
+        public_module = not any(part.startswith("_") for part in info.name.split("."))
+        exported = set(module.__all__)
+        for name, obj in vars(module).items():
+            if (public_module and not name.startswith("_")
+                    and (inspect.isclass(obj) or inspect.isfunction(obj))
+                    and obj.__module__ == module.__name__):
+                assert name in exported, f"{info.name}.{name} is public but not in __all__"
+        for name in exported if public_module else ():
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                assert inspect.getdoc(obj), f"{info.name}.{name} has no docstring"
+
+
+def test_constructor_options_are_the_config_fields() -> None:
+    from typing import get_type_hints
+
+    from ckpt_pipeline.config import PipelineOptions
+
+    assert set(get_type_hints(PipelineOptions)) == set(
+        ckpt_pipeline.PipelineConfig.__dataclass_fields__)
+
+
+def test_a_misspelled_option_fails_at_construction(tmp_path: object) -> None:
+    import pytest
+
+    with pytest.raises(ckpt_pipeline.ConfigError, match="keep_lats"):
+        ckpt_pipeline.CheckpointPipeline(str(tmp_path), keep_lats=2)  # type: ignore[call-arg]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._format.codec import decode_preamble
+from ckpt_pipeline._format.shard import decode_preamble
 
 
 def _save_steps(root: Path, steps: list[int], keep_last: int = 5) -> None:

@@ -33,7 +33,8 @@ from torch import nn
 
 import ckpt_pipeline as cp
 import ckpt_pipeline._restore.recovery as restore_module
-from ckpt_pipeline._restore.apply import apply_state, validate_state
+from ckpt_pipeline._restore.apply import apply_state
+from ckpt_pipeline._restore.validate import validate_state
 from ckpt_pipeline._tree import flatten_state
 from ckpt_pipeline.train_state import RNGState
 
@@ -708,7 +709,7 @@ def test_dtensor_and_plain_tensor_mismatch_is_refused_on_every_rank(tmp_path: Pa
 
 
 def test_prefetched_backup_copies_are_used_only_while_current() -> None:
-    from ckpt_pipeline._restore.apply import BackupCopies
+    from ckpt_pipeline._restore.rollback import BackupCopies
 
     model = torch.nn.Linear(4, 3)
     live = {"model": model, "extra": torch.arange(6.0)}

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._format.codec import (
+from ckpt_pipeline._format.names import (
     TEMP_FILE,
     parse_rank_file,
     parse_rejected_dir,

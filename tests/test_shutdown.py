@@ -441,23 +441,30 @@ def test_commit_record_is_published_only_after_the_data_are_durable(root: Path) 
         assert calls[commit_at + 1] == ("fsync_dir", d)
 
 
+def _failing_close(pipe: cp.AsyncCheckpointPipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the close itself fail, after the saves in flight were finished."""
+    real = pipe.runner._clean_up_abandoned
+
+    async def failing(why: str) -> None:
+        await real(why)
+        raise cp.StorageError("injected close failure")
+
+    monkeypatch.setattr(pipe.runner, "_clean_up_abandoned", failing)
+
+
 def test_close_error_does_not_mask_the_exception_of_the_with_block(
     root: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pipe = cp.CheckpointPipeline(root)
-
-    async def failing_aclose() -> None:
-        raise cp.StorageError("injected close failure")
-
     with capture_logs() as logs, pytest.raises(ValueError, match="mine"), \
             pipe:
-        monkeypatch.setattr(pipe._pipe, "aclose", failing_aclose)
+        _failing_close(pipe._pipe, monkeypatch)
         raise ValueError("mine")
     assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == [
         "ckpt.close.failed"]
     other = cp.CheckpointPipeline(root / "other")
     with pytest.raises(cp.StorageError, match="injected close failure"), other:
-        monkeypatch.setattr(other._pipe, "aclose", failing_aclose)
+        _failing_close(other._pipe, monkeypatch)
 
 
 @pytest.mark.asyncio
@@ -465,15 +472,9 @@ async def test_async_close_error_does_not_mask_the_exception_of_the_block(
     root: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pipe = cp.AsyncCheckpointPipeline(root)
-    real_aclose = pipe.aclose
-
-    async def failing_aclose() -> None:
-        await real_aclose()
-        raise cp.StorageError("injected close failure")
-
     with pytest.raises(ValueError, match="mine"):
         async with pipe:
-            monkeypatch.setattr(pipe, "aclose", failing_aclose)
+            _failing_close(pipe, monkeypatch)
             handle = await pipe.save(1, {"x": torch.ones(10)})
             raise ValueError("mine")
     assert handle.result(0).step == 1  # the save still finished

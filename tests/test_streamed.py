@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._format.codec import PREAMBLE_SIZE, decode_preamble
+from ckpt_pipeline._format.shard import PREAMBLE_SIZE, decode_preamble
 from ckpt_pipeline.storage import LocalStorage
 from ckpt_pipeline.testing import Fault, FaultyStorage
 

@@ -201,7 +201,7 @@ def check_save(flat: FlatState, tree: bytes, train_state: Mapping[str, Any], *, 
         raise StateError(f"step {step} does not fit in 64 bits (limit int_range)", step=step,
                          rank=rank)
     _check_train_state(train_state, step=step, rank=rank)
-    from .codec import encode_tree
+    from .documents import encode_tree
 
     try:
         ts_bytes = encode_tree(train_state)
@@ -356,7 +356,7 @@ def _check_layouts(flat: FlatState, *, step: int, rank: int) -> None:
 
 def small_file_bytes_bound(*, step: int, rank: int, world_size: int, save_id: str) -> int:
     """The largest the manifest or the commit record of this save can be."""
-    from .codec import CommitRecord, Manifest, encode_commit, encode_manifest
+    from .documents import CommitRecord, Manifest, encode_commit, encode_manifest
 
     manifest = encode_manifest(Manifest(step, rank, world_size, save_id, INT_MAX, INT_MAX,
                                         INT_MAX))
@@ -395,13 +395,7 @@ def header_bytes_bound(flat: FlatState, tree: bytes, ts_bytes: bytes, *, step: i
     with empty checksum lists. When the state tree and TrainState alone exceed ``cap``, that
     (lower) bound is returned without encoding anything. ``exact``: always encode.
     """
-    from .codec import (
-        PREAMBLE_SIZE,
-        ShardHeader,
-        TensorRecord,
-        chunk_count,
-        encode_header,
-    )
+    from .shard import PREAMBLE_SIZE, ShardHeader, TensorRecord, chunk_count, encode_header
 
     paths, tensors, layouts = flat.paths, flat.tensors, flat.layouts
     n = len(tensors)

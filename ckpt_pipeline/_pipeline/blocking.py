@@ -20,32 +20,36 @@ import functools
 import math
 import os
 import queue
-import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from types import FrameType, TracebackType
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, MutableMapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
 from .._logging import log
-from .._restore.apply import undone_on_error
+from .._restore.rollback import undone_on_error
 from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..errors import ConfigError, ForkedProcessError, PipelineClosedError
 from ..handle import RestoreResult, SaveHandle
 from ..storage import Storage
 from ..train_state import TrainState
-from .lifecycle import AsyncCheckpointPipeline, Subscriber
+from .emitter import Subscriber
+from .lifecycle import AsyncCheckpointPipeline
+from .signals import SigtermGuard, SigtermPolicy, signals_held
 
-__all__ = ("CheckpointPipeline", "SigtermPolicy")
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..config import PipelineOptions
+
+__all__ = ("CheckpointPipeline",)
 
 _log = log
-
-SigtermPolicy = Literal["finish", "flag", "off"]
 
 DEFAULT_EXIT_TIMEOUT_S = 300.0
 """How long the interpreter's exit waits for saves in flight when ``close()`` was not called."""
@@ -80,14 +84,13 @@ class CheckpointPipeline:
         self,
         root: str | os.PathLike[str],
         *,
-        keep_last: int | None = None,
         config: PipelineConfig | None = None,
         storage: Storage | None = None,
         coordinator: Coordinator | None = None,
         thread_name: str = "ckpt-pipeline",
         exit_timeout_s: float | None = DEFAULT_EXIT_TIMEOUT_S,
         sigterm: SigtermPolicy = "finish",
-        **options: Any,
+        **options: Unpack[PipelineOptions],
     ) -> None:
         if sigterm not in ("finish", "flag", "off"):
             raise ConfigError(f"sigterm={sigterm!r} is not a policy",
@@ -99,9 +102,8 @@ class CheckpointPipeline:
             raise ConfigError(f"exit_timeout_s must be a positive number of seconds or None, "
                               f"got {exit_timeout_s!r}",
                               hint="e.g. exit_timeout_s=300, or None to wait without bound")
-        self._pipe = AsyncCheckpointPipeline(root, keep_last=keep_last, config=config,
-                                             storage=storage, coordinator=coordinator,
-                                             **options)
+        self._pipe = AsyncCheckpointPipeline(root, config=config, storage=storage,
+                                             coordinator=coordinator, **options)
         self.config = self._pipe.config
         self.exit_timeout_s = exit_timeout_s
         self._thread_name = thread_name
@@ -114,7 +116,7 @@ class CheckpointPipeline:
         self._at_exit: Callable[[], None] | None = None
         self._owner_pid = os.getpid()
         self._sigterm_policy: SigtermPolicy = sigterm
-        self._sigterm: _SigtermGuard | None = None
+        self._sigterm: SigtermGuard | None = None
 
     @property
     def root(self) -> str:
@@ -125,7 +127,7 @@ class CheckpointPipeline:
         if self._thread is None or self._closed:
             self.open()  # a closed pipeline raises here: it cannot be opened again
         if self._sigterm_policy != "off":
-            self._sigterm = _SigtermGuard.install(self._sigterm_policy, self._pipe.rank)
+            self._sigterm = SigtermGuard.install(self._sigterm_policy, self._pipe.rank)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -192,24 +194,21 @@ class CheckpointPipeline:
         async def main() -> None:
             async with BlockingPortal() as portal:
                 self._closing = anyio.Event()
-                # Cancelled when close() stops waiting (interrupted, or its timeout): the
-                # pipeline's aclose() then abandons what is pending instead of finishing it.
-                # It encloses open(), whose task group aclose() exits.
+                opened = False
+                # Cancelled when close() stops waiting (interrupted, or its timeout): leaving
+                # the pipeline's block then abandons what is pending instead of finishing it.
                 with anyio.CancelScope() as abandon:
                     self._abandon_scope = abandon
                     try:
-                        await self._pipe.open()
+                        async with self._pipe:
+                            opened = True
+                            ready.put(portal)
+                            await self._closing.wait()
                     except Exception as exc:
-                        ready.put(exc)
-                        return
-                    ready.put(portal)
-                    try:
-                        await self._closing.wait()
-                    finally:
-                        try:
-                            await self._pipe.aclose()
-                        except Exception as exc:
+                        if opened:
                             self._close_error = exc
+                        else:
+                            ready.put(exc)
 
         try:
             anyio.run(main)
@@ -273,17 +272,13 @@ class CheckpointPipeline:
             raise self._close_error
 
     def _pending_handles(self) -> list[SaveHandle]:
-        pipe = self._pipe
-        with pipe._lock:
-            return sorted(pipe._pending.values(), key=lambda h: h.step)
+        return self._pipe.ledger.pending_handles()
 
     def _abandon(self, reason: str) -> list[int]:
         """Stop waiting: log what is left, and tell the loop to abandon it (no wait)."""
         left = [h.step for h in self._pending_handles() if not h.done()]
-        with self._pipe._lock:
-            newest = self._pipe._latest_committed
         _log.warning("ckpt.close.abandoned", rank=self._pipe.rank, steps=left, reason=reason,
-                     latest_committed=newest,
+                     latest_committed=self._pipe.ledger.latest_committed,
                      hint="nothing of these steps is published as complete; the next "
                           "pipeline opened on this root removes their temporaries")
         scope, portal = self._abandon_scope, self._portal
@@ -319,9 +314,9 @@ class CheckpointPipeline:
 
         CPU tensors are copied before this returns; CUDA tensors are copied on a side stream
         (call ``wait_snapshot()`` before mutating them). Bad input raises CheckpointError here,
-        before anything is written. A Ctrl-C that arrives while the save is being handed to
-        the pipeline is raised once it is handed over, so the save is in flight (and
-        ``close()`` finishes it) rather than half registered.
+        before anything is written. A signal (Ctrl-C, SIGTERM) that arrives while the save is
+        being handed to the pipeline is delivered once it is handed over, so the save is in
+        flight (and ``close()`` finishes it) rather than half registered.
         """
         self._check_process()
         portal = self._portal
@@ -329,32 +324,35 @@ class CheckpointPipeline:
             raise PipelineClosedError("save() after close()", step=step,
                                       hint="open a new pipeline")
         pipe = self._pipe
-        plan = pipe._plan_save(step, state, train_state)
-        slot = pipe._acquire(plan, True)
+        pipe.check_open("save()", step)
+        plan = pipe.admission.plan(step, state, train_state)
+        slot = pipe.admission.acquire(plan, True)
         handed_over = False
         try:
-            with _signals_held():
-                handed_over = True  # from here _start_save releases the slot if it fails
-                job = pipe._start_save(plan, slot)
+            with signals_held():
+                handed_over = True  # from here start() gives the slot back if it raises
+                job = pipe.admission.start(plan, slot)
                 try:
                     if slot is None:  # skipped: queued behind the saves in flight, no wait
-                        return portal.call(functools.partial(pipe._submit, job, wait=False))
-                    submitted = portal.start_task_soon(pipe._submit, job)
+                        portal.call(functools.partial(pipe.runner.submit, job, wait=False))
+                        return job.handle
+                    submitted = portal.start_task_soon(pipe.runner.submit, job)
                 except RuntimeError as exc:  # the loop stopped: closed from another thread
                     error = PipelineClosedError("save() while the pipeline closes", step=step,
                                                 hint="open a new pipeline")
-                    pipe._abandon(job, error)
+                    pipe.abandon(job, error)
                     raise error from exc
         except BaseException:
-            if not handed_over and slot is not None:
-                pipe._pool.release(slot)
+            if not handed_over and slot is not None:  # interrupted before the hand-over
+                pipe.admission.pool.release(slot)
             raise
-        return submitted.result()
+        submitted.result()
+        return job.handle
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Order the caller's CUDA streams after pending snapshot copies (see the async face)."""
         self._check_process()
-        self._pipe._wait_snapshot(block_cpu=block_cpu)
+        self._pipe.admission.wait_snapshot(block_cpu=block_cpu)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is committed and retained; raise the first failure."""
@@ -363,15 +361,14 @@ class CheckpointPipeline:
     def restore_latest(self, state: MutableMapping[str, Any]) -> RestoreResult | None:
         """Load the newest complete, verified checkpoint into ``state`` in place.
 
-        The state is applied, and undone when the restore fails after that (on any rank), on
-        this thread: a restore that raises leaves ``state`` and the RNG states as they were.
+        A restore that raises leaves ``state`` (and the RNG states) as they were.
         """
-        loaded = self._call(self._pipe._load_latest, state)
+        loaded = self._call(self._pipe.load_for_restore, state)
         if loaded is None:
             return None
-        applied, apply_error = self._pipe._apply(loaded, state)
+        applied, apply_error = self._pipe.apply_restore(loaded, state)
         with undone_on_error(applied):  # on this thread (its CUDA streams), on every rank
-            result: RestoreResult = self._call(self._pipe._finish_restore, loaded, apply_error)
+            result: RestoreResult = self._call(self._pipe.finish_restore, loaded, apply_error)
         return result
 
     def latest_step(self) -> int | None:
@@ -425,82 +422,3 @@ def _close_at_exit(ref: weakref.ref[CheckpointPipeline]) -> None:
     except Exception as exc:
         _log.error("ckpt.close.failed", rank=pipe._pipe.rank,
                    error=f"{type(exc).__name__}: {exc}", hint="at interpreter exit")
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back for a short critical section of the main thread.
-
-    Only signals whose handler is a Python callable (SIGINT's default raises
-    KeyboardInterrupt; an application's or our SIGTERM handler) can interrupt Python code;
-    each such signal that arrives is delivered to its handler once the section is left. Off
-    the main thread, signals are not delivered to this thread anyway.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[int, Callable[[int, FrameType | None], Any]] = {}
-    held: list[tuple[int, FrameType | None]] = []
-
-    def hold(signum: int, frame: FrameType | None) -> None:
-        held.append((signum, frame))
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(signum)
-        if callable(handler):
-            previous[signum] = handler
-            signal.signal(signum, hold)
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        delivered: set[int] = set()
-        for number, frame in held:
-            if number not in delivered:
-                delivered.add(number)
-                previous[number](number, frame)
-
-
-class _SigtermGuard:
-    """Our SIGTERM handler for the ``with`` block (see ``CheckpointPipeline``'s ``sigterm``)."""
-
-    def __init__(self, policy: SigtermPolicy, rank: int) -> None:
-        self.policy = policy
-        self.rank = rank
-        self.count = 0
-        self.closing = False
-
-    @classmethod
-    def install(cls, policy: SigtermPolicy, rank: int) -> _SigtermGuard | None:
-        """Install on the main thread over the default disposition only; else None."""
-        if threading.current_thread() is not threading.main_thread():
-            return None
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return None  # the application handles SIGTERM (or ignores it): its choice
-        guard = cls(policy, rank)
-        signal.signal(signal.SIGTERM, guard._handle)
-        return guard
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.count += 1
-        if self.count == 1 and (self.closing or self.policy == "flag"):
-            _log.warning("ckpt.sigterm.received", rank=self.rank, policy=self.policy,
-                         hint="the saves in flight finish, then the process ends by SIGTERM"
-                              if self.closing else "save and leave the with block "
-                              "(pipe.preempted is True); a second SIGTERM ends it at once")
-            return
-        _log.warning("ckpt.sigterm.received", rank=self.rank, policy=self.policy,
-                     hint="leaving the with block: the saves in flight finish, then the "
-                          "process ends by SIGTERM" if self.count == 1
-                     else "a second SIGTERM: the saves in flight are abandoned")
-        raise SystemExit(128 + signum)
-
-    def uninstall(self) -> None:
-        """Give SIGTERM its default back; end by it if one arrived (as it asked)."""
-        if signal.getsignal(signal.SIGTERM) == self._handle:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if self.count:
-            _log.warning("ckpt.sigterm.exit", rank=self.rank,
-                         hint="ending the process by the SIGTERM it received")
-            signal.raise_signal(signal.SIGTERM)

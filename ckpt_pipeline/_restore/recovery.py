@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import torch
 
-from .._format.codec import TensorRecord
+from .._format.shard import TensorRecord
 from .._logging import log
 from .._tree import find_mesh, to_dtensor
 from ..config import PipelineConfig
@@ -32,7 +32,9 @@ from ..handle import RejectedStep, RestoreResult
 from ..storage import Storage
 from ..train_state import TrainState
 from . import scan as _recovery
-from .apply import AppliedState, BackupCopies, apply_state, validate_state
+from .apply import apply_state
+from .rollback import AppliedState, BackupCopies
+from .validate import validate_state
 
 __all__ = ("AppliedState", "Loaded", "Recovery")
 

@@ -19,26 +19,18 @@ import torch
 import xxhash
 
 from .._crash import crash_point
-from .._format.codec import (
-    DTYPES,
-    PREAMBLE_SIZE,
+from .._format.documents import CommitRecord, Manifest, decode_commit, decode_manifest, decode_tree
+from .._format.limits import DTYPES
+from .._format.names import (
     TEMP_FILE,
-    CommitRecord,
-    Manifest,
-    ShardHeader,
-    checksum,
     commit_name,
-    decode_commit,
-    decode_header,
-    decode_manifest,
-    decode_preamble,
-    decode_tree,
     manifest_name,
     parse_rank_file,
     parse_step_dir,
     rejected_dir_name,
     shard_name,
 )
+from .._format.shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
 from .._hostmem import byte_view
 from .._parallel import run_groups, split_balanced
 from ..errors import CheckpointIntegrityError, StateError, StorageError

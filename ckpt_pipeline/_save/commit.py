@@ -8,7 +8,8 @@ import time
 import anyio
 
 from .._crash import crash_point
-from .._format.codec import CommitRecord, commit_name, encode_commit
+from .._format.documents import CommitRecord, encode_commit
+from .._format.names import commit_name
 from ..coordination import Coordinator
 from ..coordination._agree import agree_outcome
 from ..errors import CheckpointError, SaveError

@@ -1,4 +1,4 @@
-"""Stage 1, snapshot: copy the state's tensors into a reusable host buffer.
+"""Stage 1, copy: copy the state's tensors into a reusable host buffer (``buffers.py``).
 
 Only this part runs on the training thread. CPU tensors are copied before ``save()`` returns;
 CUDA tensors are copied on a side stream, after an event recorded on the caller's stream, into
@@ -14,170 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._format.codec import ALIGN, align_up
+from .._format.shard import align_up
 from .._logging import log
-from ..errors import PoolBusyError, SnapshotTornError
+from ..errors import SnapshotTornError
+from .buffers import DeviceStaging, side_stream
 
 _log = log
 
-__all__ = ("DeviceStaging", "HostPool", "Slot", "Snapshot", "begin_streamed_snapshot",
-           "copy_piece", "plan_layout", "take_snapshot")
-
-
-@dataclass(slots=True)
-class Slot:
-    """One host buffer of the pool, lent to one save at a time."""
-
-    index: int
-    buffer: torch.Tensor
-    generation: int
-
-
-class HostPool:
-    """Host buffers allocated once, sized to the state, and reused for every save.
-
-    The pool grows (all slots re-allocated) only when a save needs more bytes than a slot holds,
-    and only once every slot is free again; the number of slots bounds host memory.
-    """
-
-    def __init__(self, slots: int) -> None:
-        self._slot_count = slots
-        self._buffers: list[torch.Tensor] = []
-        self._free: list[int] = []
-        self._slot_bytes = 0
-        self._pinned = False
-        self._generation = 0
-        self._cond = threading.Condition()
-        self._closed = False
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self._slot_bytes * len(self._buffers)
-
-    @property
-    def pinned(self) -> bool:
-        return self._pinned
-
-    def acquire(self, nbytes: int, *, pinned: bool, block: bool,
-                timeout: float | None = None) -> Slot | None:
-        """A free slot of at least ``nbytes``; None when ``block`` is False and none is free."""
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise PoolBusyError("the host buffer pool is closed")
-                fits = nbytes <= self._slot_bytes and (self._pinned or not pinned)
-                if fits and self._free:
-                    index = self._free.pop()
-                    return Slot(index, self._buffers[index], self._generation)
-                if not fits and len(self._free) == len(self._buffers):
-                    self._allocate(max(nbytes, ALIGN), pinned or self._pinned)
-                    continue
-                if not block:
-                    return None
-                if not self._cond.wait(timeout):
-                    return None
-
-    def release(self, slot: Slot) -> None:
-        with self._cond:
-            if slot.generation == self._generation and slot.index not in self._free:
-                self._free.append(slot.index)
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._buffers = []
-            self._free = []
-            self._slot_bytes = 0
-            self._cond.notify_all()
-
-    def _allocate(self, nbytes: int, pinned: bool) -> None:
-        size = align_up(nbytes)
-        self._buffers = []  # drop the old buffers before taking new memory
-        pin = pinned and torch.cuda.is_available()
-        self._buffers = [_aligned_zeros(size, pin) for _ in range(self._slot_count)]
-        self._free = list(range(self._slot_count))
-        self._slot_bytes = size
-        self._pinned = pin
-        self._generation += 1
-
-
-def _aligned_zeros(size: int, pinned: bool) -> torch.Tensor:
-    """``size`` zero bytes starting at an ``ALIGN``-aligned address (for direct I/O)."""
-    raw = torch.zeros(size + ALIGN, dtype=torch.uint8, pin_memory=pinned)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip:skip + size]  # a view: it keeps the whole allocation alive
-
-
-class DeviceStaging:
-    """One staging buffer per GPU, allocated once (grown when a state needs more), reused.
-
-    A save copies its CUDA tensors into it (device to device, far faster than to the host),
-    the caller's next update waits only for that, and the pipeline then queues the copies to
-    the host from it. One save holds a device's buffer from its device copy until its host
-    copies are queued. If the buffer cannot be allocated, or is still held after ``wait_s``,
-    the save copies straight to the host (logged).
-    """
-
-    def __init__(self, wait_s: float = 60.0) -> None:
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._held: set[int] = set()
-        self._refused: dict[int, int] = {}  # device -> size that failed to allocate
-        self._cond = threading.Condition()
-        self._wait_s = wait_s
-
-    @property
-    def allocated_bytes(self) -> int:
-        with self._cond:
-            return sum(b.numel() for b in self._buffers.values())
-
-    def acquire(self, device: torch.device, nbytes: int) -> torch.Tensor | None:
-        """Hold the device's buffer (at least ``nbytes``), or None: copy straight to the host."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        with self._cond:
-            if not self._cond.wait_for(lambda: index not in self._held, self._wait_s):
-                _log.warning("ckpt.snapshot.staging_busy", device=str(device),
-                             waited_s=self._wait_s, hint="copying straight to host memory")
-                return None
-            buffer = self._buffers.get(index)
-            if buffer is None or buffer.numel() < nbytes:
-                if self._refused.get(index) == nbytes:
-                    return None
-                buffer = self._allocate(device, index, nbytes)
-                if buffer is None:
-                    return None
-            self._held.add(index)
-            return buffer
-
-    def release(self, device: torch.device) -> None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        with self._cond:
-            self._held.discard(index)
-            self._cond.notify_all()
-
-    def _allocate(self, device: torch.device, index: int, nbytes: int) -> torch.Tensor | None:
-        if index in self._buffers:  # host copies from the old buffer may still be running
-            _side_stream(device).synchronize()
-            del self._buffers[index]
-        try:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        except torch.cuda.OutOfMemoryError as exc:
-            self._refused[index] = nbytes
-            _log.warning("ckpt.snapshot.staging_refused", device=str(device), bytes=nbytes,
-                         error=str(exc).splitlines()[0],
-                         hint="copying straight to host memory instead")
-            return None
-        self._buffers[index] = buffer
-        _log.info("ckpt.snapshot.staging_allocated", device=str(device), bytes=nbytes)
-        return buffer
-
-    def close(self) -> None:
-        with self._cond:
-            for index in self._buffers:
-                _side_stream(torch.device("cuda", index)).synchronize()
-            self._buffers.clear()
-            self._held.clear()
-            self._cond.notify_all()
+__all__ = ("Snapshot", "begin_streamed_snapshot", "copy_piece", "plan_layout", "take_snapshot")
 
 
 @dataclass(slots=True)
@@ -245,7 +89,7 @@ class Snapshot:
             deferred, self.deferred = self.deferred, []
         for item in deferred:
             try:
-                side = _side_stream(item.device)
+                side = side_stream(item.device)
                 with torch.cuda.device(item.device), torch.cuda.stream(side):
                     group: list[int] = []
                     group_bytes = 0
@@ -330,18 +174,6 @@ class Snapshot:
         self.sources = []
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _side_streams.get(index)
-    if stream is None:
-        stream = torch.cuda.Stream(device=index)
-        _side_streams[index] = stream
-    return stream
-
-
 def take_snapshot(
     tensors: Sequence[torch.Tensor],
     paths: Sequence[str],
@@ -371,7 +203,7 @@ def take_snapshot(
         for device_index, indices in by_device.items():
             device = torch.device("cuda", device_index)
             caller = torch.cuda.current_stream(device)
-            side = _side_stream(device)
+            side = side_stream(device)
             ready = torch.cuda.Event()
             ready.record(caller)
             side.wait_event(ready)
@@ -482,7 +314,7 @@ def copy_piece(snap: Snapshot, pieces: Sequence[tuple[int, int, int, int]],
         index = t.device.index if t.device.index is not None else 0
         side = sides.get(index)
         if side is None:
-            side = sides[index] = _side_stream(t.device)
+            side = sides[index] = side_stream(t.device)
             ready = snap.ready.pop(index, None)  # the first piece on this device waits for it
             if ready is not None:
                 side.wait_event(ready)

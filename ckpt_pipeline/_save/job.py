@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._format.codec import DistLayout
+from .._format.shard import DistLayout
 from ..errors import CheckpointError
 from ..handle import SaveHandle
-from .copy import Slot, Snapshot
+from .buffers import Slot
+from .copy import Snapshot
 
 __all__ = ("SaveJob",)
 

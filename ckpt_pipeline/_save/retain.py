@@ -1,4 +1,5 @@
-"""Stage 5, retain: prune committed steps beyond ``keep_last``, never the newest.
+"""Stage 5, retain: prune the committed steps the retention policy does not keep, never the
+newest complete one.
 
 A step that cannot be removed stays on disk and is reported, never silently: the stage emits
 ``RetentionFailed`` and leaves a marker file in the root (``.retain-failed-rNNNNN-step-…``,
@@ -12,9 +13,10 @@ import re
 from dataclasses import dataclass
 
 from .._crash import crash_point
-from .._format.codec import commit_name, manifest_name, shard_name, step_dir_name
+from .._format.names import commit_name, manifest_name, shard_name, step_dir_name
 from .._restore.scan import committed_steps, tidy_step_dir
 from ..errors import CheckpointError
+from ..retention import RetentionPolicy
 from ..storage import Storage
 
 __all__ = ("PruneFailed", "Pruned", "clear_marker", "marker_name", "prune", "read_markers",
@@ -40,9 +42,9 @@ class PruneFailed:
     error: str
 
 
-def prune(storage: Storage, rank: int, keep_last: int, complete: int
+def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int
           ) -> tuple[list[Pruned], list[PruneFailed]]:
-    """Remove this rank's files of committed steps beyond the newest ``keep_last``.
+    """Remove this rank's files of the committed steps that ``policy`` does not keep.
 
     Only steps older than ``complete``, a step known to be committed on every rank, are ever
     removed: the newest complete set survives whatever happened to the newer ones. Steps are
@@ -51,10 +53,11 @@ def prune(storage: Storage, rank: int, keep_last: int, complete: int
     cannot be removed is reported and the others are still tried. Runs in a worker thread.
     """
     steps = committed_steps(storage, rank)
+    keep = policy.keep(tuple(sorted(steps, reverse=True)))
     out: list[Pruned] = []
     failed: list[PruneFailed] = []
-    for step, dir_name in sorted(steps.items(), reverse=True)[keep_last:]:
-        if step >= complete:
+    for step, dir_name in sorted(steps.items(), reverse=True):
+        if step in keep or step >= complete:
             continue
         path = os.path.join(str(storage.root), dir_name)
         try:

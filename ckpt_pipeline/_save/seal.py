@@ -14,16 +14,9 @@ from typing import Any
 import anyio
 
 from .._crash import crash_point
-from .._format.codec import (
-    PREAMBLE_SIZE,
-    Manifest,
-    align_up,
-    checksum,
-    encode_manifest,
-    encode_preamble,
-    manifest_name,
-    shard_name,
-)
+from .._format.documents import Manifest, encode_manifest
+from .._format.names import manifest_name, shard_name
+from .._format.shard import PREAMBLE_SIZE, align_up, checksum, encode_preamble
 from .._restore.scan import tidy_step_dir
 from ..errors import StorageError
 from ..storage import Storage

@@ -11,8 +11,10 @@ import anyio
 import torch
 
 from .._crash import crash_point
-from .._format.codec import (
-    ALIGN,
+from .._format.documents import encode_tree
+from .._format.limits import ALIGN
+from .._format.names import shard_name, step_dir_name
+from .._format.shard import (
     PREAMBLE_SIZE,
     ShardHeader,
     TensorRecord,
@@ -20,9 +22,6 @@ from .._format.codec import (
     checksum,
     chunk_count,
     encode_header,
-    encode_tree,
-    shard_name,
-    step_dir_name,
 )
 from .._hostmem import byte_view
 from .._parallel import first_leaf, run_groups, split_balanced, tensor_chunks

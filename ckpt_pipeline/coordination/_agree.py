@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._format.codec import decode_message, encode_message
-from ..errors import CoordinationError
+from .._format.documents import decode_message, encode_message
+from ..errors import CheckpointIntegrityError, CoordinationError
 from ._control_plane import Coordinator
 
 __all__ = ("Candidates", "agree_barrier", "agree_candidates", "agree_outcome", "agree_run_id")
@@ -26,7 +26,14 @@ async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: 
                                 "ranks", step=step, rank=coordinator.rank)
     out = []
     for rank, payload in enumerate(raw):
-        decoded = decode_message(payload, f"{what} message of rank {rank}")
+        try:
+            decoded = decode_message(payload, f"{what} message of rank {rank}")
+        except CheckpointIntegrityError as exc:  # a peer's message, not a file on disk
+            raise CoordinationError(f"{what}: rank {rank} sent a malformed message "
+                                    f"({exc.message})", step=step, rank=coordinator.rank,
+                                    hint="ranks running different versions of ckpt_pipeline?"
+                                         " restart the job with the same version everywhere",
+                                    ranks=(rank,)) from exc
         out.append(decoded)
     return out
 

@@ -1,0 +1,82 @@
+"""The names of the files and directories of a checkpoint root, and their parsers.
+
+A step is a directory ``step-<step, 10 digits>``; each rank writes ``rank-<rank, 5 digits>``
+``.shard``, ``.manifest`` and ``.commit`` in it, each first under a temporary name
+(``TEMP_FILE``); recovery moves a rank's files of a step it will not use aside, to
+``step-<step>.rejected-r<rank>-<token>``. docs/format.md is the reference. A parser accepts
+only the canonical spelling of a name (the one the matching ``*_name`` writes), so that no two
+names on disk stand for the same step or rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = (
+    "TEMP_FILE",
+    "commit_name",
+    "manifest_name",
+    "parse_rank_file",
+    "parse_rejected_dir",
+    "parse_step_dir",
+    "rejected_dir_name",
+    "shard_name",
+    "step_dir_name",
+)
+
+_STEP_DIR = re.compile(r"^step-([0-9]{10,})$")
+_RANK_FILE = re.compile(r"^rank-([0-9]{5,})\.(shard|manifest|commit)$")
+_REJECTED_DIR = re.compile(r"^(step-[0-9]{10,})\.rejected-r([0-9]{5,})-([0-9a-f]{8})$")
+TEMP_FILE = re.compile(r"^\.rank-[0-9]{5,}\.(shard|manifest|commit)\.tmp-[0-9a-f]{1,32}$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a step directory name, or None; only the canonical spelling matches."""
+    m = _STEP_DIR.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir_name(step) == name else None
+
+
+def rejected_dir_name(step: int, rank: int, token: str) -> str:
+    """Where recovery moves a rank's files of a step it will not use (kept for inspection)."""
+    return f"{step_dir_name(step)}.rejected-r{rank:05d}-{token}"
+
+
+def parse_rejected_dir(name: str) -> tuple[int, int] | None:
+    """(step, rank) of a directory that recovery moved aside, or None."""
+    m = _REJECTED_DIR.match(name)
+    if m is None:
+        return None
+    step = parse_step_dir(m.group(1))
+    rank = int(m.group(2))
+    if step is None or rejected_dir_name(step, rank, m.group(3)) != name:
+        return None
+    return step, rank
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.shard"
+
+
+def manifest_name(rank: int) -> str:
+    return f"rank-{rank:05d}.manifest"
+
+
+def commit_name(rank: int) -> str:
+    return f"rank-{rank:05d}.commit"
+
+
+def parse_rank_file(name: str) -> tuple[int, str] | None:
+    """(rank, kind) of a committed file name, or None."""
+    m = _RANK_FILE.match(name)
+    if m is None:
+        return None
+    rank = int(m.group(1))
+    kind = m.group(2)
+    return (rank, kind) if f"rank-{rank:05d}.{kind}" == name else None

@@ -1,0 +1,200 @@
+"""Admission: the part of ``save()`` that runs on the training thread.
+
+``plan`` validates the request and builds a frozen :class:`SavePlan` (flatten the state, capture
+the RNG states, encode the tree, lay out the data region, check every limit a reader
+enforces); ``acquire`` takes a host buffer (waiting or not, by the ``when_busy`` policy);
+``start`` claims the step, starts the copies and builds the job the stages take over.
+Bad input raises in ``plan``, before anything is copied or written.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._format.documents import encode_tree
+from .._format.limits import DTYPE_NAMES, check_byte_copyable, check_save
+from .._save.buffers import DeviceStaging, HostPool, Slot
+from .._save.copy import begin_streamed_snapshot, plan_layout, take_snapshot
+from .._save.job import SaveJob
+from .._tree import FlatState, flatten_state
+from ..config import PipelineConfig
+from ..errors import ForkedProcessError, PoolBusyError, StateError, StepOrderError
+from ..events import Event, SaveRequested, SaveSkipped
+from ..handle import SaveHandle
+from ..train_state import RNGState, TrainState
+from .ledger import Ledger
+
+__all__ = ("Admission", "SavePlan")
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """A validated save, before it has a host buffer."""
+
+    step: int
+    started: float
+    flat: FlatState
+    tree: bytes
+    train_state: dict[str, Any]
+    offsets: list[int]
+    data_length: int
+    pinned: bool
+    streamed: bool
+
+
+class Admission:
+    """The training-thread part of ``save()`` and ``wait_snapshot()`` (see module docstring)."""
+
+    def __init__(self, config: PipelineConfig, root: str, ledger: Ledger, pool: HostPool,
+                 staging: DeviceStaging | None, emit: Callable[[Event], None]) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.root = root
+        self.ledger = ledger
+        self.pool = pool
+        self.staging = staging
+        self._emit = emit
+        self.run_id = ""
+        self.pid = os.getpid()
+
+    def check_process(self) -> None:
+        """Refuse use from a forked child: the pipeline's thread and loop stayed in its parent."""
+        if os.getpid() != self.pid:
+            raise ForkedProcessError(
+                f"this pipeline was created by process {self.pid}; process {os.getpid()} is "
+                "a fork of it and cannot use it", rank=self.rank, path=self.root,
+                hint="open a pipeline in the child (on another root or rank), or use it from "
+                     "the parent only")
+
+    def plan(self, step: int, state: Mapping[str, Any],
+             train_state: TrainState | None) -> SavePlan:
+        """Validate, capture RNG, flatten and encode, lay out, check the limits."""
+        started = time.perf_counter()
+        self.ledger.check_not_restoring("save()", step)
+        self.ledger.raise_if_failures_due(step)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StepOrderError(f"step must be a non-negative int, got {step!r}",
+                                 rank=self.rank)
+        self.ledger.check_step_order(step)
+        ts = train_state if train_state is not None else TrainState(step=step)
+        if not isinstance(ts, TrainState):
+            raise StateError(f"train_state must be a TrainState, got {type(ts).__name__}",
+                             step=step, rank=self.rank)
+        if ts.step != step:
+            raise StateError(f"train_state.step is {ts.step} but the save is for step {step}",
+                             step=step, rank=self.rank,
+                             hint="advance the TrainState to this step before saving")
+        if self.config.capture_rng:
+            ts = ts.with_rng(RNGState.capture())
+        try:
+            flat = flatten_state(state, step=step)
+        except StateError as exc:
+            if exc.rank is None:
+                exc.rank = self.rank
+            raise
+        ts_plain = ts.to_plain()
+        try:
+            tree = encode_tree(flat.skeleton)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise StateError(f"a value cannot be encoded: {exc}", step=step, rank=self.rank,
+                             hint="non-tensor leaves must be plain values") from exc
+        offsets, data_length = plan_layout(flat.tensors)
+        # Every limit a reader enforces (the table in _format.limits), before anything is
+        # written.
+        check_save(flat, tree, ts_plain, step=step, rank=self.rank,
+                   world_size=self.config.world_size, save_id=f"{self.run_id}-{step}",
+                   chunk_bytes=self.config.chunk_bytes, offsets=offsets,
+                   data_length=data_length)
+        cap = self.config.host_buffer_bytes
+        streamed = cap is not None and data_length > cap
+        if streamed:
+            _check_streamable(flat, step, self.rank)
+            check_byte_copyable(flat, step=step, rank=self.rank)
+        return SavePlan(step, started, flat, tree, ts_plain, offsets, data_length,
+                        pinned=any(t.device.type == "cuda" for t in flat.tensors),
+                        streamed=streamed)
+
+    def acquire(self, plan: SavePlan, block: bool) -> Slot | None:
+        """A host buffer for the plan; None when none is free and this call may not wait."""
+        wait = block and self.config.when_busy == "block"
+        size = self.config.host_buffer_bytes if plan.streamed else plan.data_length
+        assert size is not None
+        return self.pool.acquire(max(size, 1), pinned=plan.pinned, block=wait)
+
+    def start(self, plan: SavePlan, slot: Slot | None) -> SaveJob:
+        """Claim the step, start the copies, build the job. Without a slot: skipped.
+
+        Runs under the admission lock: a restore that begins meanwhile waits until the save
+        is registered as pending (and then waits for it), or the save sees the restore and
+        is refused. Whatever raises gives the slot back.
+        """
+        try:
+            with self.ledger.admission:
+                return self._skip(plan.step) if slot is None else self._admit(plan, slot)
+        except BaseException:
+            if slot is not None:
+                self.pool.release(slot)
+            raise
+
+    def _admit(self, plan: SavePlan, slot: Slot) -> SaveJob:
+        step, flat = plan.step, plan.flat
+        self.ledger.claim(step)  # another thread may have saved it, or a restore begun
+        if plan.streamed:
+            snap = begin_streamed_snapshot(flat.tensors, flat.paths, step=step, rank=self.rank)
+        else:
+            snap = take_snapshot(flat.tensors, flat.paths, plan.offsets, slot.buffer,
+                                 step=step, rank=self.rank,
+                                 ordered=self.config.snapshot_mode == "ordered",
+                                 staging=self.staging)
+        save_id = f"{self.run_id}-{step}"
+        handle = SaveHandle(step, save_id, snap)
+        job = SaveJob(
+            step=step, rank=self.rank, world_size=self.config.world_size, save_id=save_id,
+            handle=handle, slot=slot, snapshot=snap, paths=flat.paths,
+            dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
+            shapes=tuple(tuple(t.shape) for t in flat.tensors),
+            devices=tuple(str(t.device) for t in flat.tensors), layouts=flat.layouts,
+            offsets=plan.offsets,
+            sizes=tuple(t.numel() * t.element_size() for t in flat.tensors),
+            data_length=plan.data_length, tree=plan.tree, train_state=plan.train_state,
+            requested_at=plan.started,
+        )
+        self.ledger.register(handle, wait_for_snapshot=snap.needs_release)
+        self._emit(SaveRequested(step=step, rank=self.rank, save_id=save_id,
+                                 tensors=len(flat.tensors), bytes=job.data_bytes,
+                                 blocking_seconds=time.perf_counter() - plan.started))
+        return job
+
+    def _skip(self, step: int) -> SaveJob:
+        """A save dropped by the ``skip`` policy: it fails now, and still votes at commit."""
+        self.ledger.claim(step)
+        save_id = f"{self.run_id}-{step}"
+        handle = SaveHandle(step, save_id)
+        reason = "every host buffer is busy with an earlier save"
+        error = PoolBusyError(f"save skipped: {reason}", step=step, rank=self.rank,
+                              hint="save less often, or use buffer_slots=2 or "
+                                   "when_busy='block'")
+        handle._fail(error)
+        self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
+        return SaveJob.placeholder(step, self.rank, self.config.world_size, save_id, handle,
+                                   error, "copy")
+
+    def wait_snapshot(self, *, block_cpu: bool) -> None:
+        """On the caller's thread (its current CUDA streams are the ones to order)."""
+        for handle in self.ledger.take_snapshots():
+            handle.wait_snapshot(block_cpu=block_cpu)
+
+
+def _check_streamable(flat: FlatState, step: int, rank: int) -> None:
+    """A streamed save copies byte ranges of each tensor: they must be contiguous."""
+    for tensor, path in zip(flat.tensors, flat.paths):
+        if not tensor.is_contiguous():
+            raise StateError(
+                f"tensor {path} is not contiguous; a state larger than host_buffer_bytes is "
+                "copied in byte ranges", step=step, rank=rank, path=path,
+                hint="make it contiguous, or set host_buffer_bytes=None (a buffer as large "
+                     "as the state)")

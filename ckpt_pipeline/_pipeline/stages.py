@@ -1,0 +1,170 @@
+"""The work of each save stage, in order, as the runner calls it (``StageRunner``).
+
+Each method takes the job one step further, on the pipeline's event loop, its blocking work
+in worker threads under the pipeline's limiter, and emits the stage's event:
+
+1. ``copy``: queue the host copies that the training thread left to the pipeline (from the
+   device staging buffers); a save with no device copies is in host memory already.
+2. ``write_data``: hash and write each tensor's bytes to the temporary shard as its copy
+   lands; give the host buffer back.
+3. ``seal``: the shard header, fsync, publish under the final name; the manifest.
+4. ``commit``: every rank's vote, then the commit record (this resolves the handle).
+5. ``retain``: prune older steps by the retention policy; report what could not be pruned.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import anyio
+
+from .._logging import log
+from .._save.buffers import HostPool
+from .._save.commit import commit
+from .._save.job import SaveJob
+from .._save.retain import Pruned, PruneFailed, clear_marker, prune, write_marker
+from .._save.seal import write_shard
+from .._save.write_data import serialize
+from ..config import PipelineConfig
+from ..coordination import Coordinator
+from ..events import (
+    CheckpointCommitted,
+    CheckpointPruned,
+    Event,
+    RetentionFailed,
+    ShardSerialized,
+    ShardWritten,
+    SnapshotTaken,
+)
+from ..handle import CommitInfo
+from ..storage import Storage
+from .ledger import Ledger
+
+__all__ = ("STAGES", "StageName", "Stages", "in_thread")
+
+StageName = Literal["copy", "write_data", "seal", "commit", "retain"]
+STAGES: tuple[StageName, ...] = ("copy", "write_data", "seal", "commit", "retain")
+
+_T = TypeVar("_T")
+
+
+async def in_thread(limiter: anyio.CapacityLimiter | None, fn: Callable[..., _T],
+                    *args: Any) -> _T:
+    """Run blocking work (file I/O, checksums, CUDA waits) in a worker thread."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+class Stages:
+    """The five stages' work for one pipeline (see the module docstring)."""
+
+    def __init__(self, config: PipelineConfig, storage: Storage, coordinator: Coordinator,
+                 ledger: Ledger, pool: HostPool, emit: Callable[[Event], None],
+                 limiter: anyio.CapacityLimiter) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.storage = storage
+        self.coordinator = coordinator
+        self.ledger = ledger
+        self.pool = pool
+        self._emit = emit
+        self.limiter = limiter
+
+    def release_slot(self, job: SaveJob) -> None:
+        """Give the job's host buffer (and any device staging it holds) back."""
+        if job.snapshot is not None:
+            job.snapshot.enqueued.set()  # a streamed copy that never ran: wait_snapshot returns
+            job.snapshot.discard_host_copies()  # staging buffers of a save that failed
+        if job.slot is not None:
+            self.pool.release(job.slot)
+            job.slot = None
+
+    async def copy(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        snap = job.snapshot
+        assert snap is not None
+        if snap.deferred:  # copies to the host from device staging buffers: off the caller
+            await in_thread(self.limiter, snap.launch_host_copies)
+        if snap.streaming or snap.has_device_copies:
+            # write_data writes each piece once its copy is done, checks the versions and
+            # reports the snapshot (a streamed one is copied there, a buffer at a time).
+            return
+        self._emit(SnapshotTaken(step=job.step, rank=self.rank, save_id=job.save_id,
+                                 bytes=job.data_bytes, seconds=time.perf_counter() - started))
+
+    async def write_data(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        copied = await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
+                                 threads=self.config.io_threads, limiter=self.limiter,
+                                 direct_io=self.config.direct_io)
+        self.release_slot(job)  # the bytes are in the file now: the next save may copy
+        if copied is not None:
+            self._emit(SnapshotTaken(step=job.step, rank=self.rank, save_id=job.save_id,
+                                     bytes=job.data_bytes, seconds=copied))
+        self._emit(ShardSerialized(step=job.step, rank=self.rank, save_id=job.save_id,
+                                   bytes=job.data_bytes, header_bytes=len(job.header),
+                                   seconds=time.perf_counter() - started))
+
+    async def seal(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        await write_shard(job, self.storage, limiter=self.limiter)
+        self._emit(ShardWritten(step=job.step, rank=self.rank, save_id=job.save_id,
+                                path=os.path.join(str(self.storage.root), job.dir_name),
+                                bytes=job.shard_size, seconds=time.perf_counter() - started))
+
+    async def commit(self, job: SaveJob) -> None:
+        await commit(job, self.storage, self.coordinator, limiter=self.limiter)
+        if job.error is not None:
+            return
+        seconds = time.perf_counter() - job.requested_at
+        path = os.path.join(str(self.storage.root), job.dir_name)
+        job.committed = True
+        self.ledger.committed(job.step)
+        info = CommitInfo(step=job.step, rank=self.rank, save_id=job.save_id, path=path,
+                          bytes=job.shard_size, seconds=seconds)
+        self._emit(CheckpointCommitted(step=job.step, rank=self.rank, save_id=job.save_id,
+                                       path=path, bytes=job.shard_size, seconds=seconds))
+        job.handle._resolve(info)
+
+    async def retain(self, job: SaveJob) -> None:
+        """Prune older steps. Never fails the save: it is committed already.
+
+        A step that cannot be removed is reported (``RetentionFailed``, and a marker in the
+        root that ``ckpt-pipeline ls`` shows); a step pruned later loses its marker.
+        """
+        started = time.perf_counter()
+        pruned: list[Pruned] = []
+        try:
+            failed: list[PruneFailed] = []
+            try:
+                pruned, failed = await in_thread(self.limiter, prune, self.storage, self.rank,
+                                                 self.config.retention_policy, job.step)
+            except Exception as exc:  # the root could not even be listed
+                failed = [PruneFailed(-1, str(self.storage.root),
+                                      f"{type(exc).__name__}: {exc}")]
+            for item in failed:
+                self._emit(RetentionFailed(step=item.step, rank=self.rank,
+                                           committed_step=job.step, path=item.path,
+                                           error=item.error))
+            await self._record_prunes(pruned, failed)
+        finally:
+            self.ledger.settle(job.handle)
+        for done in pruned:
+            self._emit(CheckpointPruned(step=done.step, rank=self.rank, path=done.path,
+                                        bytes=done.bytes,
+                                        seconds=time.perf_counter() - started))
+
+    async def _record_prunes(self, pruned: list[Pruned], failed: list[PruneFailed]) -> None:
+        """Leave a marker for each step that could not be pruned, drop those of pruned ones."""
+        for step, write in ([(f.step, f) for f in failed if f.step >= 0]
+                            + [(p.step, None) for p in pruned]):
+            try:
+                if write is not None:
+                    await in_thread(self.limiter, write_marker, self.storage, self.rank, write)
+                else:
+                    await in_thread(self.limiter, clear_marker, self.storage, self.rank, step)
+            except Exception as exc:
+                log.error("ckpt.retain.marker_failed", step=step, rank=self.rank,
+                          error=f"{type(exc).__name__}: {exc}")

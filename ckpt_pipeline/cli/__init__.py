@@ -1,0 +1,105 @@
+"""The ``ckpt-pipeline`` command: list the checkpoints under a root, and verify them.
+
+``ls`` takes a cheap look (names, sizes, commit records, manifests, shard headers); ``verify``
+reads every byte of tensor data and checks it against its checksum, as a restore would. Both
+only read: nothing under the root is created, changed or removed.
+
+This module is the entry point (``main``, the console script ``ckpt_pipeline.cli:main``) and
+the command line: it parses the arguments, opens the root and runs the command (``_ls``,
+``_verify``), turning errors into an exit status and a message. ``python -m
+ckpt_pipeline.cli`` runs it too (``__main__``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from ..errors import CheckpointError
+from ..storage import LocalStorage, Storage
+from ._ls import _cmd_ls
+from ._status import EXIT_FAILED, EXIT_USAGE, _UsageError
+from ._verify import _cmd_verify
+
+__all__ = ("main",)
+
+_PROG = "ckpt-pipeline"
+
+
+def _open_root(root: str) -> LocalStorage:
+    """The root the command reads; a usage error when it is not a directory."""
+    path = os.path.abspath(root)
+    if not os.path.exists(path):
+        raise _UsageError(f"no checkpoint root at {path}")
+    if not os.path.isdir(path):
+        raise _UsageError(f"{path} is not a directory")
+    return LocalStorage(path)
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=_PROG, description="Inspect and verify ckpt_pipeline checkpoints (read-only).")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ls = commands.add_parser("ls", help="list the steps under a checkpoint root",
+                             description="List every step directory under ROOT, newest "
+                                         "first, as one rank sees it.")
+    ls.set_defaults(handler=_cmd_ls)
+
+    verify = commands.add_parser(
+        "verify", help="read a step back and check every checksum",
+        description="Read every byte of tensor data of the newest valid step (or the step "
+                    "given) and check it against its checksum; decode the state tree and the "
+                    "TrainState. Exit status 0 when every step verified, 1 when one failed.")
+    which = verify.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_nonneg_int, metavar="N", help="verify step N")
+    which.add_argument("--all", action="store_true", help="verify every step")
+    verify.set_defaults(handler=_cmd_verify)
+
+    for sub in (ls, verify):
+        sub.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
+        sub.add_argument("--rank", type=_nonneg_int, default=0, metavar="R",
+                         help="look at the files of rank R (default 0)")
+        sub.add_argument("--json", action="store_true", help="print JSON for scripts")
+    return parser
+
+
+def _error(message: str) -> None:
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; return its exit status (0 ok, 1 a check failed, 2 usage error)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage error
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    handler: Callable[[Storage, argparse.Namespace], int] = args.handler
+    try:
+        return handler(_open_root(args.root), args)
+    except _UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except CheckpointError as exc:
+        _error(str(exc))
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except BrokenPipeError:
+        # The reader went away (``| head``): silence the flush at exit too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED

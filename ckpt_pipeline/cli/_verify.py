@@ -1,0 +1,176 @@
+"""``ckpt-pipeline verify``: read steps back and check every byte, as a restore would.
+
+Every byte of tensor data of the newest valid step (or the step given, or every step) is read
+and checked against its checksum, then the state tree and the TrainState are decoded. A step
+that a running job prunes while it is read is skipped, not failed. Nothing under the root is
+created, changed or removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+import anyio
+
+from .._format.names import commit_name, parse_rejected_dir
+from .._format.shard import ShardHeader
+from .._restore import scan as _recovery
+from ..errors import CheckpointError, CheckpointIntegrityError
+from ..storage import Storage
+from ._ls import _commit_record
+from ._output import _human_bytes, _print_json, _Progress
+from ._status import EXIT_FAILED, EXIT_OK, _UsageError
+
+__all__ = ("_cmd_verify",)
+
+_VERIFY_THREADS = 4
+_PROGRESS_MIN_BYTES = 64 * 1024 * 1024
+_PRUNED_WHILE_VERIFIED = ("removed while it was being verified (pruned by a running "
+                          "job?)")
+
+
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    """The outcome of verifying one step for one rank."""
+
+    step: int
+    result: str
+    """ok, failed, or skipped (a step without this rank's commit record, under --all)."""
+    reason: str | None
+    bytes: int
+    """Tensor bytes read and checked (up to the failure, for a step that failed)."""
+    seconds: float
+    save_id: str | None
+    path: str
+
+
+async def _read_shard(storage: Storage, status: _recovery.StepStatus, rank: int,
+                      progress: Callable[[int], None]) -> _recovery.LoadedShard:
+    limiter = anyio.CapacityLimiter(_VERIFY_THREADS)
+    return await _recovery.read_shard(storage, status, rank,
+                                      threads=_VERIFY_THREADS, limiter=limiter,
+                                      progress=progress)
+
+
+def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
+                 explicit: bool, bar_stream: TextIO | None) -> _Verified:
+    """Read and check every byte of one step, then its state tree and TrainState."""
+
+    def outcome(result: str, reason: str | None, nbytes: int = 0,
+                seconds: float = 0.0) -> _Verified:
+        save_id = status.save_id
+        if save_id is None:
+            record = _commit_record(storage, status.dir_name, status.step, rank)
+            save_id = None if record is None else record.save_id
+        return _Verified(status.step, result, reason, nbytes, seconds, save_id, status.path)
+
+    if not status.complete:
+        return outcome("failed" if explicit else "skipped", status.reason)
+    if not status.valid or status.header is None:
+        if _was_pruned(storage, status, rank):
+            return outcome("skipped", _PRUNED_WHILE_VERIFIED)
+        return outcome("failed", status.reason)
+    total = sum(r.nbytes for r in status.header.tensors)
+    show = bar_stream if total > _PROGRESS_MIN_BYTES else None
+    progress = _Progress(total, f"step {status.step}", show)
+    started = time.perf_counter()
+    try:
+        shard = anyio.run(_read_shard, storage, status, rank, progress)
+        _check_contents(status, shard.header, rank)
+        del shard  # the whole data region: let it go before the next step is read
+    except CheckpointError as exc:
+        seconds = time.perf_counter() - started
+        if _was_pruned(storage, status, rank):
+            return outcome("skipped", _PRUNED_WHILE_VERIFIED, progress.done, seconds)
+        return outcome("failed", str(exc), progress.done, seconds)
+    finally:
+        progress.close()
+    return outcome("ok", None, total, time.perf_counter() - started)
+
+
+def _check_contents(status: _recovery.StepStatus, header: ShardHeader, rank: int) -> None:
+    """The state tree decodes to a map whose tensor references all exist; the TrainState too."""
+    _recovery.decode_contents(status, rank)
+
+
+def _was_pruned(storage: Storage, status: _recovery.StepStatus, rank: int) -> bool:
+    """Whether this rank's commit record disappeared (a running job pruned the step)."""
+    try:
+        names = {e.name for e in storage.list_dir(status.dir_name)}
+    except CheckpointError:
+        return False
+    return commit_name(rank) not in names
+
+
+def _select(storage: Storage, rank: int, step: int | None,
+            every: bool) -> tuple[list[_recovery.StepStatus], bool]:
+    """The steps to verify, newest first, and whether the user named them explicitly."""
+    statuses = _recovery.scan(storage, rank)
+    if step is not None:
+        match = [s for s in statuses if s.step == step]
+        if not match:
+            hint = ""
+            if any((parse_rejected_dir(e.name) or (None,))[0] == step
+                   for e in storage.list_dir("")):
+                hint = " (only a directory that recovery moved aside holds it)"
+            raise _UsageError(f"step {step} not found under {storage.root}{hint}")
+        return match, True
+    if not statuses:
+        raise _UsageError(f"no checkpoints under {storage.root}")
+    if every:
+        return statuses, False
+    newest = [s for s in statuses if s.valid][:1] or [s for s in statuses if s.complete][:1]
+    if not newest:
+        raise CheckpointIntegrityError(
+            f"no step under the root holds a commit record of rank {rank}", rank=rank,
+            path=storage.root, hint="every save is incomplete; `ckpt-pipeline ls` shows them")
+    return newest, False
+
+
+def _cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
+    """Verify the steps selected; exit status 1 when one failed."""
+    rank: int = args.rank
+    targets, explicit = _select(storage, rank, args.step, args.all)
+    bar_stream = sys.stderr if sys.stderr.isatty() else None
+    step_width = max(len("STEP"), *(len(str(s.step)) for s in targets))
+    columns = f"{{:>{step_width}}}  {{:<7}}  {{:>10}}  {{:>7}}  {{:>6}}  {{}}"
+    if not args.json:
+        print(columns.format("STEP", "RESULT", "READ", "SECONDS", "GB/S", "REASON").rstrip(),
+              flush=True)
+    results: list[_Verified] = []
+    for status in targets:
+        v = _verify_step(storage, status, rank, explicit=explicit, bar_stream=bar_stream)
+        results.append(v)
+        if not args.json:
+            read = v.seconds > 0
+            rate = f"{v.bytes / v.seconds / 1e9:.2f}" if read and v.result == "ok" else "-"
+            print(columns.format(v.step, v.result.upper(),
+                                 _human_bytes(v.bytes) if read else "-",
+                                 f"{v.seconds:.2f}" if read else "-", rate,
+                                 v.reason or "").rstrip(), flush=True)
+    failed = sum(v.result == "failed" for v in results)
+    if args.json:
+        _print_json({
+            "root": str(storage.root),
+            "rank": rank,
+            "results": [{
+                "step": v.step,
+                "ok": None if v.result == "skipped" else v.result == "ok",
+                "result": v.result,
+                "reason": v.reason,
+                "bytes": v.bytes,
+                "seconds": round(v.seconds, 6),
+                "save_id": v.save_id,
+                "path": v.path,
+            } for v in results],
+        })
+    elif len(results) > 1:
+        counts = {name: sum(v.result == name for v in results)
+                  for name in ("ok", "failed", "skipped")}
+        print(", ".join(f"{n} {name}" for name, n in counts.items() if n))
+    return EXIT_FAILED if failed else EXIT_OK
