@@ -28,6 +28,7 @@ from .._restore.recovery import AppliedState, Loaded, Recovery
 from .._restore.rollback import undone_on_error
 from .._save.buffers import DeviceStaging, HostPool
 from .._save.job import SaveJob
+from .._threads import in_thread
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
 from ..coordination._agree import agree_run_id
@@ -41,7 +42,7 @@ from .emitter import Emitter, Subscriber
 from .ledger import Ledger
 from .rootlock import RootLock
 from .runner import StageRunner
-from .stages import Stages, in_thread
+from .stages import Stages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

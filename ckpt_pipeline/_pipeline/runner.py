@@ -30,11 +30,11 @@ from .._crash import crash_point
 from .._logging import log
 from .._restore import scan as _scan
 from .._save.job import SaveJob
-from .._save.seal import remove_published
+from .._threads import in_thread
 from ..errors import CheckpointError, PipelineClosedError, SaveError
 from ..events import Event, SaveFailed, TemporariesScrubbed
 from .ledger import Ledger
-from .stages import STAGES, StageName, Stages, in_thread
+from .stages import STAGES, StageName, Stages
 
 __all__ = ("StageRunner",)
 
@@ -242,7 +242,7 @@ class StageRunner:
             return
         with anyio.CancelScope(shield=True):
             try:
-                await in_thread(self.stages.limiter, remove_published, job, self.storage)
+                await in_thread(self.stages.limiter, job.files.remove, self.storage)
             finally:
                 self.abandon(job, job.error, job.failed_stage)
 
@@ -298,7 +298,7 @@ class StageRunner:
                 self.ledger.settle(job.handle)
                 continue
             try:
-                await in_thread(self.stages.limiter, remove_published, job, self.storage)
+                await in_thread(self.stages.limiter, job.files.remove, self.storage)
             except Exception as exc:
                 log.error("ckpt.close.cleanup_failed", step=job.step, rank=self.rank,
                           error=f"{type(exc).__name__}: {exc}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import anyio
 
@@ -28,6 +28,7 @@ from .._save.job import SaveJob
 from .._save.retain import Pruned, PruneFailed, clear_marker, prune, write_marker
 from .._save.seal import write_shard
 from .._save.write_data import serialize
+from .._threads import in_thread
 from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..events import (
@@ -43,19 +44,10 @@ from ..handle import CommitInfo
 from ..storage import Storage
 from .ledger import Ledger
 
-__all__ = ("STAGES", "StageName", "Stages", "in_thread")
+__all__ = ("STAGES", "StageName", "Stages")
 
 StageName = Literal["copy", "write_data", "seal", "commit", "retain"]
 STAGES: tuple[StageName, ...] = ("copy", "write_data", "seal", "commit", "retain")
-
-_T = TypeVar("_T")
-
-
-async def in_thread(limiter: anyio.CapacityLimiter | None, fn: Callable[..., _T],
-                    *args: Any) -> _T:
-    """Run blocking work (file I/O, checksums, CUDA waits) in a worker thread."""
-    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
-
 
 class Stages:
     """The five stages' work for one pipeline (see the module docstring)."""
@@ -111,7 +103,7 @@ class Stages:
         started = time.perf_counter()
         await write_shard(job, self.storage, limiter=self.limiter)
         self._emit(ShardWritten(step=job.step, rank=self.rank, save_id=job.save_id,
-                                path=os.path.join(str(self.storage.root), job.dir_name),
+                                path=os.path.join(str(self.storage.root), job.files.dir_name),
                                 bytes=job.shard_size, seconds=time.perf_counter() - started))
 
     async def commit(self, job: SaveJob) -> None:
@@ -119,7 +111,7 @@ class Stages:
         if job.error is not None:
             return
         seconds = time.perf_counter() - job.requested_at
-        path = os.path.join(str(self.storage.root), job.dir_name)
+        path = os.path.join(str(self.storage.root), job.files.dir_name)
         job.committed = True
         self.ledger.committed(job.step)
         info = CommitInfo(step=job.step, rank=self.rank, save_id=job.save_id, path=path,

@@ -22,6 +22,7 @@ import torch
 
 from .._format.shard import TensorRecord
 from .._logging import log
+from .._threads import in_thread
 from .._tree import find_mesh, to_dtensor
 from ..config import PipelineConfig
 from ..coordination import Coordinator
@@ -73,10 +74,6 @@ class Recovery:
         self.rank = config.rank
         self._emit = emit
 
-    async def _thread(self, fn: Callable[..., Any], *args: Any,
-                      limiter: anyio.CapacityLimiter) -> Any:
-        return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
-
     async def load_latest(self, state: Mapping[str, Any],
                           limiter: anyio.CapacityLimiter) -> Loaded | None:
         """Scan, agree on candidates, and read the newest one that verifies on every rank.
@@ -85,11 +82,11 @@ class Recovery:
         does not fit the checkpoint (a usage error: nothing is rejected then).
         """
         started = time.perf_counter()
-        statuses = await self._thread(_recovery.scan, self.storage, self.rank, limiter=limiter)
+        statuses = await in_thread(limiter, _recovery.scan, self.storage, self.rank)
         rejected: list[RejectedStep] = []
-        for status in statuses:
-            if status.complete and not status.valid:
-                rejected.append(self._reject(status.step, status.path, status.reason or "?"))
+        for seen in statuses:
+            if seen.complete and not seen.valid:
+                rejected.append(self._reject(seen.step, seen.path, seen.reason or "?"))
         valid = {s.step: s for s in statuses if s.valid}
         agreed = await agree_candidates(
             self.coordinator, {step: (s.save_id or "", s.world_size or 0)
@@ -178,9 +175,8 @@ class Recovery:
                    for t, rec in zip(shard.tensors, header.tensors)]
         # Everything that can be checked before touching a live object (a StateError here is
         # fatal on every rank, and nothing is rejected).
-        await self._thread(functools.partial(validate_state, state, tree, tensors,
-                                             step=status.step, rank=self.rank),
-                           limiter=limiter)
+        await in_thread(limiter, functools.partial(validate_state, state, tree, tensors,
+                                                   step=status.step, rank=self.rank))
         return Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
                       tensors=tensors, train_state=train_state,
                       bytes=status.shard_size, started=started, rejected=tuple(rejected),
@@ -221,11 +217,11 @@ class Recovery:
                                f"{sorted(failures)}: {_listing(failures)}", step=loaded.step,
                                rank=self.rank, hint="every rank rolls its live state back "
                                                     "to what it was before the restore")
-        dirs = await self._thread(_recovery.step_dirs, self.storage, limiter=limiter)
+        dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
         for step, dir_name in sorted(dirs.items()):
             if step > loaded.step and (step, dir_name) in loaded.scanned:
-                moved = await self._thread(_recovery.quarantine, self.storage, step, dir_name,
-                                           self.rank, limiter=limiter)
+                moved = await in_thread(limiter, _recovery.quarantine, self.storage, step,
+                                        dir_name, self.rank)
                 if moved is not None:
                     _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
                                  path=moved)

@@ -40,7 +40,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
             error = SaveError(f"rank(s) {sorted(failures)} failed this save ({detail}); no "
                               "rank committed it", step=job.step, rank=job.rank,
-                              path=os.path.join(storage.root, job.dir_name),
+                              path=os.path.join(storage.root, job.files.dir_name),
                               hint="the previous checkpoint is intact",
                               ranks=tuple(sorted(failures)))
             raise error
@@ -66,7 +66,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             error = SaveError(f"rank(s) {sorted(failures)} could not write their commit "
                               f"record ({detail}); the step is not complete on every rank",
                               step=job.step, rank=job.rank,
-                              path=os.path.join(storage.root, job.dir_name),
+                              path=os.path.join(storage.root, job.files.dir_name),
                               hint="the previous checkpoint is intact",
                               ranks=tuple(sorted(failures)))
             raise error

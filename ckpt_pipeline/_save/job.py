@@ -10,6 +10,7 @@ from ..errors import CheckpointError
 from ..handle import SaveHandle
 from .buffers import Slot
 from .copy import Snapshot
+from .files import SaveFiles
 
 __all__ = ("SaveJob",)
 
@@ -38,11 +39,9 @@ class SaveJob:
     requested_at: float
     # filled by serialize
     header: bytes = b""
-    # filled by serialize (the temporary shard stays open until write closes it) and write
-    fd: int | None = None
-    dir_name: str = ""
-    temp_names: list[str] = field(default_factory=list)
-    published: list[str] = field(default_factory=list)
+    # the files the save owns (created by write_data, published by seal and commit)
+    files: SaveFiles = field(default_factory=SaveFiles)
+    # filled by seal
     shard_size: int = 0
     committed: bool = False
     # set by the first stage that fails; the job still reaches commit to take part in the vote

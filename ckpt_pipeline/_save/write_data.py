@@ -28,8 +28,8 @@ from .._parallel import first_leaf, run_groups, split_balanced, tensor_chunks
 from ..errors import StorageError
 from ..storage import Storage
 from .copy import Snapshot, copy_piece
+from .files import close_quietly
 from .job import SaveJob
-from .seal import close_quietly
 
 __all__ = ("required_bytes", "serialize")
 
@@ -52,10 +52,10 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     chunk padded with zeros to the next aligned offset; where the file system refuses direct
     I/O the same writes go through the page cache. A streamed snapshot (state larger than the
     host buffer) is copied here, a piece at a time, each piece written while the next is copied;
-    then the seconds until the last copy was launched are returned (else None). Fills ``job.fd``
+    then the seconds until the last copy was launched are returned (else None). Fills ``job.files.fd``
     (left open for the write stage) and ``job.header``.
     """
-    job.dir_name = step_dir_name(job.step)
+    job.files.dir_name = step_dir_name(job.step)
     need = required_bytes(job, chunk_bytes)
     free = await anyio.to_thread.run_sync(storage.free_bytes, limiter=limiter)
     if free < need:
@@ -63,18 +63,18 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
             f"not enough free space: the save needs {need} bytes, {free} are free",
             step=job.step, rank=job.rank, path=str(storage.root),
             hint="free disk space, lower keep_last, or use a larger disk")
-    await anyio.to_thread.run_sync(storage.make_dir, job.dir_name, limiter=limiter)
-    fd, temp = await anyio.to_thread.run_sync(storage.create_temp, job.dir_name,
+    await anyio.to_thread.run_sync(storage.make_dir, job.files.dir_name, limiter=limiter)
+    fd, temp = await anyio.to_thread.run_sync(storage.create_temp, job.files.dir_name,
                                               shard_name(job.rank), limiter=limiter)
-    job.temp_names.append(temp)
-    job.fd = fd
+    job.files.created(temp)
+    job.files.fd = fd
     assert job.slot is not None and job.snapshot is not None
     buffer = job.slot.buffer
     chunks = tensor_chunks(job.offsets, job.sizes, chunk_bytes)
     per_tensor: list[list[int]] = [[0] * chunk_count(n, chunk_bytes) for n in job.sizes]
     direct: int | None = None
     if direct_io and buffer.data_ptr() % ALIGN == 0 and job.data_length > 0:
-        direct = await anyio.to_thread.run_sync(storage.open_direct, job.dir_name, temp,
+        direct = await anyio.to_thread.run_sync(storage.open_direct, job.files.dir_name, temp,
                                                 limiter=limiter)
     snap = job.snapshot
     writer = _ChunkWriter(storage, fd, direct, buffer, per_tensor, snap.copied)
