@@ -88,20 +88,21 @@ class Stages:
 
     async def write_data(self, job: SaveJob) -> None:
         started = time.perf_counter()
-        copied = await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
-                                 threads=self.config.io_threads, limiter=self.limiter,
-                                 direct_io=self.config.direct_io)
+        written = await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
+                                  threads=self.config.io_threads, limiter=self.limiter,
+                                  direct_io=self.config.direct_io)
+        job.written = written
         self.release_slot(job)  # the bytes are in the file now: the next save may copy
-        if copied is not None:
+        if written.copy_seconds is not None:
             self._emit(SnapshotTaken(step=job.step, rank=self.rank, save_id=job.save_id,
-                                     bytes=job.data_bytes, seconds=copied))
+                                     bytes=job.data_bytes, seconds=written.copy_seconds))
         self._emit(ShardSerialized(step=job.step, rank=self.rank, save_id=job.save_id,
-                                   bytes=job.data_bytes, header_bytes=len(job.header),
+                                   bytes=job.data_bytes, header_bytes=len(written.header),
                                    seconds=time.perf_counter() - started))
 
     async def seal(self, job: SaveJob) -> None:
         started = time.perf_counter()
-        await write_shard(job, self.storage, limiter=self.limiter)
+        job.sealed = await write_shard(job, self.storage, limiter=self.limiter)
         self._emit(ShardWritten(step=job.step, rank=self.rank, save_id=job.save_id,
                                 path=os.path.join(str(self.storage.root), job.files.dir_name),
                                 bytes=job.shard_size, seconds=time.perf_counter() - started))

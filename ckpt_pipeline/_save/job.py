@@ -12,7 +12,23 @@ from .buffers import Slot
 from .copy import Snapshot
 from .files import SaveFiles
 
-__all__ = ("SaveJob",)
+__all__ = ("DataWritten", "SaveJob", "Sealed")
+
+
+@dataclass(frozen=True, slots=True)
+class DataWritten:
+    """What ``write_data`` produced: every byte in the temporary shard, and its header."""
+
+    header: bytes
+    copy_seconds: float | None
+    """Until the last device copy was done (a save with device copies), else None."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """What ``seal`` produced: the shard and the manifest durable under their final names."""
+
+    shard_size: int
 
 
 @dataclass(slots=True)
@@ -37,12 +53,11 @@ class SaveJob:
     tree: bytes
     train_state: dict[str, Any]
     requested_at: float
-    # filled by serialize
-    header: bytes = b""
     # the files the save owns (created by write_data, published by seal and commit)
     files: SaveFiles = field(default_factory=SaveFiles)
-    # filled by seal
-    shard_size: int = 0
+    # each stage's result, set when it succeeded
+    written: DataWritten | None = None
+    sealed: Sealed | None = None
     committed: bool = False
     # set by the first stage that fails; the job still reaches commit to take part in the vote
     error: CheckpointError | None = None
@@ -51,6 +66,10 @@ class SaveJob:
     @property
     def data_bytes(self) -> int:
         return sum(self.sizes)
+
+    @property
+    def shard_size(self) -> int:
+        return 0 if self.sealed is None else self.sealed.shard_size
 
     @classmethod
     def placeholder(cls, step: int, rank: int, world_size: int, save_id: str,

@@ -15,24 +15,25 @@ from .._format.shard import PREAMBLE_SIZE, align_up, checksum, encode_preamble
 from .._threads import in_thread
 from ..storage import Storage
 from .files import close_quietly
-from .job import SaveJob
+from .job import SaveJob, Sealed
 
 __all__ = ("publish_small", "write_shard")
 
 
 async def write_shard(job: SaveJob, storage: Storage, *,
-                      limiter: anyio.CapacityLimiter) -> None:
+                      limiter: anyio.CapacityLimiter) -> Sealed:
     """Finish the shard that write_data streamed, publish it, then the manifest.
 
     Header and preamble go after the data, then fsync, close, link to the final name; on
     return the shard and the manifest are durable under their final names.
     """
     fd = job.files.fd
-    assert fd is not None
+    assert fd is not None and job.written is not None
+    header = job.written.header
     header_offset = align_up(PREAMBLE_SIZE + job.data_length)
     try:
-        await in_thread(limiter, storage.pwrite, fd, memoryview(job.header), header_offset)
-        preamble = memoryview(encode_preamble(header_offset, job.header))
+        await in_thread(limiter, storage.pwrite, fd, memoryview(header), header_offset)
+        preamble = memoryview(encode_preamble(header_offset, header))
         await in_thread(limiter, storage.pwrite, fd, preamble, 0)
         await in_thread(limiter, storage.fsync, fd)
         crash_point("write.shard_fsynced")
@@ -43,7 +44,7 @@ async def write_shard(job: SaveJob, storage: Storage, *,
         raise
     job.files.fd = None
     await in_thread(limiter, storage.close, fd)
-    job.shard_size = header_offset + len(job.header)
+    shard_size = header_offset + len(header)
     final = shard_name(job.rank)
     temp = job.files.temps[-1]
     await in_thread(limiter, storage.publish, job.files.dir_name, temp, final)
@@ -52,10 +53,11 @@ async def write_shard(job: SaveJob, storage: Storage, *,
 
     manifest = encode_manifest(Manifest(
         step=job.step, rank=job.rank, world_size=job.world_size, save_id=job.save_id,
-        shard_size=job.shard_size, header_checksum=checksum(job.header),
+        shard_size=shard_size, header_checksum=checksum(header),
         data_bytes=job.data_bytes))
     await publish_small(job, storage, manifest_name(job.rank), manifest, limiter=limiter)
     crash_point("write.done")
+    return Sealed(shard_size)
 
 
 async def publish_small(job: SaveJob, storage: Storage, final: str, data: bytes, *,

@@ -29,7 +29,7 @@ from ..errors import StorageError
 from ..storage import Storage
 from .copy import Snapshot, copy_piece
 from .files import close_quietly
-from .job import SaveJob
+from .job import DataWritten, SaveJob
 
 __all__ = ("required_bytes", "serialize")
 
@@ -43,7 +43,7 @@ def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
 
 
 async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
-                    limiter: anyio.CapacityLimiter, direct_io: bool = True) -> float | None:
+                    limiter: anyio.CapacityLimiter, direct_io: bool = True) -> DataWritten:
     """Write the tensor bytes into a new temporary shard file, then encode the shard header.
 
     One pass over host memory: each chunk is hashed (xxh3) right before it is written at its
@@ -52,8 +52,8 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     chunk padded with zeros to the next aligned offset; where the file system refuses direct
     I/O the same writes go through the page cache. A streamed snapshot (state larger than the
     host buffer) is copied here, a piece at a time, each piece written while the next is copied;
-    then the seconds until the last copy was launched are returned (else None). Fills ``job.files.fd``
-    (left open for the write stage) and ``job.header``.
+    the result's ``copy_seconds`` are then until the last copy was launched. The temporary
+    shard is left open (``job.files.fd``) for ``seal``; the result holds the encoded header.
     """
     job.files.dir_name = step_dir_name(job.step)
     need = required_bytes(job, chunk_bytes)
@@ -101,13 +101,13 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
             job.paths, job.dtypes, job.shapes, job.offsets, job.sizes, map(tuple, per_tensor),
             job.devices, job.layouts)
     )
-    job.header = encode_header(ShardHeader(
+    header = encode_header(ShardHeader(
         step=job.step, rank=job.rank, world_size=job.world_size, save_id=job.save_id,
         created_unix=time.time(), chunk_bytes=chunk_bytes, data_offset=PREAMBLE_SIZE,
         data_length=job.data_length, tensors=records, tree=job.tree,
         train_state=job.train_state,
     ))
-    return copied
+    return DataWritten(header, copied)
 
 
 Chunk = tuple[int, int, int, int]  # (start, end) in the data region, tensor index, chunk index
