@@ -10,7 +10,7 @@ root="$(mktemp -d)/ckpt"
 log="$out/example_killed.log"
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
-python3 -m pytest tests/test_gpu.py tests/test_fsdp.py -v -p no:cacheprovider 2>&1 \
+python3 -m pytest tests/test_gpu.py tests/coordination/test_fsdp.py -v -p no:cacheprovider 2>&1 \
   | tee "$out/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed"
 
 run_example() {

@@ -15,6 +15,7 @@ import os
 import secrets
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -135,7 +136,7 @@ class LocalStorage:
             st = os.lstat(path)
         except FileNotFoundError:
             try:
-                _make_dirs_durably(path)
+                _make_dirs_durably(path, self._fsync_directory)
             except FileExistsError:
                 pass
             except OSError as exc:
@@ -254,9 +255,14 @@ class LocalStorage:
 
     def fsync_dir(self, rel: str) -> None:
         try:
-            _fsync_dir_path(self._path(rel))
+            self._fsync_directory(self._path(rel))
         except OSError as exc:
             raise self._fail("fsync dir", rel, exc) from exc
+
+    def _fsync_directory(self, path: str) -> None:
+        """fsync a directory by its absolute path: every directory sync goes through here
+        (``fsync_dir`` and ``ensure_root``'s creation of the root), so a subclass can see them."""
+        _fsync_dir_path(path)
 
     def open_read(self, rel: str, expected_size: int | None = None) -> tuple[int, int]:
         path = self._path(rel)
@@ -328,8 +334,9 @@ class LocalStorage:
         return st.f_bavail * st.f_frsize
 
 
-def _make_dirs_durably(path: str) -> None:
-    """``mkdir -p`` (0700) where each new directory's entry is fsynced into its parent."""
+def _make_dirs_durably(path: str, fsync_dir: Callable[[str], None]) -> None:
+    """``mkdir -p`` (0700) where each new directory's entry is fsynced into its parent
+    (by ``fsync_dir``, given the parent's path)."""
     missing: list[str] = []
     probe = path
     while not os.path.lexists(probe):
@@ -344,7 +351,7 @@ def _make_dirs_durably(path: str) -> None:
         except FileExistsError:
             if directory == path:
                 raise
-        _fsync_dir_path(os.path.dirname(directory))
+        fsync_dir(os.path.dirname(directory))
 
 
 def _fsync_dir_path(path: str) -> None:

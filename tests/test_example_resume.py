@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -18,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO, child_env
 
 pytestmark = pytest.mark.slow  # the example trains in child processes: the slow suite
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_resume.py"
 
 STEPS = 120
@@ -46,12 +45,7 @@ def _command(root: Path, loss_log: Path, *extra: str, steps: int = STEPS) -> lis
 
 def _env() -> dict[str, str]:
     """The test's environment, with the checkout importable and stdout unbuffered."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
-    )
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return child_env({"PYTHONUNBUFFERED": "1"})
 
 
 def _run(command: list[str]) -> list[dict[str, Any]]:

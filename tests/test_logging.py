@@ -6,28 +6,24 @@ import io
 import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.testing import capture_logs
 
-REPO = Path(__file__).resolve().parents[1]
-CHILD = Path(__file__).with_name("logging_child.py")
+CHILD = "logging_child.py"
 CHILD_TIMEOUT_S = 120
 
 
 def _run_child(mode: str, tmp_path: Path, *, stdout: int | None = None
                ) -> tuple[subprocess.CompletedProcess[bytes], str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = tmp_path / "result"
-    proc = subprocess.run([sys.executable, str(CHILD), mode, str(tmp_path / "ckpt"),
-                           str(result)], stdout=subprocess.PIPE if stdout is None else stdout,
-                          stderr=subprocess.PIPE, env=env, cwd=REPO,
-                          timeout=CHILD_TIMEOUT_S, check=False)
+    proc = run_child(CHILD, mode, tmp_path / "ckpt", result, timeout=CHILD_TIMEOUT_S,
+                     stdout=subprocess.PIPE if stdout is None else stdout)
     return proc, result.read_text() if result.exists() else ""
 
 

@@ -1,7 +1,7 @@
 """Power-loss simulation: a storage that knows what survives a power cut, and cuts the power.
 
 ``PowerLossStorage`` is the real ``LocalStorage`` (real files, real ``fsync``) plus a model of
-what is *durable* at every moment, kept from the calls that go through it:
+what is *durable* at every moment (``_model.py``), kept from the calls that go through it:
 
 - a file (an inode of the model, whatever names it has) is durable with its content as of its
   last ``fsync``; every ``pwrite`` since, through any descriptor of that inode (``create_temp``
@@ -10,19 +10,15 @@ what is *durable* at every moment, kept from the calls that go through it:
   created, a name linked or unlinked, a directory made or removed, a rename) is volatile. An
   ``fsync`` of a file does not make its name durable, and a new directory survives only once
   its parent is fsynced (``make_dir`` and ``ensure_root`` do that themselves, and the model
-  sees it). With ``atomic_rename`` (the default, as on ext4, xfs and btrfs) a rename is one
-  change: it survives whole or not at all, and an fsync of either directory makes it durable;
-  without it each side is a change of its own directory;
+  sees it: ``ensure_root``'s directory syncs go through ``LocalStorage._fsync_directory``,
+  which this storage overrides). With ``atomic_rename`` (the default, as on ext4, xfs and
+  btrfs) a rename is one change: it survives whole or not at all, and an fsync of either
+  directory makes it durable; without it each side is a change of its own directory;
 - everything that exists when ``arm()`` is called is durable.
 
 ``cut()`` (or the call chosen at ``arm()``) turns the power off: that call and every later one
 raise ``PowerCut``, so the running program can no longer touch the disk. ``materialize(dest,
-rng)`` then writes one possible disk image after the crash: each directory holds its durable
-entries plus a random subset of the volatile changes made since (each change independently
-kept or lost: no ordering between them is assumed, the adversarial case), and each file in it
-its durable content plus, for each write since its last fsync, the whole write, none of it, or
-some of its 4 KiB pages; its size anywhere between the durable and the current size, the rest
-reading as zeros or as stale garbage. A never-fsynced file may be empty.
+rng)`` then writes one possible disk image after the crash (``_image.py``).
 
 Assumptions and limits: durability is per call (an fsync covers the writes that returned
 before it); reads are not modelled (they see the real, pre-crash files); FIFOs and sockets
@@ -35,23 +31,19 @@ from __future__ import annotations
 
 import contextlib
 import errno as errno_mod
-import itertools
 import os
 import random
-import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import storage as _storage_mod
 from ..errors import StorageError
 from ..storage import FileInfo, LocalStorage
+from ._image import CrashImage, materialize
+from ._model import DirNode, DiskModel, FileNode, VolatileChange, snapshot
 
-__all__ = ("CrashImage", "PowerCut", "PowerLossStorage", "StorageCall", "VolatileChange")
-
-_PAGE = 4096
-_PATCH_LOCK = threading.Lock()
+__all__ = ("PowerCut", "PowerLossStorage", "StorageCall")
 
 
 class PowerCut(StorageError):
@@ -75,91 +67,6 @@ class StorageCall:
     """``threading.get_ident()`` of the calling thread."""
 
 
-@dataclass(frozen=True, slots=True)
-class VolatileChange:
-    """A change not (yet) made durable, as offered to ``materialize(keep=...)``."""
-
-    kind: str
-    """``create``, ``mkdir``, ``link``, ``unlink``, ``rmdir``, ``rename`` or ``write``."""
-    path: str
-    """Relative to the simulated disk (the root, unless ``disk`` was given): the entry
-    changed, the source of a rename, or the file written (the name it was created with)."""
-    target: str = ""
-    """The destination of a rename."""
-    offset: int = 0
-    length: int = 0
-    """For a write: where, and how many bytes."""
-
-
-@dataclass(frozen=True, slots=True)
-class CrashImage:
-    """What ``materialize`` wrote, and how much of the volatile state it kept."""
-
-    disk: Path
-    root: Path
-    """The checkpoint root inside the image (``disk`` itself unless ``disk`` was given)."""
-    keep: float | None
-    """The probability of keeping a volatile change (None: decided by a callable)."""
-    volatile_dir_changes: int
-    kept_dir_changes: int
-    volatile_writes: int
-    kept_writes: int
-    torn_writes: int
-    dropped_writes: int
-    resized_files: int
-    """Files whose size in the image differs from their size before the cut."""
-    files: int
-
-
-_ids = itertools.count(1)
-
-
-class _Node:
-    __slots__ = ("id",)
-
-    def __init__(self) -> None:
-        self.id = next(_ids)
-
-
-class _File(_Node):
-    __slots__ = ("current", "durable", "label", "path", "pending")
-
-    def __init__(self, path: str, label: str, content: bytes = b"") -> None:
-        super().__init__()
-        self.path = path  # relative to the disk, as created
-        self.label = label  # the final name it is written for
-        self.durable = content
-        self.current = bytearray(content)
-        self.pending: list[tuple[int, bytes]] = []
-
-
-class _Symlink(_Node):
-    __slots__ = ("target",)
-
-    def __init__(self, target: str) -> None:
-        super().__init__()
-        self.target = target
-
-
-class _Dir(_Node):
-    __slots__ = ("current", "durable", "pending")
-
-    def __init__(self, entries: dict[str, _Node] | None = None) -> None:
-        super().__init__()
-        self.durable: dict[str, _Node] = dict(entries or {})
-        self.current: dict[str, _Node] = dict(entries or {})
-        self.pending: list[_DirOp] = []
-
-
-@dataclass(eq=False, slots=True)
-class _DirOp:
-    seq: int
-    kind: str
-    changes: list[tuple[_Dir, str, _Node | None]]
-    path: str
-    target: str = ""
-
-
 class PowerLossStorage(LocalStorage):
     """``LocalStorage`` with a model of what is durable, a power switch, and crash images.
 
@@ -181,7 +88,6 @@ class PowerLossStorage(LocalStorage):
         if self.disk != self.root and self.disk not in self.root.parents:
             raise ValueError(f"disk {self.disk} must be the root {self.root} or above it")
         self._root_rel = os.path.relpath(self.root, self.disk) if self.disk != self.root else ""
-        self.atomic_rename = atomic_rename
         self._lock = threading.RLock()
         self._armed = False
         self._cut = False
@@ -189,12 +95,21 @@ class PowerLossStorage(LocalStorage):
         self._cut_if: Callable[[StorageCall], bool] | None = None
         self._index = 0
         self._log: list[StorageCall] = []
-        self._seq = itertools.count(1)
-        self._top = _Dir()
-        self._fds: dict[int, _File] = {}
+        self._model = DiskModel(atomic_rename=atomic_rename)
+        self._fds: dict[int, FileNode] = {}
         self._making: str | None = None
+        self._root_syncs: list[str] | None = None  # directories ensure_root fsyncs, while it runs
         self.cut_call: StorageCall | None = None
         """The call refused first (None when ``cut()`` was called, or before the cut)."""
+
+    @property
+    def atomic_rename(self) -> bool:
+        """Whether a rename is one change of both its directories (see the module)."""
+        return self._model.atomic_rename
+
+    @atomic_rename.setter
+    def atomic_rename(self, value: bool) -> None:
+        self._model.atomic_rename = value
 
     # ------------------------------------------------------------------ control
 
@@ -212,7 +127,7 @@ class PowerLossStorage(LocalStorage):
                 LocalStorage.ensure_root(self)  # the root itself is taken as durable
             if not self.disk.is_dir():
                 raise ValueError(f"the disk {self.disk} must be an existing directory")
-            self._top = _snapshot(str(self.disk), "", {})
+            self._model = DiskModel(snapshot(str(self.disk)), atomic_rename=self.atomic_rename)
             self._fds.clear()
             self._index = 0
             self._log = []
@@ -229,6 +144,7 @@ class PowerLossStorage(LocalStorage):
 
     @property
     def is_cut(self) -> bool:
+        """Whether the power is off."""
         return self._cut
 
     def calls(self) -> list[StorageCall]:
@@ -239,25 +155,7 @@ class PowerLossStorage(LocalStorage):
     def volatile_changes(self) -> list[VolatileChange]:
         """Every change that a crash now could lose: directory changes, then writes."""
         with self._lock:
-            out: list[VolatileChange] = []
-            seen: set[int] = set()
-            files: dict[int, _File] = {}
-            for d in self._all_dirs():
-                for op in d.pending:
-                    if op.seq not in seen:
-                        seen.add(op.seq)
-                        out.append(_change(op))
-                for node in d.current.values():
-                    if isinstance(node, _File):
-                        files[node.id] = node
-            for f in self._fds.values():
-                files[f.id] = f
-            for f in files.values():
-                out.extend(VolatileChange("write", f.path, offset=o, length=len(b))
-                           for o, b in f.pending)
-            return out
-
-    # ------------------------------------------------------------------ the crash image
+            return self._model.volatile_changes(self._fds.values())
 
     def materialize(self, dest: str | os.PathLike[str], rng: random.Random | None = None, *,
                     keep: float | Callable[[VolatileChange], bool] | None = None) -> CrashImage:
@@ -275,8 +173,8 @@ class PowerLossStorage(LocalStorage):
             r = rng.random()
             keep = 0.0 if r < 0.15 else 1.0 if r < 0.3 else rng.random()
         with self._lock:
-            return _Materializer(self, Path(os.path.abspath(os.fspath(dest))), rng,
-                                 keep).run()
+            return materialize(self._model, self._root_rel,
+                               Path(os.path.abspath(os.fspath(dest))), rng, keep)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -297,99 +195,44 @@ class PowerLossStorage(LocalStorage):
         self._log.append(call)
 
     def _power_off(self, kind: str, path: str) -> PowerCut:
-        err = PowerCut(f"{kind} failed: the power is off (simulated power cut)",
-                       path=path if path.startswith("<") else self._path(path),
-                       errno=errno_mod.EIO)
-        return err
+        return PowerCut(f"{kind} failed: the power is off (simulated power cut)",
+                        path=path if path.startswith("<") else self._path(path),
+                        errno=errno_mod.EIO)
 
     def _disk_rel(self, rel: str) -> str:
         return os.path.normpath(os.path.join(self._root_rel, rel)) if (self._root_rel or rel) \
             else ""
 
-    def _node_at(self, disk_rel: str) -> _Node | None:
-        node: _Node = self._top
-        for part in (p for p in disk_rel.split(os.sep) if p and p != "."):
-            if not isinstance(node, _Dir) or part not in node.current:
-                return None
-            node = node.current[part]
-        return node
-
-    def _dir_at(self, disk_rel: str) -> _Dir:
-        node = self._node_at(disk_rel)
-        if not isinstance(node, _Dir):
-            raise RuntimeError(f"the power-loss model has no directory {disk_rel!r}: was the "
-                               "disk changed behind the storage's back?")
-        return node
-
-    def _split(self, rel: str) -> tuple[_Dir, str, str]:
+    def _split(self, rel: str) -> tuple[DirNode, str, str]:
         """(model directory, name, disk-relative path) of a root-relative path."""
         disk_rel = self._disk_rel(rel)
-        return self._dir_at(os.path.dirname(disk_rel)), os.path.basename(disk_rel), disk_rel
+        return (self._model.dir_at(os.path.dirname(disk_rel)), os.path.basename(disk_rel),
+                disk_rel)
 
-    def _record(self, kind: str, changes: list[tuple[_Dir, str, _Node | None]], path: str,
-                target: str = "") -> None:
-        op = _DirOp(next(self._seq), kind, changes, path, target)
-        for d, name, node in changes:
-            if node is None:
-                d.current.pop(name, None)
-            else:
-                d.current[name] = node
-            if not d.pending or d.pending[-1] is not op:
-                d.pending.append(op)
-
-    def _sync_dir(self, d: _Dir) -> None:
-        """fsync of a directory: every change made in it so far is durable."""
-        self._make_durable(d, len(d.pending))
-
-    def _make_durable(self, d: _Dir, count: int) -> None:
-        """The first ``count`` pending changes of ``d`` become durable, in order.
-
-        With atomic renames, a rename made durable here is durable in its other directory
-        too, and so is everything before it there (a journal commits in order).
-        """
-        ops = d.pending[:count]
-        del d.pending[:count]
-        for op in ops:
-            for dd, name, node in op.changes:
-                if dd is d:
-                    if node is None:
-                        d.durable.pop(name, None)
-                    else:
-                        d.durable[name] = node
-            if not self.atomic_rename:
-                continue
-            for dd, _name, _node in op.changes:
-                index = next((i for i, p in enumerate(dd.pending) if p is op), None)
-                if dd is not d and index is not None:
-                    self._make_durable(dd, index + 1)
-
-    def _all_dirs(self) -> Iterator[_Dir]:
-        seen: set[int] = set()
-        stack: list[_Dir] = [self._top]
-        while stack:
-            d = stack.pop()
-            if d.id in seen:
-                continue
-            seen.add(d.id)
-            yield d
-            for entries in (d.current, d.durable):
-                stack.extend(n for n in entries.values() if isinstance(n, _Dir))
-            for op in d.pending:
-                stack.extend(n for _d, _name, n in op.changes if isinstance(n, _Dir))
+    def _fd_path(self, node: FileNode | None, fd: int) -> str:
+        """The root-relative path a call on a descriptor is about (as the file was created)."""
+        if node is None:
+            return f"<fd {fd}>"
+        return os.path.relpath(node.path, self._root_rel) if self._root_rel else node.path
 
     def _note_mkdir(self, rel: str) -> None:
         parent, name, disk_rel = self._split(rel)
         if name not in parent.current and os.path.isdir(self._path(rel)) \
                 and not os.path.islink(self._path(rel)):
-            self._record("mkdir", [(parent, name, _Dir())], disk_rel)
+            self._model.record("mkdir", [(parent, name, DirNode())], disk_rel)
 
     def _note_removed(self, kind: str, rel: str) -> None:
         disk_rel = self._disk_rel(rel)
-        parent = self._node_at(os.path.dirname(disk_rel))
+        parent = self._model.node_at(os.path.dirname(disk_rel))
         name = os.path.basename(disk_rel)
-        if isinstance(parent, _Dir) and name in parent.current \
+        if isinstance(parent, DirNode) and name in parent.current \
                 and not os.path.lexists(self._path(rel)):
-            self._record(kind, [(parent, name, None)], disk_rel)
+            self._model.record(kind, [(parent, name, None)], disk_rel)
+
+    def _fsync_directory(self, path: str) -> None:
+        super()._fsync_directory(path)
+        if self._root_syncs is not None:  # ensure_root's: modelled once it is done
+            self._root_syncs.append(os.path.abspath(path))
 
     # ------------------------------------------------------------------ the Storage calls
 
@@ -403,23 +246,24 @@ class PowerLossStorage(LocalStorage):
             missing = [p for p in reversed(chain[:chain.index(self.disk)])
                        if not os.path.lexists(p)]
             synced: list[str] = []
+            self._root_syncs = synced
             try:
-                with _observe_dir_syncs(synced):
-                    super().ensure_root()
+                super().ensure_root()
             finally:
+                self._root_syncs = None
                 for made in missing:  # parents first
                     if os.path.isdir(made):
                         rel = os.path.relpath(made, self.disk)
-                        parent = self._dir_at(os.path.dirname(rel))
+                        parent = self._model.dir_at(os.path.dirname(rel))
                         if os.path.basename(rel) not in parent.current:
-                            self._record("mkdir", [(parent, os.path.basename(rel), _Dir())],
-                                         rel)
+                            self._model.record("mkdir", [(parent, os.path.basename(rel),
+                                                          DirNode())], rel)
                 for path in synced:
-                    node = (self._node_at(os.path.relpath(path, self.disk))
+                    node = (self._model.node_at(os.path.relpath(path, self.disk))
                             if Path(path) == self.disk or self.disk in Path(path).parents
                             else None)
-                    if isinstance(node, _Dir):
-                        self._sync_dir(node)
+                    if isinstance(node, DirNode):
+                        self._model.sync_dir(node)
 
     def make_dir(self, rel: str) -> None:
         with self._lock:
@@ -445,50 +289,44 @@ class PowerLossStorage(LocalStorage):
             fd, name = super().create_temp(rel_dir, final_name)
             if self._armed:
                 parent, _, disk_rel = self._split(os.path.join(rel_dir, name))
-                node = _File(disk_rel, final_name)
-                self._record("create", [(parent, name, node)], disk_rel)
+                node = FileNode(disk_rel, final_name)
+                self._model.record("create", [(parent, name, node)], disk_rel)
                 self._fds[fd] = node
             return fd, name
 
     def open_direct(self, rel_dir: str, temp_name: str) -> int | None:
         with self._lock:
             rel = os.path.join(rel_dir, temp_name)
-            node = self._node_at(self._disk_rel(rel)) if self._armed else None
-            self._begin("open_direct", rel, node.label if isinstance(node, _File) else "")
+            node = self._model.node_at(self._disk_rel(rel)) if self._armed else None
+            self._begin("open_direct", rel, node.label if isinstance(node, FileNode) else "")
             fd = super().open_direct(rel_dir, temp_name)
-            if fd is not None and isinstance(node, _File):
+            if fd is not None and isinstance(node, FileNode):
                 self._fds[fd] = node  # the same inode as the create_temp descriptor
             return fd
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
         with self._lock:
             node = self._fds.get(fd)
-            self._begin("pwrite", _call_path(self, node, fd), node.label if node else "")
+            self._begin("pwrite", self._fd_path(node, fd), node.label if node else "")
             try:
                 super().pwrite(fd, data, offset)
             finally:
                 if node is not None:
-                    raw = data.tobytes()
-                    end = offset + len(raw)
-                    if len(node.current) < offset:
-                        node.current.extend(bytes(offset - len(node.current)))
-                    node.current[offset:end] = raw
-                    node.pending.append((offset, raw))
+                    node.write(offset, data.tobytes())
 
     def fsync(self, fd: int) -> None:
         with self._lock:
             node = self._fds.get(fd)
-            self._begin("fsync", _call_path(self, node, fd), node.label if node else "")
+            self._begin("fsync", self._fd_path(node, fd), node.label if node else "")
             super().fsync(fd)
             if node is not None:
-                node.durable = bytes(node.current)
-                node.pending.clear()
+                node.sync()
 
     def close(self, fd: int) -> None:
         with self._lock:
             node = self._fds.pop(fd, None)
             try:
-                self._begin("close", _call_path(self, node, fd), node.label if node else "")
+                self._begin("close", self._fd_path(node, fd), node.label if node else "")
             except PowerCut:
                 with contextlib.suppress(OSError):
                     os.close(fd)  # the process goes on: its descriptor must not leak
@@ -502,13 +340,13 @@ class PowerLossStorage(LocalStorage):
                 super().publish(rel_dir, temp_name, final_name)
             finally:
                 dir_rel = self._disk_rel(rel_dir)
-                d = self._node_at(dir_rel) if self._armed else None
-                node = d.current.get(temp_name) if isinstance(d, _Dir) else None
-                if isinstance(d, _Dir) and node is not None:
+                d = self._model.node_at(dir_rel) if self._armed else None
+                node = d.current.get(temp_name) if isinstance(d, DirNode) else None
+                if isinstance(d, DirNode) and node is not None:
                     if final_name not in d.current and \
                             os.path.lexists(self._path(os.path.join(rel_dir, final_name))):
-                        self._record("link", [(d, final_name, node)],
-                                     os.path.join(dir_rel, final_name))
+                        self._model.record("link", [(d, final_name, node)],
+                                           os.path.join(dir_rel, final_name))
                     self._note_removed("unlink", os.path.join(rel_dir, temp_name))
 
     def fsync_dir(self, rel: str) -> None:
@@ -518,7 +356,7 @@ class PowerLossStorage(LocalStorage):
             self._begin("fsync_dir", rel)
             super().fsync_dir(rel)
             if self._armed:
-                self._sync_dir(self._dir_at(self._disk_rel(rel)))
+                self._model.sync_dir(self._model.dir_at(self._disk_rel(rel)))
 
     def open_read(self, rel: str, expected_size: int | None = None) -> tuple[int, int]:
         with self._lock:
@@ -561,200 +399,11 @@ class PowerLossStorage(LocalStorage):
                     dst_dir, dst_name, dst_rel = self._split(rel_dst)
                     node = src_dir.current.get(src_name)
                     if node is not None:
-                        self._record("rename", [(src_dir, src_name, None),
-                                                (dst_dir, dst_name, node)], src_rel, dst_rel)
+                        self._model.record("rename", [(src_dir, src_name, None),
+                                                      (dst_dir, dst_name, node)],
+                                           src_rel, dst_rel)
 
     def free_bytes(self) -> int:
         with self._lock:
             self._begin("free_bytes", "")
         return super().free_bytes()
-
-
-def _call_path(storage: PowerLossStorage, node: _File | None, fd: int) -> str:
-    if node is None:
-        return f"<fd {fd}>"
-    if storage._root_rel:
-        return os.path.relpath(node.path, storage._root_rel)
-    return node.path
-
-
-def _change(op: _DirOp) -> VolatileChange:
-    return VolatileChange(op.kind, op.path, op.target)
-
-
-def _snapshot(path: str, rel: str, inodes: dict[tuple[int, int], _Node]) -> _Dir:
-    """The model of what is on disk now, all of it durable (hard links share one inode)."""
-    entries: dict[str, _Node] = {}
-    with os.scandir(path) as it:
-        for entry in sorted(it, key=lambda e: e.name):
-            st = entry.stat(follow_symlinks=False)
-            child_rel = os.path.join(rel, entry.name)
-            key = (st.st_dev, st.st_ino)
-            if stat.S_ISDIR(st.st_mode):
-                entries[entry.name] = _snapshot(entry.path, child_rel, inodes)
-            elif key in inodes:
-                entries[entry.name] = inodes[key]
-            elif stat.S_ISREG(st.st_mode):
-                with open(entry.path, "rb") as f:
-                    inodes[key] = entries[entry.name] = _File(child_rel, entry.name, f.read())
-            elif stat.S_ISLNK(st.st_mode):
-                inodes[key] = entries[entry.name] = _Symlink(os.readlink(entry.path))
-    return _Dir(entries)
-
-
-@contextlib.contextmanager
-def _observe_dir_syncs(out: list[str]) -> Iterator[None]:
-    """Record the directories that LocalStorage fsyncs directly (``ensure_root``)."""
-    me = threading.get_ident()
-    with _PATCH_LOCK:
-        original = _storage_mod._fsync_dir_path
-
-        def observed(path: str) -> None:
-            original(path)
-            if threading.get_ident() == me:
-                out.append(os.path.abspath(path))
-
-        _storage_mod._fsync_dir_path = observed
-        try:
-            yield
-        finally:
-            _storage_mod._fsync_dir_path = original
-
-
-class _Materializer:
-    """One walk of the model, writing one possible post-crash image."""
-
-    def __init__(self, storage: PowerLossStorage, dest: Path, rng: random.Random,
-                 keep: float | Callable[[VolatileChange], bool]) -> None:
-        self.storage = storage
-        self.dest = dest
-        self.rng = rng
-        self.keep = keep
-        self.decisions: dict[object, bool] = {}
-        self.written: dict[int, str] = {}
-        self.dirs_done: set[int] = set()
-        self.counts = dict.fromkeys(("dir", "dir_kept", "writes", "kept", "torn", "dropped",
-                                     "resized", "files"), 0)
-
-    def run(self) -> CrashImage:
-        if self.dest.exists() and any(self.dest.iterdir()):
-            raise ValueError(f"{self.dest} must be a new or empty directory")
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        self._dir(self.storage._top, str(self.dest), "")
-        c = self.counts
-        return CrashImage(
-            disk=self.dest, root=self.dest / self.storage._root_rel if self.storage._root_rel
-            else self.dest, keep=self.keep if isinstance(self.keep, float) else None,
-            volatile_dir_changes=c["dir"], kept_dir_changes=c["dir_kept"],
-            volatile_writes=c["writes"], kept_writes=c["kept"], torn_writes=c["torn"],
-            dropped_writes=c["dropped"], resized_files=c["resized"], files=c["files"])
-
-    def _decide(self, key: object, change: VolatileChange) -> bool:
-        if key not in self.decisions:
-            self.decisions[key] = (self.keep(change) if callable(self.keep)
-                                   else self.rng.random() < self.keep)
-        return self.decisions[key]
-
-    def _entries(self, d: _Dir) -> dict[str, _Node]:
-        entries = dict(d.durable)
-        for op in d.pending:
-            key: object = op.seq if self.storage.atomic_rename else (op.seq, d.id)
-            fresh = key not in self.decisions
-            kept = self._decide(key, _change(op))
-            if fresh:
-                self.counts["dir"] += 1
-                self.counts["dir_kept"] += kept
-            if kept:
-                for dd, name, node in op.changes:
-                    if dd is d:
-                        if node is None:
-                            entries.pop(name, None)
-                        else:
-                            entries[name] = node
-        return entries
-
-    def _dir(self, d: _Dir, path: str, rel: str) -> None:
-        self.dirs_done.add(d.id)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        for name, node in sorted(self._entries(d).items()):
-            target = os.path.join(path, name)
-            if isinstance(node, _Dir):
-                if node.id not in self.dirs_done:  # reachable twice only without atomic renames
-                    self._dir(node, target, os.path.join(rel, name))
-            elif isinstance(node, _Symlink):
-                os.symlink(node.target, target)
-            elif isinstance(node, _File):
-                if node.id in self.written:
-                    os.link(self.written[node.id], target)
-                    continue
-                data = self._content(node)
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                finally:
-                    os.close(fd)
-                self.written[node.id] = target
-                self.counts["files"] += 1
-
-    def _content(self, f: _File) -> bytes:
-        if not f.pending:
-            return f.durable
-        self.counts["writes"] += len(f.pending)
-        keep, rng = self.keep, self.rng
-        if not callable(keep) and keep >= 1.0:
-            self.counts["kept"] += len(f.pending)
-            return bytes(f.current)
-        if not callable(keep) and keep <= 0.0:
-            self.counts["dropped"] += len(f.pending)
-            self.counts["resized"] += len(f.durable) != len(f.current)
-            return f.durable
-        junk = not callable(keep) and rng.random() < 0.25  # stale blocks instead of zeros
-        img = bytearray(f.durable)
-        end = len(img)
-
-        def put(offset: int, data: bytes) -> None:
-            nonlocal end
-            if len(img) < offset:
-                img.extend(rng.randbytes(offset - len(img)) if junk else bytes(offset - len(img)))
-            img[offset:offset + len(data)] = data
-            end = max(end, offset + len(data))
-
-        for offset, data in f.pending:
-            if callable(keep):
-                if keep(VolatileChange("write", f.path, offset=offset, length=len(data))):
-                    put(offset, data)
-                    self.counts["kept"] += 1
-                else:
-                    self.counts["dropped"] += 1
-                continue
-            r = rng.random()
-            if r < keep:
-                put(offset, data)
-                self.counts["kept"] += 1
-            elif rng.random() < 0.5:
-                self.counts["dropped"] += 1
-            else:  # torn: some of its pages reach the disk, the last one maybe in part
-                self.counts["torn"] += 1
-                bounds = sorted({offset, offset + len(data),
-                                 *range((offset // _PAGE + 1) * _PAGE, offset + len(data),
-                                        _PAGE)})
-                pieces = list(itertools.pairwise(bounds))
-                if len(pieces) == 1:
-                    cut = rng.randrange(len(data)) if len(data) > 1 else 0
-                    pieces = [(offset, offset + cut)] if cut else []
-                for lo, hi in pieces:
-                    if len(pieces) == 1 or rng.random() < 0.5:
-                        put(lo, data[lo - offset:hi - offset])
-        if callable(keep):
-            size = max(len(f.durable), end)
-        else:  # the size is metadata of its own: anything from durable to current
-            lo, hi = len(f.durable), len(f.current)
-            r = rng.random()
-            size = lo if r < 1 / 3 else hi if r < 2 / 3 else rng.randint(lo, hi)
-        if len(img) < size:
-            img.extend(rng.randbytes(size - len(img)) if junk else bytes(size - len(img)))
-        del img[size:]
-        self.counts["resized"] += len(img) != len(f.current)
-        return bytes(img)

@@ -1,7 +1,7 @@
 """One job per checkpoint root and rank: the lock a pipeline takes at open (``_rootlock``).
 
-The other process of each test is ``tests/lock_child.py``; it reports on one JSON line of
-stdout once it holds (or failed to take) the lock, so no test sleeps to synchronise. Every
+The other process of each test is ``tests/children/lock_child.py``; it reports on one JSON line
+of stdout once it holds (or failed to take) the lock, so no test sleeps to synchronise. Every
 wait on a child is bounded (``CHILD_TIMEOUT_S``).
 """
 
@@ -15,7 +15,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import child_script, spawn_child
+from conftest import run_child as run_script
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.names import (
@@ -35,22 +36,14 @@ from ckpt_pipeline._pipeline import rootlock as _rootlock
 from ckpt_pipeline._pipeline.rootlock import RootLock
 from ckpt_pipeline.errors import RootInUseError, UnsafeRootError
 
-REPO = Path(__file__).resolve().parents[1]
-CHILD_SCRIPT = Path(__file__).with_name("lock_child.py")
+CHILD_SCRIPT = child_script("lock_child.py")
 CHILD_TIMEOUT_S = 120.0  # a child imports torch first: seconds on a loaded machine
 LOCK0 = ".lock-rank-00000"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def run_child(*args: str) -> dict[str, Any]:
     """Run a child that reports and exits; return its report."""
-    done = subprocess.run([sys.executable, str(CHILD_SCRIPT), *args], capture_output=True,
-                          cwd=REPO, env=_env(), timeout=CHILD_TIMEOUT_S, check=False)
+    done = run_script(CHILD_SCRIPT, *args, timeout=CHILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     lines = done.stdout.decode().splitlines()
     assert len(lines) == 1, (lines, done.stderr.decode(errors="replace"))
@@ -62,10 +55,8 @@ class Holder:
     """A child that holds the lock until its stdin is closed or it is killed."""
 
     def __init__(self, *args: str, stderr_path: Path) -> None:
-        with stderr_path.open("wb") as stderr:
-            self.process = subprocess.Popen(
-                [sys.executable, str(CHILD_SCRIPT), *args], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=stderr, cwd=REPO, env=_env())
+        self.process = spawn_child(CHILD_SCRIPT, *args, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=stderr_path)
         self.stderr_path = stderr_path
 
     def report(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Several processes on one shared root at once: writer ranks pruning, readers scanning.
 
-The writers are the ranks of a real gloo world (``tests/concurrent_child.py writer``): their
-commit votes and confirmations go between the processes, and each prunes its own files of the
+The writers are the ranks of a real gloo world (``tests/children/concurrent_child.py writer``):
+their commit votes and confirmations go between the processes, and each prunes its own files of the
 shared step directories with ``keep_last=1`` (or 2) while the other rank prunes, saves or
 scrubs. The readers (``concurrent_child.py reader``) scan the same root all along, with the
 recovery functions and with ``ckpt-pipeline ls --json`` / ``verify --json``, and check at every
@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from contextlib import redirect_stdout
@@ -29,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import load_script
+from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import cli
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.testing import CRASH_ENV
 
-CHILD = Path(__file__).with_name("concurrent_child.py")
+CHILD = child_script("concurrent_child.py")
 DEADLINE_S = 100.0
 WORLD = 2
 TEMP_FILE = re.compile(r"^\.rank-[0-9]{5,}\.(shard|manifest|commit)\.tmp-")
@@ -59,14 +58,10 @@ class Processes:
 
     def start(self, role: str, name: str, *args: str,
               env: dict[str, str] | None = None) -> None:
-        full_env = dict(os.environ)
-        full_env.pop(CRASH_ENV, None)
-        full_env.update(env or {})
-        with open(self.logs / f"{name}.log", "wb") as log:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, str(CHILD), role, "--root", str(self.root), "--ctl",
-                 str(self.ctl), "--name", name, "--world", str(WORLD), *args],
-                stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        self.procs[name] = spawn_child(
+            CHILD, role, "--root", self.root, "--ctl", self.ctl, "--name", name,
+            "--world", WORLD, *args, env=env, stdout=self.logs / f"{name}.log",
+            stderr=subprocess.STDOUT)
 
     def writer(self, name: str, rank: int, init: str, first: int, last: int,
                *args: str, env: dict[str, str] | None = None) -> None:

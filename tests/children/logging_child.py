@@ -1,6 +1,6 @@
 """A training process with one kind of logging set-up, for ``tests/test_logging.py``.
 
-Usage: ``python tests/logging_child.py MODE ROOT RESULT``. It saves steps 1..5 (waiting for
+Usage: ``python tests/children/logging_child.py MODE ROOT RESULT``. It saves steps 1..5 (waiting for
 each commit) and restores once, then writes ``ok <latest step>`` to RESULT. Modes:
 
 - ``silent``: no logging configured at all (the library must print nothing);

@@ -1,7 +1,7 @@
 """Several ranks on real gloo process groups: agreed commits, agreed restores, dead or stuck ranks.
 
-Each test launches one process per rank (``tests/dist_worker.py``) with the environment that
-``torchrun`` would set, on a fresh port, and reads the JSON each rank writes. Between launches
+Each test launches one process per rank (``tests/children/dist_worker.py``) with the environment
+that ``torchrun`` would set, on a fresh port, and reads the JSON each rank writes. Between launches
 the test changes files on disk the way a failure would. A launch that does not finish by its
 deadline is killed and fails the test. Every launch costs each rank an import of torch, so a
 few launches (a finished save, in one or more roots) are shared by the tests that start from it;
@@ -11,25 +11,22 @@ each test works on its own copy.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import load_script
+from conftest import child_script, load_script, spawn_child
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER_SCRIPT = Path(__file__).with_name("dist_worker.py")
+WORKER_SCRIPT = child_script("dist_worker.py")
 
 LAUNCH_DEADLINE_S = 90.0
 WORKER_MAX_S = 75.0
@@ -65,23 +62,19 @@ class Ranks:
         logs.mkdir(parents=True, exist_ok=True)
         self.logs = logs
         self.started = time.monotonic()
-        env = dict(os.environ)
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                   WORLD_SIZE=str(world_size),
-                   PYTHONPATH=os.pathsep.join(
-                       p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
-        command = [sys.executable, str(WORKER_SCRIPT), scenario, "--phase", ",".join(phases),
-                   "--root", str(root), "--coordination-timeout", str(coordination_timeout),
-                   "--max-seconds", str(WORKER_MAX_S)]
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "WORLD_SIZE": str(world_size)}
+        args = [scenario, "--phase", ",".join(phases), "--root", str(root),
+                "--coordination-timeout", str(coordination_timeout),
+                "--max-seconds", str(WORKER_MAX_S)]
         if shared:
-            command.append("--shared")
+            args.append("--shared")
         self.processes: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(world_size):
-                with self._log(rank).open("wb") as log:
-                    self.processes.append(subprocess.Popen(
-                        [*command, "--out", str(self._out(rank))], stdout=log,
-                        stderr=subprocess.STDOUT, cwd=REPO, env={**env, "RANK": str(rank)}))
+                self.processes.append(spawn_child(
+                    WORKER_SCRIPT, *args, "--out", self._out(rank), stdout=self._log(rank),
+                    stderr=subprocess.STDOUT, env={**env, "RANK": str(rank)}))
         except BaseException:
             self.kill()
             raise

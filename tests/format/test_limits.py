@@ -333,7 +333,7 @@ def chunk_at(root: Path, mp: pytest.MonkeyPatch) -> None:
 
 # --------------------------------------------------------------------------- dtensor_layout
 # A DTensor needs a process group; the layout check is called directly, on a flat state
-# holding the layout a DTensor would have given (tests/test_fsdp.py saves real ones).
+# holding the layout a DTensor would have given (tests/coordination/test_fsdp.py saves real ones).
 
 
 def _flat_with(layout: DistLayout) -> FlatState:

@@ -1,11 +1,12 @@
-"""The other process of ``tests/test_root_lock.py``: it opens, holds or forks a root's lock.
+"""The other process of ``tests/pipeline/test_root_lock.py``: it opens, holds or forks a root's
+lock.
 
-Usage::
+Usage (the script is ``tests/children/lock_child.py``)::
 
-    python tests/lock_child.py open ROOT        # try to open a CheckpointPipeline; report; exit
-    python tests/lock_child.py acquire ROOT RANK  # try RootLock.acquire; report; release; exit
-    python tests/lock_child.py hold ROOT        # open a CheckpointPipeline; report; hold it
-    python tests/lock_child.py fork-hold ROOT   # acquire rank 0, fork a child; report; hold
+    python lock_child.py open ROOT        # try to open a CheckpointPipeline; report; exit
+    python lock_child.py acquire ROOT RANK  # try RootLock.acquire; report; release; exit
+    python lock_child.py hold ROOT        # open a CheckpointPipeline; report; hold it
+    python lock_child.py fork-hold ROOT   # acquire rank 0, fork a child; report; hold
 
 Every mode writes one JSON line on stdout: ``{"ok": true, "pid": ...}`` on success, else
 ``{"ok": false, "error": class name, "message": str(error), "rank": ..., "path": ...}``. The

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import GatedStorage
 
 import ckpt_pipeline as cp
+from ckpt_pipeline.testing import GatedStorage
 
 
 @pytest.mark.timeout(120)

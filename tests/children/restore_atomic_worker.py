@@ -1,9 +1,9 @@
-"""One rank of the multi-process tests in ``tests/test_restore_atomic.py``.
+"""One rank of the multi-process tests in ``tests/restore/test_restore_atomic.py``.
 
 Usage (one process per rank, the environment set as ``torchrun`` would set it)::
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
-        python tests/restore_atomic_worker.py SCENARIO --root ROOT --out OUT.json
+        python tests/children/restore_atomic_worker.py SCENARIO --root ROOT --out OUT.json
 
 It joins a gloo process group; rank r uses ``ROOT/rank-r``. Scenarios:
 

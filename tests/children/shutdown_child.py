@@ -1,8 +1,8 @@
-"""The process that ``tests/test_shutdown.py`` ends in every way a training process ends.
+"""The process that ``tests/pipeline/test_shutdown.py`` ends in every way a training process ends.
 
 Usage::
 
-    python tests/shutdown_child.py '{"case": "sigint", "root": "...", "fsync_delay": 1.0}'
+    python tests/children/shutdown_child.py '{"case": "sigint", "root": "...", "fsync_delay": 1.0}'
 
 The orders (one JSON argument): ``case`` (below), ``root``, ``fsync_delay`` and optionally
 ``exit_timeout`` (``CheckpointPipeline(exit_timeout_s=...)``) and ``sigterm_handler``.

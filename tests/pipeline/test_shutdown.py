@@ -1,12 +1,13 @@
 """Shutdown with saves in flight: every way a training process ends, in real child processes.
 
-Each child (``tests/shutdown_child.py``) commits step ``ACKED``, then saves step ``IN_FLIGHT``
-on a disk whose shard fsync is slow (a real fsync after a sleep), and ends while that save
-is in its fsync: leaving the ``with`` block, raising in it, exiting without ``close()``,
-SIGINT once, SIGINT twice, SIGTERM, SIGKILL, or (async) a cancellation. Then the test opens a
-fresh pipeline on the root and restores: the step must be the one the semantics promise, with
-exactly that step's tensors and TrainState; nothing may have looked complete that was not
-(no rejected step, no commit record without its data), and no temporary survives the open.
+Each child (``tests/children/shutdown_child.py``) commits step ``ACKED``, then saves step
+``IN_FLIGHT`` on a disk whose shard fsync is slow (a real fsync after a sleep), and ends while
+that save is in its fsync: leaving the ``with`` block, raising in it, exiting without
+``close()``, SIGINT once, SIGINT twice, SIGTERM, SIGKILL, or (async) a cancellation. Then the
+test opens a fresh pipeline on the root and restores: the step must be the one the semantics
+promise, with exactly that step's tensors and TrainState; nothing may have looked complete that
+was not (no rejected step, no commit record without its data), and no temporary survives the
+open.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,14 +29,12 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from conftest import load_script
-from faults import GatedStorage
+from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
-from ckpt_pipeline.testing import capture_logs
+from ckpt_pipeline.testing import GatedStorage, capture_logs
 
-REPO = Path(__file__).resolve().parents[1]
-CHILD_SCRIPT = Path(__file__).with_name("shutdown_child.py")
+CHILD_SCRIPT = child_script("shutdown_child.py")
 DEADLINE_S = 60.0
 SLOW_S = 1.0
 """fsync delay where the save must finish: close() visibly waits for it."""
@@ -63,15 +61,11 @@ class _Child:
     """One child process, started with its orders (it imports torch first)."""
 
     def __init__(self, name: str, base: Path, orders: dict[str, Any]) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         self.root = Path(orders["root"])
         self.out_path, self.err_path = base / f"{name}.out", base / f"{name}.err"
-        with self.out_path.open("wb") as out, self.err_path.open("wb") as err:
-            self.process = subprocess.Popen(
-                [sys.executable, "-u", str(CHILD_SCRIPT), json.dumps(orders)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=REPO, env=env)
+        self.process = spawn_child(CHILD_SCRIPT, json.dumps(orders), unbuffered=True,
+                                   stdin=subprocess.DEVNULL, stdout=self.out_path,
+                                   stderr=self.err_path)
 
     def lines(self) -> list[str]:
         return self.out_path.read_text(errors="replace").splitlines()

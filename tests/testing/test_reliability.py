@@ -10,14 +10,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import _crash
@@ -25,7 +24,7 @@ from ckpt_pipeline._crash import parse_crash_at
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.testing import CRASH_ENV, CRASH_POINTS, Fault, FaultyStorage
 
-CHILD = Path(__file__).with_name("crash_point_child.py")
+CHILD = child_script("crash_point_child.py")
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -195,10 +194,8 @@ def test_a_crash_point_fires_at_the_nth_hit_of_its_label_counted_across_threads(
 
 
 def _spawn(root: Path, armed: str, *args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    env[CRASH_ENV] = armed
-    return subprocess.Popen([sys.executable, str(CHILD), str(root), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return spawn_child(CHILD, root, *args, env={CRASH_ENV: armed}, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(proc: subprocess.Popen[str], what: str) -> None:

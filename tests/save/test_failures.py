@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import FailingStorage, GatedStorage
 
 import ckpt_pipeline as cp
+from ckpt_pipeline.testing import Fault, FaultyStorage, GatedStorage
+
+FAULTS = {"pwrite": Fault("pwrite", 1, errno.EIO), "fsync": Fault("fsync", 1, errno.EIO),
+          "publish": Fault("publish", 1, errno.EIO),
+          "publish_commit": Fault("publish", 1, errno.EIO, name=".commit")}
+"""The first call of a kind after arming fails (``publish_commit``: of a commit record)."""
 
 
 def _files(root: Path) -> list[str]:
@@ -20,17 +25,17 @@ def _files(root: Path) -> list[str]:
 @pytest.mark.parametrize("call", ["pwrite", "fsync", "publish", "publish_commit"])
 def test_io_failure_fails_the_save_and_keeps_the_previous_checkpoint(root: Path,
                                                                       call: str) -> None:
-    storage = FailingStorage(root, call, errno.EIO)
+    storage = FaultyStorage(root)
     events: list[cp.Event] = []
     with cp.CheckpointPipeline(root, storage=storage) as pipe:
         pipe.subscribe(events.append)
         pipe.save(1, {"w": torch.full((100,), 1.0)}).result(30)
         before = _files(root)
-        storage.armed = True
+        storage.arm(FAULTS[call])
         handle = pipe.save(2, {"w": torch.full((100,), 2.0)})
         with pytest.raises(cp.StorageError) as info:
             handle.result(30)
-        storage.armed = False
+        storage.disarm()
         assert info.value.step == 2
         assert _files(root) == before, "no temporaries or partial files remain"
         failed = [e for e in events if isinstance(e, cp.SaveFailed)]
@@ -43,10 +48,10 @@ def test_io_failure_fails_the_save_and_keeps_the_previous_checkpoint(root: Path,
 
 
 def test_too_little_free_space_fails_the_save_before_writing(root: Path) -> None:
-    storage = FailingStorage(root, "free_bytes")
+    storage = FaultyStorage(root)
     with cp.CheckpointPipeline(root, storage=storage) as pipe:
         pipe.save(1, {"w": torch.ones(10)}).result(30)
-        storage.armed = True
+        storage.arm(Fault("free_bytes", 1, errno.ENOSPC))  # the disk reports itself full
         with pytest.raises(cp.StorageError, match="not enough free space") as info:
             pipe.save(2, {"w": torch.ones(10)}).result(30)
     assert info.value.step == 2 and info.value.rank == 0
@@ -54,9 +59,9 @@ def test_too_little_free_space_fails_the_save_before_writing(root: Path) -> None
 
 
 def test_wait_raises_the_failure_of_a_pending_save(root: Path) -> None:
-    storage = FailingStorage(root, "fsync")
+    storage = FaultyStorage(root)
     with cp.CheckpointPipeline(root, storage=storage) as pipe:
-        storage.armed = True
+        storage.arm(Fault("fsync", 1, errno.EIO))
         pipe.save(1, {"w": torch.ones(10)})
         with pytest.raises(cp.StorageError):
             pipe.wait(30)

@@ -1,4 +1,5 @@
-"""The processes of ``tests/test_concurrent.py``: writer ranks and readers on one shared root.
+"""The processes of ``tests/reliability/test_concurrent.py``: writer ranks and readers on one
+shared root.
 
 Usage::
 

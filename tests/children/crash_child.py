@@ -1,8 +1,9 @@
-"""The process that ``tests/test_crash.py`` kills: it saves checkpoints in a loop until SIGKILL.
+"""The process that ``tests/reliability/test_crash.py`` kills: it saves checkpoints in a loop
+until SIGKILL.
 
 Usage::
 
-    python tests/crash_child.py ROOT --ack FILE [--trace FILE] [--start-step N]
+    python tests/children/crash_child.py ROOT --ack FILE [--trace FILE] [--start-step N]
 
 It opens ``CheckpointPipeline(ROOT, keep_last=2)``, restores the newest checkpoint (which must
 be step ``N - 1``, or nothing when ``N`` is 1), then saves steps ``N, N+1, ...`` with every

@@ -1,4 +1,5 @@
-"""One rank of the FSDP2 / DDP checkpoint tests (run by tests/test_fsdp.py, one process a rank).
+"""One rank of the FSDP2 / DDP checkpoint tests (run by tests/coordination/test_fsdp.py, one
+process a rank).
 
 Trains a small model one step, saves it with the pipeline, builds a fresh differently
 initialised model, restores into it, takes one more identical step on both, and writes what it

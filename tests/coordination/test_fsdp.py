@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import child_script, spawn_child
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+WORKER = child_script("fsdp_worker.py")
 
 
 def _free_port() -> int:
@@ -27,12 +26,11 @@ def _launch(kind: str, root: Path, world: int, device: str = "cpu") -> list[dict
     procs = []
     outs = [root / f"out-{r}.json" for r in range(world)]
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), kind, "--root", str(root / "ckpt"), "--device", device,
-             "--out", str(outs[rank])], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True))
+        procs.append(spawn_child(
+            WORKER, kind, "--root", root / "ckpt", "--device", device, "--out", outs[rank],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         logs = [p.communicate(timeout=240)[0] for p in procs]
     finally:

@@ -1,10 +1,10 @@
-"""One rank of the multi-process tests in ``tests/test_distributed.py``.
+"""One rank of the multi-process tests in ``tests/coordination/test_distributed.py``.
 
 Usage (one process per rank, the environment set as ``torchrun`` would set it)::
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
-        python tests/dist_worker.py SCENARIO --phase PHASE[,PHASE...] --root ROOT [--shared] \\
-            --out OUT.json
+        python tests/children/dist_worker.py SCENARIO --phase PHASE[,PHASE...] --root ROOT \\
+            [--shared] --out OUT.json
 
 It joins a gloo process group, then runs each phase in order, each with a pipeline of its own
 (``cp.CheckpointPipeline``, which coordinates over torch.distributed because it is initialized):

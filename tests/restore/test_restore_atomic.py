@@ -11,11 +11,9 @@ ones everywhere, so any entry written before the failure would show.
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 import subprocess
-import sys
 import tempfile
 from collections import namedtuple
 from collections.abc import Callable, Iterator
@@ -26,7 +24,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import load_script
+from conftest import child_script, load_script, spawn_child
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -38,8 +36,7 @@ from ckpt_pipeline._restore.validate import validate_state
 from ckpt_pipeline._tree import flatten_state
 from ckpt_pipeline.train_state import RNGState
 
-WORKER = Path(__file__).with_name("restore_atomic_worker.py")
-REPO = Path(__file__).resolve().parents[1]
+WORKER = child_script("restore_atomic_worker.py")
 
 
 # ---------------------------------------------------------------- live states
@@ -78,7 +75,7 @@ def make_state(seed: int, *, model: nn.Module | None = None,
             "scheduler": sched, **extra}
 
 
-Flaky = load_script(Path(__file__).with_name("restore_atomic_worker.py")).Flaky
+Flaky = load_script(WORKER).Flaky
 
 
 # ---------------------------------------------------------------- bit-exact comparison
@@ -654,14 +651,12 @@ def _launch(scenario: str, tmp_path: Path, world: int = 2) -> list[dict[str, Any
     outs = [tmp_path / f"out-{r}.json" for r in range(world)]
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO),
-                                                         os.environ.get("PYTHONPATH")) if p)}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, "--root", str(tmp_path / "ckpt"),
-             "--out", str(outs[rank]), "--max-seconds", "100"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO))
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(spawn_child(
+            WORKER, scenario, "--root", tmp_path / "ckpt", "--out", outs[rank],
+            "--max-seconds", 100, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
     logs: list[str] = []
     try:
         for p in procs:

@@ -3,7 +3,7 @@
 After each kill, a pipeline opened on the same root scrubs what the killed save left and
 ``restore_latest`` brings back a step no older than the last one whose ``result()`` had
 returned, with exactly that step's tensors, plain values and TrainState. The child is
-``tests/crash_child.py``; it appends each acknowledged step to a file and fsyncs it.
+``tests/children/crash_child.py``; it appends each acknowledged step to a file and fsyncs it.
 """
 
 from __future__ import annotations
@@ -14,18 +14,16 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO
 
 import pytest
-from conftest import load_script
+from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
 
-REPO = Path(__file__).resolve().parents[1]
-CHILD_SCRIPT = Path(__file__).with_name("crash_child.py")
+CHILD_SCRIPT = child_script("crash_child.py")
 
 KILLS = 100
 SEED = 1234
@@ -45,17 +43,10 @@ class _Child:
     """One started child process, waiting on stdin for its start step."""
 
     def __init__(self, index: int, root: Path, ack: Path, trace: Path, logs: Path) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         self.stderr_path = logs / f"child-{index}.err"
-        with self.stderr_path.open("wb") as stderr:
-            self.process = subprocess.Popen(
-                [sys.executable, str(CHILD_SCRIPT), str(root), "--ack", str(ack),
-                 "--trace", str(trace)],
-                stdin=subprocess.PIPE, stdout=stderr, stderr=subprocess.STDOUT, cwd=REPO,
-                env=env,
-            )
+        self.process = spawn_child(CHILD_SCRIPT, root, "--ack", ack, "--trace", trace,
+                                   stdin=subprocess.PIPE, stdout=self.stderr_path,
+                                   stderr=subprocess.STDOUT)
 
     def go(self, start_step: int) -> None:
         stdin: IO[bytes] | None = self.process.stdin

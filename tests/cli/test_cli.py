@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import child_env
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.cli._output import _progress_text, _ranks_text
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _save_steps(root: Path, steps: list[int]) -> None:
@@ -31,10 +30,9 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 def _cli(*args: object) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return subprocess.run([sys.executable, "-m", "ckpt_pipeline.cli", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=120, check=False)
+                          capture_output=True, text=True, env=child_env(), timeout=120,
+                          check=False)
 
 
 def _rows(stdout: str) -> list[list[str]]:

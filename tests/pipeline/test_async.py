@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_same_state, make_training_state
-from faults import GatedStorage
 
 import ckpt_pipeline as cp
+from ckpt_pipeline.testing import GatedStorage
 
 
 @pytest.mark.asyncio
