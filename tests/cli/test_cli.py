@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -15,6 +17,7 @@ import torch
 from conftest import child_env
 
 import ckpt_pipeline as cp
+from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.cli._output import _progress_text, _ranks_text
 
 
@@ -30,9 +33,25 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 def _cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckpt_pipeline.cli", *map(str, args)],
+    """Run the command in this process (its ``main``), with its output captured.
+
+    ``test_the_command_runs_as_its_own_process`` checks the real process once.
+    """
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def test_the_command_runs_as_its_own_process(root: Path) -> None:
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.save(1, {"x": torch.ones(4)}).result(30)
+    done = subprocess.run([sys.executable, "-m", "ckpt_pipeline.cli", "ls", str(root)],
                           capture_output=True, text=True, env=child_env(), timeout=120,
                           check=False)
+    assert done.returncode == 0, done.stderr
+    assert "complete" in done.stdout
 
 
 def _rows(stdout: str) -> list[list[str]]:
