@@ -96,9 +96,20 @@ class EventLog:
     def error(self, event: str, **fields: Any) -> None:
         self._emit(logging.ERROR, event, fields)
 
+    def enabled(self, level: str) -> bool:
+        """Whether a line at ``level`` would be emitted: skip building its fields if not."""
+        try:
+            return _logger.isEnabledFor(_LEVELS[level])
+        except Exception as exc:  # a broken logging set-up: reported, never raised
+            report_once("logging", exc)
+            return False
+
     def at(self, level: str, event: str, **fields: Any) -> None:
         """Log at a level named ``"debug"``, ``"info"``, ``"warning"`` or ``"error"``."""
-        self._emit(logging.getLevelName(level.upper()), event, fields)
+        self._emit(_LEVELS[level], event, fields)
 
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
 
 log = EventLog()

@@ -34,7 +34,7 @@ from .._logging import log
 from .._restore.rollback import undone_on_error
 from ..config import PipelineConfig
 from ..coordination import Coordinator
-from ..errors import ConfigError, ForkedProcessError, PipelineClosedError
+from ..errors import ConfigError, PipelineClosedError
 from ..handle import RestoreResult, SaveHandle
 from ..storage import Storage
 from ..train_state import TrainState
@@ -114,7 +114,6 @@ class CheckpointPipeline:
         self._close_error: BaseException | None = None
         self._closed = False
         self._at_exit: Callable[[], None] | None = None
-        self._owner_pid = os.getpid()
         self._sigterm_policy: SigtermPolicy = sigterm
         self._sigterm: SigtermGuard | None = None
 
@@ -294,12 +293,7 @@ class CheckpointPipeline:
 
     def _check_process(self) -> None:
         """Refuse use from a forked child: the pipeline's thread exists only in its parent."""
-        if os.getpid() != self._owner_pid:
-            raise ForkedProcessError(
-                f"this pipeline was opened by process {self._owner_pid}; process "
-                f"{os.getpid()} is a fork of it and cannot use it", rank=self._pipe.rank,
-                path=self.root, hint="open a pipeline in the child (on another root or "
-                                     "rank), or use it from the parent only")
+        self._pipe.admission.check_process()
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._check_process()
@@ -413,7 +407,7 @@ def _describe(why: BaseException | str | None) -> str:
 def _close_at_exit(ref: weakref.ref[CheckpointPipeline]) -> None:
     """atexit hook of an open pipeline: finish its saves in flight, within exit_timeout_s."""
     pipe = ref()
-    if pipe is None or pipe._closed or os.getpid() != pipe._owner_pid:
+    if pipe is None or pipe._closed or os.getpid() != pipe._pipe.admission.pid:
         return  # closed already, or a forked child that holds a copy without the thread
     try:
         pipe._close(pipe.exit_timeout_s, "interpreter exit: close() was not called")

@@ -38,7 +38,8 @@ class Emitter:
 
     def emit(self, event: Event) -> None:
         """Log the event and hand it to every subscriber; never raises."""
-        log.at(event.log_level, event.log_name, **event.fields())
+        if log.enabled(event.log_level):  # fields() copies the event: only when it is logged
+            log.at(event.log_level, event.log_name, **event.fields())
         for callback in self._subscribers:
             try:
                 callback(event)

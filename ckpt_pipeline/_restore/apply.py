@@ -37,7 +37,7 @@ from .rollback import (
     _StatefulBackup,
     _TensorBackup,
 )
-from .validate import _rebuild_tuple, _walks_tuple, validate_state
+from .validate import _rebuild_tuple, _walks_tuple
 
 __all__ = ("apply_state",)
 
@@ -112,11 +112,15 @@ def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
                 tensors: Sequence[torch.Tensor], *, step: int, rank: int | None = None,
                 rng: RNGState | None = None, copies: BackupCopies | None = None
                 ) -> AppliedState:
-    """Validate, then load the checkpoint into the live objects in place, and ``rng`` into the
-    global generators; on any failure undo every change and raise (StateError for the state,
+    """Load the checkpoint into the live objects in place, and ``rng`` into the global
+    generators; on any failure undo every change and raise (StateError for the state,
     RestoreError for the RNG states or a failed rollback). The returned ``AppliedState`` can
-    undo it all later. ``copies``: backups prefetched while the checkpoint was read."""
-    validate_state(live, tree, tensors, step=step, rank=rank)
+    undo it all later. ``copies``: backups prefetched while the checkpoint was read.
+
+    The caller validates first (``validate_state``; recovery does it before the ranks vote on
+    the load): this does not check again, and whatever changed since still fails into the
+    rollback, never into a half-applied state.
+    """
     journal: list[_Backup] = []
     applier = _Applier(tensors, journal, copies if copies is not None else BackupCopies())
     stage = "state"
