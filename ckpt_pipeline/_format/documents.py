@@ -35,7 +35,9 @@ __all__ = (
     "encode_tree",
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Format 2 (2026-12): storages packed and written once; format 1 is still read."""
 
 # The limits every reader enforces (MAX_HEADER_BYTES, MAX_SMALL_FILE_BYTES, MAX_TENSORS,
 # MAX_NDIM, MAX_PATH_LEN, MAX_NESTING, MAX_SAVE_ID_LEN, the dtype allow-list, the device and
@@ -192,9 +194,9 @@ def decode_message(data: bytes, what: str) -> dict[str, Any]:
 
 
 def _is_format(data: Mapping[str, Any]) -> bool:
-    """The document's format version is this library's (an int: not True, not 1.0)."""
+    """The document's format version is one this library reads (an int: not True, not 1.0)."""
     version = data.get("format")
-    return type(version) is int and version == FORMAT_VERSION
+    return type(version) is int and version in READABLE_VERSIONS
 
 
 def _req(data: Mapping[str, Any], key: str, typ: type | tuple[type, ...], path: str) -> Any:

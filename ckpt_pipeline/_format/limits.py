@@ -18,7 +18,7 @@ shard header: header map 0, ``train_state`` 1, ``extra`` 2, a container in ``ext
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ import torch
 from ..errors import StateError
 
 if TYPE_CHECKING:
+    from .._save.layout import DataLayout
     from .._tree import FlatState
 
 __all__ = (
@@ -190,7 +191,7 @@ def nesting_error(path: str, depth: int, *, step: int | None, rank: int | None =
 
 def check_save(flat: FlatState, tree: bytes, train_state: Mapping[str, Any], *, step: int,
                rank: int, world_size: int, save_id: str, chunk_bytes: int,
-               offsets: Sequence[int], data_length: int) -> None:
+               layout: DataLayout) -> None:
     """Raise StateError unless every reader's limit holds for this save; writes nothing.
 
     ``flat`` comes from ``flatten_state`` (which checked each tensor and the state tree's
@@ -222,8 +223,7 @@ def check_save(flat: FlatState, tree: bytes, train_state: Mapping[str, Any], *, 
                          "(limit small_file_bytes)", step=step, rank=rank)
     size = header_bytes_bound(flat, tree, ts_bytes, step=step, rank=rank,
                               world_size=world_size, save_id=save_id, chunk_bytes=chunk_bytes,
-                              offsets=offsets, data_length=data_length,
-                              cap=MAX_HEADER_BYTES)
+                              layout=layout, cap=MAX_HEADER_BYTES)
     if size > MAX_HEADER_BYTES:
         raise _header_error(flat, tree, ts_bytes, train_state, size, step=step, rank=rank)
 
@@ -374,64 +374,72 @@ def _bin_header(n: int) -> int:
 
 _CHECKSUM_BYTES = 9
 """The largest msgpack encoding of a checksum (a uint64)."""
-_RECORD_BYTES = (1 + 5 + 1 + max(map(len, DTYPES)) + 3 + 9 * MAX_NDIM + 9 + 9 + 5 + 1 + 21 + 1)
-"""A bound on a tensor record's bytes besides its path's and checksums' (array header, path
-header, dtype, shape of at most MAX_NDIM dims, offset, length, checksums header, device, nil
-dist)."""
+_RECORD_BYTES = (1 + 5 + 1 + max(map(len, DTYPES)) + 2 * (3 + 9 * MAX_NDIM) + 9 + 9 + 1)
+"""A bound on a tensor record's bytes besides its path's (array header, path header, dtype,
+shape and stride of at most MAX_NDIM dims, storage index, byte offset, nil dist)."""
+_STORAGE_BYTES = 1 + 9 + 9 + 1 + 21
+"""A bound on a storage record's bytes (array header, offset, length, device)."""
 _DIST_BYTES = 1 + (3 + 9 * MAX_NDIM) + (3 + 4 * MAX_NDIM) + 2 * (3 + 9 * MAX_NDIM) - 1
 """A bound on a DTensor layout's bytes beyond the nil counted in ``_RECORD_BYTES``."""
 
 
 def header_bytes_bound(flat: FlatState, tree: bytes, ts_bytes: bytes, *, step: int,
                        rank: int, world_size: int, save_id: str, chunk_bytes: int,
-                       offsets: Sequence[int], data_length: int, cap: int,
-                       exact: bool = False) -> int:
+                       layout: DataLayout, cap: int, exact: bool = False) -> int:
     """An upper bound of the shard header's size, exact but for the checksums' encodings.
 
-    The header ``_serialize`` writes is ``encode_header`` of these fields, with the checksums
-    known only then; each is counted here at its largest encoding, so a header can only be
-    smaller. A cheap bound (every number and name at its largest, no per-tensor Python work)
-    is returned when it is at most ``cap``: normal states. Above it, the header is encoded here
-    with empty checksum lists. When the state tree and TrainState alone exceed ``cap``, that
-    (lower) bound is returned without encoding anything. ``exact``: always encode.
+    The header ``serialize`` writes is ``encode_header`` of these fields, with the checksums
+    known only then and a checksum chunk of at least ``min(chunk_bytes, 1 MiB)``; each
+    checksum is counted here at its largest encoding, so a header can only be smaller. A cheap
+    bound (every number and name at its largest, no per-tensor Python work) is returned when
+    it is at most ``cap``: normal states. Above it, the header is encoded here with the real
+    records. When the state tree and TrainState alone exceed ``cap``, that (lower) bound is
+    returned without encoding anything. ``exact``: always encode.
     """
-    from .shard import PREAMBLE_SIZE, ShardHeader, TensorRecord, chunk_count, encode_header
+    from .shard import (
+        PREAMBLE_SIZE,
+        ShardHeader,
+        StorageRecord,
+        TensorRecord,
+        encode_header,
+    )
 
     paths, tensors, layouts = flat.paths, flat.tensors, flat.layouts
     n = len(tensors)
+    items = layout.storage_records()
+    smallest_chunk = max(ALIGN, min(chunk_bytes, 1 << 20))  # see write_data.checksum_chunk
+    chunks = -(-layout.data_length // smallest_chunk) + (layout.data_length > 0)
 
-    def header(records: tuple[TensorRecord, ...], tree: bytes,
-               train_state: dict[str, Any]) -> bytes:
+    def header(records: tuple[TensorRecord, ...], storages: tuple[StorageRecord, ...],
+               tree: bytes, train_state: dict[str, Any]) -> bytes:
         return encode_header(ShardHeader(
             step=step, rank=rank, world_size=world_size, save_id=save_id, created_unix=0.0,
-            chunk_bytes=chunk_bytes, data_offset=PREAMBLE_SIZE, data_length=data_length,
-            tensors=records, tree=tree, train_state=train_state))
+            chunk_bytes=chunk_bytes, data_offset=PREAMBLE_SIZE,
+            data_length=layout.data_length, storages=storages, tensors=records,
+            checksums=(), tree=tree, train_state=train_state))
 
-    # The fixed fields, with an empty tensor list (1 byte), tree (2) and train_state map (1).
-    fixed = len(header((), b"", {})) - 4
-    low = fixed + _bin_header(len(tree)) + len(tree) + len(ts_bytes) + _array_header(n)
+    # The fixed fields, with empty lists (1 byte each), tree (2) and train_state map (1).
+    fixed = len(header((), (), b"", {})) - 6
+    low = (fixed + _bin_header(len(tree)) + len(tree) + len(ts_bytes) + _array_header(n)
+           + _array_header(len(items)) + _array_header(chunks) + _CHECKSUM_BYTES * chunks)
     if not exact:
         if low > cap:  # the state tree and the TrainState alone are too large
             return low
-        chunks = n + data_length // chunk_bytes  # >= the sum of chunk_count over the tensors
         cheap = (low + n * _RECORD_BYTES + 4 * sum(map(len, paths))  # UTF-8: <= 4 B a char
-                 + _CHECKSUM_BYTES * chunks + (n - layouts.count(None)) * _DIST_BYTES)
+                 + len(items) * _STORAGE_BYTES + (n - layouts.count(None)) * _DIST_BYTES)
         if cheap <= cap:
             return cheap
-        tighter = cheap - 9 * (MAX_NDIM * n - sum(t.dim() for t in tensors))  # real dims
+        tighter = cheap - 18 * (MAX_NDIM * n - sum(t.dim() for t in tensors))  # real dims
         if tighter <= cap:
             return tighter
-    sums: list[int] = []
-    records = []
-    for t, path, offset, layout in zip(tensors, paths, offsets, layouts):
-        nbytes = t.numel() * t.element_size()
-        sums.append(chunk_count(nbytes, chunk_bytes))
-        records.append(TensorRecord(path, DTYPE_NAMES[t.dtype], tuple(t.shape),
-                                    PREAMBLE_SIZE + offset, nbytes, (), str(t.device), layout))
-    encoded = len(header(tuple(records), tree, {}))  # train_state: its bytes added below
-    # Each empty checksum list (1 byte) becomes a list of c checksums of at most 9 bytes.
-    return (encoded - 1 + len(ts_bytes) - n
-            + sum(_array_header(c) + _CHECKSUM_BYTES * c for c in sums))
+    records = tuple(
+        TensorRecord(path, DTYPE_NAMES[t.dtype], tuple(t.shape), stride, item, offset,
+                     items[item].device, dist)
+        for t, path, stride, item, offset, dist in zip(
+            tensors, paths, layout.tensor_stride, layout.tensor_item, layout.tensor_offset,
+            layouts))
+    encoded = len(header(records, items, tree, {}))  # train_state: its bytes added below
+    return (encoded - 2 + len(ts_bytes) + _array_header(chunks) + _CHECKSUM_BYTES * chunks)
 
 
 def _header_error(flat: FlatState, tree: bytes, ts_bytes: bytes,

@@ -1,24 +1,29 @@
-"""The layout of a shard file: preamble, data region, header; tensor records and checksums.
+"""The layout of a shard file: preamble, data region, header; storages, tensors, checksums.
 
-A shard is a fixed-size preamble (magic, version, where the header is and its checksum), the
-data region (each tensor's bytes at an aligned offset, checksummed in chunks with xxh3-64),
-then the header: a msgpack document (``documents.py``) describing every tensor
-(``TensorRecord``, with its ``DistLayout`` for a DTensor's local shard), the state tree and the
-TrainState. docs/format.md is the reference. Decoding checks every field against the limits
-(``limits.py``) and every offset against the file, so that nothing read points outside it.
+A shard is a small preamble (magic, version, where the header is and its checksum), the data
+region (each stored storage's bytes, packed: only large ones start at an aligned offset),
+checksummed in chunks of the region with xxh3-64, then the header: a msgpack document
+(``documents.py``) listing the storages (byte ranges of the region), the tensors as views of
+them (``TensorRecord``: storage, byte offset, shape, stride; a ``DistLayout`` for a DTensor's
+local shard), the state tree and the TrainState. docs/format.md is the reference. Decoding
+checks every field against the limits (``limits.py``) and every offset against the file, so
+that nothing read points outside it. Format 1 shards are read by ``shard_v1.py`` into the same
+classes.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from ..errors import CheckpointIntegrityError
-from .documents import FORMAT_VERSION, _decode, _is_format, _nonneg, _pack, _req
+from .documents import FORMAT_VERSION, _decode, _nonneg, _pack, _req
 from .limits import (
     ALIGN,
     DEVICE_PATTERN,
@@ -36,28 +41,52 @@ __all__ = (
     "SHARD_MAGIC",
     "DistLayout",
     "ShardHeader",
+    "StorageRecord",
     "TensorRecord",
+    "align_down",
     "align_up",
     "checksum",
-    "chunk_count",
+    "contiguous_stride",
     "decode_header",
     "decode_preamble",
     "encode_header",
     "encode_preamble",
+    "region_chunks",
 )
 
 SHARD_MAGIC = b"CKPTSHRD"
 _PREAMBLE = struct.Struct("<8sHHIQQQ")  # magic, version, flags, reserved, hdr off, hdr len, hdr xxh3
-PREAMBLE_SIZE = ALIGN  # the data region starts at the first aligned offset after the preamble
+PREAMBLE_SIZE = 64
+"""Bytes before the data region (format 2; format 1 used 4096)."""
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+def align_down(n: int, align: int = ALIGN) -> int:
+    return n // align * align
+
+
 def checksum(data: memoryview | bytes) -> int:
     """xxh3-64 of a byte range (releases the GIL for large inputs)."""
     return int(xxhash.xxh3_64_intdigest(data))
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride: list[int] = []
+    acc = 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def region_chunks(start: int, end: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The checksum chunks of the data region [start, end): cut at the multiples of
+    ``chunk_bytes`` of the file offset, so that each chunk is also an aligned write."""
+    return [(max(start, k * chunk_bytes), min(end, (k + 1) * chunk_bytes))
+            for k in range(start // chunk_bytes, -(-end // chunk_bytes))] if end > start else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +109,40 @@ _DEVICE = DEVICE_PATTERN  # "cpu", "cuda:0" (str(torch.device))
 
 
 @dataclass(frozen=True, slots=True)
+class StorageRecord:
+    """Bytes of one storage in the data region, written once however many tensors view it."""
+
+    offset: int
+    """Absolute file offset."""
+    nbytes: int
+    device: str
+    """Where the storage lived (``cpu``, ``cuda:0``)."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
-    """One tensor in a shard: where its bytes are and how to check them."""
+    """One tensor of the state: a view (offset, shape, stride) of a stored storage."""
 
     path: str
     dtype: str
     shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    checksums: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage: int
+    """Index into ``ShardHeader.storages``."""
+    byte_offset: int
+    """Where the view starts in its storage."""
     device: str
+    """The storage's device."""
     dist: DistLayout | None = None
     """Set when the tensor is a rank's local shard of a DTensor."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,20 +157,41 @@ class ShardHeader:
     chunk_bytes: int
     data_offset: int
     data_length: int
+    storages: tuple[StorageRecord, ...]
     tensors: tuple[TensorRecord, ...]
+    checksums: tuple[int, ...]
+    """xxh3-64 of each of ``region_chunks`` of the data region."""
     tree: bytes
     train_state: dict[str, Any]
+    version: int = FORMAT_VERSION
+    legacy_checks: tuple[tuple[int, int, int], ...] | None = None
+    """Format 1: (start, end, xxh3) of each checksummed range (chunks of each tensor)."""
 
     @property
     def header_offset(self) -> int:
-        return align_up(self.data_offset + self.data_length)
+        end = self.data_offset + self.data_length
+        return end if self.version >= 2 else align_up(end)
 
+    @property
+    def data_end(self) -> int:
+        return self.data_offset + self.data_length
 
-def chunk_count(nbytes: int, chunk_bytes: int) -> int:
-    return max(1, math.ceil(nbytes / chunk_bytes))
+    def checks(self) -> list[tuple[int, int, int]]:
+        """(start, end, xxh3) of every checksummed byte range, in file order."""
+        if self.legacy_checks is not None:
+            return list(self.legacy_checks)
+        chunks = region_chunks(self.data_offset, self.data_end, self.chunk_bytes)
+        return [(a, b, s) for (a, b), s in zip(chunks, self.checksums, strict=True)]
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the storages (what restore reads and verifies, padding aside)."""
+        return sum(s.nbytes for s in self.storages)
 
 
 def encode_header(h: ShardHeader) -> bytes:
+    if h.version != FORMAT_VERSION:
+        raise ValueError(f"only format {FORMAT_VERSION} is written")
     return _pack({
         "format": FORMAT_VERSION,
         "kind": "shard",
@@ -131,8 +203,10 @@ def encode_header(h: ShardHeader) -> bytes:
         "chunk_bytes": h.chunk_bytes,
         "data_offset": h.data_offset,
         "data_length": h.data_length,
+        "checksums": list(h.checksums),
+        "storages": [[s.offset, s.nbytes, s.device] for s in h.storages],
         "tensors": [
-            [t.path, t.dtype, list(t.shape), t.offset, t.nbytes, list(t.checksums), t.device,
+            [t.path, t.dtype, list(t.shape), list(t.stride), t.storage, t.byte_offset,
              None if t.dist is None else t.dist.to_plain()]
             for t in h.tensors
         ],
@@ -147,8 +221,11 @@ def encode_preamble(header_offset: int, header: bytes) -> bytes:
     return raw + bytes(PREAMBLE_SIZE - len(raw))
 
 
-def decode_preamble(raw: bytes, file_size: int, path: str) -> tuple[int, int, int]:
-    """(header offset, header length, header checksum), checked against the file size."""
+def decode_preamble(raw: bytes, file_size: int, path: str) -> tuple[int, int, int, int]:
+    """(format version, header offset, header length, header checksum), checked against the
+    file size. ``raw``: the first ``PREAMBLE_SIZE`` bytes (fewer if the file is shorter)."""
+    from .shard_v1 import V1_PREAMBLE_SIZE
+
     if len(raw) < _PREAMBLE.size:
         raise CheckpointIntegrityError("shard is shorter than its preamble", path=path)
     magic, version, flags, reserved, off, length, digest = _PREAMBLE.unpack_from(raw)
@@ -156,25 +233,56 @@ def decode_preamble(raw: bytes, file_size: int, path: str) -> tuple[int, int, in
         raise CheckpointIntegrityError("not a ckpt_pipeline shard (bad magic)", path=path)
     if flags or reserved:
         raise CheckpointIntegrityError("shard preamble has unknown flags", path=path)
-    if version != FORMAT_VERSION:
+    if version not in (1, FORMAT_VERSION):
         raise CheckpointIntegrityError(
-            f"shard format version {version} is not supported (this library reads "
+            f"shard format version {version} is not supported (this library reads 1 to "
             f"{FORMAT_VERSION})", path=path, hint="upgrade ckpt_pipeline")
-    if (off < PREAMBLE_SIZE or off % ALIGN or length == 0 or length > MAX_HEADER_BYTES
-            or off + length != file_size):
+    lowest = PREAMBLE_SIZE if version == FORMAT_VERSION else V1_PREAMBLE_SIZE
+    if (off < lowest or (version == 1 and off % ALIGN) or length == 0
+            or length > MAX_HEADER_BYTES or off + length != file_size):
         raise CheckpointIntegrityError(
             f"shard header at {off}+{length} does not fit a file of {file_size} bytes",
             path=path)
-    return off, length, digest
+    return version, off, length, digest
 
 
-def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int) -> ShardHeader:
+def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int,
+                  version: int = FORMAT_VERSION) -> ShardHeader:
     """Decode and validate a shard header; every offset must stay inside the file."""
     data = _decode(raw, "shard header", path)
     if not isinstance(data, dict):
         raise CheckpointIntegrityError("shard header is not a map", path=path)
-    if not _is_format(data) or data.get("kind") != "shard":
+    found = data.get("format")
+    if type(found) is not int or found != version or data.get("kind") != "shard":
         raise CheckpointIntegrityError("shard header has the wrong format or kind", path=path)
+    if version == 1:
+        from .shard_v1 import decode_v1_body
+        return decode_v1_body(data, path, file_size=file_size, header_offset=header_offset)
+    step, rank, world, save_id, created, chunk = decode_identity(data, path)
+    data_offset = _nonneg(data, "data_offset", path)
+    data_length = _nonneg(data, "data_length", path)
+    data_end = data_offset + data_length
+    if data_offset != PREAMBLE_SIZE or data_end != header_offset or header_offset > file_size:
+        raise CheckpointIntegrityError("data region does not match the preamble", path=path)
+    sums = _req(data, "checksums", list, path)
+    if (len(sums) != len(region_chunks(data_offset, data_end, chunk))
+            or not all(_is_u64(s) for s in sums)):
+        raise CheckpointIntegrityError("checksums are malformed", path=path)
+    storages = _decode_storages(_req(data, "storages", list, path), data_offset, data_end,
+                                path)
+    records_raw = _req(data, "tensors", list, path)
+    if len(records_raw) > MAX_TENSORS:
+        raise CheckpointIntegrityError("too many tensors", path=path)
+    records = tuple(_decode_record(r, i, storages, path) for i, r in enumerate(records_raw))
+    tree = _req(data, "tree", bytes, path)
+    train_state = _req(data, "train_state", dict, path)
+    return ShardHeader(step, rank, world, save_id, created, chunk, data_offset, data_length,
+                       storages, records, tuple(sums), tree, train_state)
+
+
+def decode_identity(data: dict[str, Any], path: str
+                    ) -> tuple[int, int, int, str, float, int]:
+    """step, rank, world size, save id, creation time and chunk size of a shard header."""
     step = _nonneg(data, "step", path)
     rank = _nonneg(data, "rank", path)
     world = _nonneg(data, "world_size", path)
@@ -189,62 +297,85 @@ def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int) 
     chunk = _nonneg(data, "chunk_bytes", path)
     if chunk < ALIGN or chunk % ALIGN:
         raise CheckpointIntegrityError("chunk size is malformed", path=path)
-    data_offset = _nonneg(data, "data_offset", path)
-    data_length = _nonneg(data, "data_length", path)
-    if data_offset != PREAMBLE_SIZE or align_up(data_offset + data_length) != header_offset:
-        raise CheckpointIntegrityError("data region does not match the preamble", path=path)
-    records_raw = _req(data, "tensors", list, path)
-    if len(records_raw) > MAX_TENSORS:
-        raise CheckpointIntegrityError("too many tensors", path=path)
-    records = tuple(
-        _decode_record(r, i, chunk, data_offset, data_offset + data_length, path)
-        for i, r in enumerate(records_raw)
-    )
-    tree = _req(data, "tree", bytes, path)
-    train_state = _req(data, "train_state", dict, path)
-    if header_offset > file_size:
-        raise CheckpointIntegrityError("header lies beyond the end of the file", path=path)
-    return ShardHeader(step, rank, world, save_id, created, chunk, data_offset, data_length,
-                       records, tree, train_state)
+    return step, rank, world, save_id, created, chunk
 
 
-def _decode_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: str) -> TensorRecord:
+def _is_u64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
+
+def _is_nonneg(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _decode_storages(raw: list[Any], lo: int, hi: int, path: str
+                     ) -> tuple[StorageRecord, ...]:
+    """Storages in file order, inside [lo, hi), none overlapping another."""
+    if len(raw) > MAX_TENSORS:
+        raise CheckpointIntegrityError("too many storages", path=path)
+    out: list[StorageRecord] = []
+    end = lo
+    for i, entry in enumerate(raw):
+        if (not isinstance(entry, list) or len(entry) != 3 or not _is_nonneg(entry[0])
+                or not _is_nonneg(entry[1]) or not isinstance(entry[2], str)
+                or not _DEVICE.fullmatch(entry[2])):
+            raise CheckpointIntegrityError(f"storage #{i} record is malformed", path=path)
+        offset, nbytes, device = entry
+        if offset < end or offset + nbytes > hi:
+            raise CheckpointIntegrityError(
+                f"storage #{i} at {offset}+{nbytes} overlaps another or lies outside the data "
+                "region", path=path)
+        end = offset + nbytes
+        out.append(StorageRecord(offset, nbytes, device))
+    return tuple(out)
+
+
+def check_view(where: str, dtype: str, shape: Sequence[int], stride: Sequence[int],
+               byte_offset: int, storage: StorageRecord, path: str) -> None:
+    """The view lies inside its storage, at an offset its element size divides."""
+    itemsize = DTYPES[dtype].itemsize
+    if byte_offset % itemsize or (storage.offset + byte_offset) % itemsize:
+        raise CheckpointIntegrityError(f"{where} is not aligned to its element size",
+                                       path=path)
+    if math.prod(shape) == 0:
+        if byte_offset > storage.nbytes:
+            raise CheckpointIntegrityError(f"{where} lies outside its storage", path=path)
+        return
+    last = sum((size - 1) * step for size, step in zip(shape, stride))
+    if byte_offset + (last + 1) * itemsize > storage.nbytes:
+        raise CheckpointIntegrityError(f"{where} lies outside its storage", path=path)
+
+
+def _decode_record(raw: Any, index: int, storages: tuple[StorageRecord, ...],
+                   path: str) -> TensorRecord:
     where = f"tensor #{index}"
-    if not isinstance(raw, list) or len(raw) != 8:
+    if not isinstance(raw, list) or len(raw) != 7:
         raise CheckpointIntegrityError(f"{where} record is malformed", path=path)
-    tpath, dtype, shape, offset, nbytes, sums, device, dist = raw
+    tpath, dtype, shape, stride, storage, byte_offset, dist = raw
     if not isinstance(tpath, str) or len(tpath) > MAX_PATH_LEN:
         raise CheckpointIntegrityError(f"{where} path is malformed", path=path)
+    where = f"{where} ({tpath})"
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise CheckpointIntegrityError(f"{where} ({tpath}) has dtype {dtype!r}, which is not "
-                                       "on the allow-list", path=path)
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise CheckpointIntegrityError(f"{where} ({tpath}) shape is malformed", path=path)
-    for name, value in (("offset", offset), ("length", nbytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CheckpointIntegrityError(f"{where} ({tpath}) {name} is malformed", path=path)
-    itemsize = DTYPES[dtype].itemsize
-    if math.prod(shape) * itemsize != nbytes:
-        raise CheckpointIntegrityError(
-            f"{where} ({tpath}): shape {shape} x {itemsize} bytes != length {nbytes}", path=path)
-    if offset % ALIGN or offset < lo or offset + nbytes > hi:
-        raise CheckpointIntegrityError(f"{where} ({tpath}) lies outside the data region",
-                                       path=path)
-    if (not isinstance(sums, list) or len(sums) != chunk_count(nbytes, chunk)
-            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**64
-                       for s in sums)):
-        raise CheckpointIntegrityError(f"{where} ({tpath}) checksums are malformed", path=path)
-    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
-        raise CheckpointIntegrityError(f"{where} ({tpath}) device is malformed", path=path)
-    layout = None if dist is None else _decode_dist(dist, len(shape), f"{where} ({tpath})", path)
-    return TensorRecord(tpath, dtype, tuple(shape), offset, nbytes, tuple(sums), device, layout)
+        raise CheckpointIntegrityError(f"{where} has dtype {dtype!r}, which is not on the "
+                                       "allow-list", path=path)
+    if not _ints(shape) or not _ints(stride) or len(stride) != len(shape):
+        raise CheckpointIntegrityError(f"{where} shape or stride is malformed", path=path)
+    if not _is_nonneg(storage) or storage >= len(storages) or not _is_nonneg(byte_offset):
+        raise CheckpointIntegrityError(f"{where} storage reference is malformed", path=path)
+    check_view(where, dtype, shape, stride, byte_offset, storages[storage], path)
+    layout = None if dist is None else _decode_dist(dist, len(shape), where, path)
+    return TensorRecord(tpath, dtype, tuple(shape), tuple(stride), storage, byte_offset,
+                        storages[storage].device, layout)
 
 
 def _ints(value: Any, *, positive: bool = False) -> bool:
     return isinstance(value, list) and len(value) <= MAX_NDIM and all(
         isinstance(v, int) and not isinstance(v, bool) and (v > 0 if positive else v >= 0)
         for v in value)
+
+
+def decode_dist(raw: Any, ndim: int, where: str, path: str) -> DistLayout:
+    return _decode_dist(raw, ndim, where, path)
 
 
 def _decode_dist(raw: Any, ndim: int, where: str, path: str) -> DistLayout:
@@ -259,3 +390,10 @@ def _decode_dist(raw: Any, ndim: int, where: str, path: str) -> DistLayout:
             or any(p != "R" and int(p[1:]) >= ndim for p in placements)):
         raise CheckpointIntegrityError(f"{where} DTensor layout is malformed", path=path)
     return DistLayout(tuple(mesh), tuple(placements), tuple(gshape), tuple(gstride))
+
+
+def storage_at(storages: Sequence[StorageRecord], starts: Sequence[int], offset: int) -> int:
+    """Index of the storage holding file offset ``offset`` or the one after it (``starts``:
+    the storages' offsets)."""
+    i = bisect_right(starts, offset) - 1
+    return i if i >= 0 and offset < storages[i].end else i + 1

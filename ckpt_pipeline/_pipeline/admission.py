@@ -18,8 +18,9 @@ from typing import Any
 from .._format.documents import encode_tree
 from .._format.limits import DTYPE_NAMES, check_byte_copyable, check_save
 from .._save.buffers import DeviceStaging, HostPool, Slot
-from .._save.copy import begin_streamed_snapshot, plan_layout, take_snapshot
+from .._save.copy import begin_streamed_snapshot, item_sources, take_snapshot
 from .._save.job import SaveJob
+from .._save.layout import DataLayout, plan_layout
 from .._tree import FlatState, flatten_state
 from ..config import PipelineConfig
 from ..errors import ForkedProcessError, PoolBusyError, StateError, StepOrderError
@@ -40,8 +41,7 @@ class SavePlan:
     flat: FlatState
     tree: bytes
     train_state: dict[str, Any]
-    offsets: list[int]
-    data_length: int
+    layout: DataLayout
     pinned: bool
     streamed: bool
 
@@ -102,26 +102,25 @@ class Admission:
         except (TypeError, ValueError, OverflowError) as exc:
             raise StateError(f"a value cannot be encoded: {exc}", step=step, rank=self.rank,
                              hint="non-tensor leaves must be plain values") from exc
-        offsets, data_length = plan_layout(flat.tensors)
+        layout = plan_layout(flat.tensors)
         # Every limit a reader enforces (the table in _format.limits), before anything is
         # written.
         check_save(flat, tree, ts_plain, step=step, rank=self.rank,
                    world_size=self.config.world_size, save_id=f"{self.run_id}-{step}",
-                   chunk_bytes=self.config.chunk_bytes, offsets=offsets,
-                   data_length=data_length)
+                   chunk_bytes=self.config.chunk_bytes, layout=layout)
         cap = self.config.host_buffer_bytes
-        streamed = cap is not None and data_length > cap
+        streamed = cap is not None and layout.buffer_bytes > cap
         if streamed:
             _check_streamable(flat, step, self.rank)
             check_byte_copyable(flat, step=step, rank=self.rank)
-        return SavePlan(step, started, flat, tree, ts_plain, offsets, data_length,
+        return SavePlan(step, started, flat, tree, ts_plain, layout,
                         pinned=any(t.device.type == "cuda" for t in flat.tensors),
                         streamed=streamed)
 
     def acquire(self, plan: SavePlan, block: bool) -> Slot | None:
         """A host buffer for the plan; None when none is free and this call may not wait."""
         wait = block and self.config.when_busy == "block"
-        size = self.config.host_buffer_bytes if plan.streamed else plan.data_length
+        size = self.config.host_buffer_bytes if plan.streamed else plan.layout.buffer_bytes
         assert size is not None
         return self.pool.acquire(max(size, 1), pinned=plan.pinned, block=wait)
 
@@ -143,11 +142,15 @@ class Admission:
     def _admit(self, plan: SavePlan, slot: Slot) -> SaveJob:
         step, flat = plan.step, plan.flat
         self.ledger.claim(step)  # another thread may have saved it, or a restore begun
+        layout = plan.layout
+        sources = item_sources(flat.tensors, layout)
+        offsets = [item.offset for item in layout.items]
         if plan.streamed:
-            snap = begin_streamed_snapshot(flat.tensors, flat.paths, step=step, rank=self.rank)
+            snap = begin_streamed_snapshot(flat.tensors, flat.paths, sources, offsets,
+                                           layout.gaps, step=step, rank=self.rank)
         else:
-            snap = take_snapshot(flat.tensors, flat.paths, plan.offsets, slot.buffer,
-                                 step=step, rank=self.rank,
+            snap = take_snapshot(flat.tensors, flat.paths, sources, offsets, layout.gaps,
+                                 slot.buffer, step=step, rank=self.rank,
                                  ordered=self.config.snapshot_mode == "ordered",
                                  staging=self.staging)
         save_id = f"{self.run_id}-{step}"
@@ -156,11 +159,8 @@ class Admission:
             step=step, rank=self.rank, world_size=self.config.world_size, save_id=save_id,
             handle=handle, slot=slot, snapshot=snap, paths=flat.paths,
             dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
-            shapes=tuple(tuple(t.shape) for t in flat.tensors),
-            devices=tuple(str(t.device) for t in flat.tensors), layouts=flat.layouts,
-            offsets=plan.offsets,
-            sizes=tuple(t.numel() * t.element_size() for t in flat.tensors),
-            data_length=plan.data_length, tree=plan.tree, train_state=plan.train_state,
+            shapes=tuple(tuple(t.shape) for t in flat.tensors), layouts=flat.layouts,
+            data=layout, tree=plan.tree, train_state=plan.train_state,
             requested_at=plan.started,
         )
         self.ledger.register(handle, wait_for_snapshot=snap.needs_release)

@@ -34,6 +34,7 @@ from ..storage import Storage
 from ..train_state import TrainState
 from . import scan as _recovery
 from .apply import apply_state
+from .read import device_bytes, read_shard
 from .rollback import AppliedState, BackupCopies
 from .validate import validate_state
 
@@ -155,16 +156,12 @@ class Recovery:
         # read (in a thread of its own): as long as a large part of the read, it then costs
         # the restore almost nothing (see BackupCopies).
         copies = BackupCopies()
-        reading: dict[int, int] = {}  # GPU memory the read below allocates
-        for rec, device in zip(header.tensors, devices, strict=True):
-            if device.type == "cuda":
-                index = device.index if device.index is not None else 0
-                reading[index] = reading.get(index, 0) + rec.nbytes
+        reading = device_bytes(header, devices)  # GPU memory the read below allocates
         prefetch = threading.Thread(target=_prefetch, args=(copies, state, self.rank, reading),
                                     name="ckpt-restore-backup", daemon=True)
         prefetch.start()
         try:
-            shard = await _recovery.read_shard(self.storage, status, self.rank,
+            shard = await read_shard(self.storage, status, self.rank,
                                                devices=devices, threads=self.config.io_threads,
                                                limiter=limiter)
         finally:

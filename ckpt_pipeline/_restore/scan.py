@@ -10,17 +10,11 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-import torch
-import xxhash
-
 from .._crash import crash_point
 from .._format.documents import CommitRecord, Manifest, decode_commit, decode_manifest, decode_tree
-from .._format.limits import DTYPES
 from .._format.names import (
     TEMP_FILE,
     commit_name,
@@ -31,20 +25,16 @@ from .._format.names import (
     shard_name,
 )
 from .._format.shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
-from .._hostmem import byte_view
-from .._parallel import run_groups, split_balanced
 from ..errors import CheckpointIntegrityError, StateError, StorageError
 from ..storage import Storage
 from ..train_state import TrainState
 
 __all__ = (
-    "LoadedShard",
     "StepStatus",
     "committed_steps",
     "decode_contents",
     "quarantine",
     "read_header",
-    "read_shard",
     "scan",
     "scrub",
     "step_dirs",
@@ -214,11 +204,9 @@ def read_header(storage: Storage, dir_name: str, rank: int, manifest: Manifest) 
     path = os.path.join(storage.root, rel)
     fd, size = storage.open_read(rel, manifest.shard_size)
     try:
-        pre = bytearray(PREAMBLE_SIZE)
-        if size < PREAMBLE_SIZE:
-            raise CheckpointIntegrityError("shard is shorter than its preamble", path=path)
+        pre = bytearray(min(size, PREAMBLE_SIZE))
         storage.pread_into(fd, memoryview(pre), 0)
-        offset, length, digest = decode_preamble(bytes(pre), size, path)
+        version, offset, length, digest = decode_preamble(bytes(pre), size, path)
         raw = bytearray(length)
         storage.pread_into(fd, memoryview(raw), offset)
     finally:
@@ -226,7 +214,8 @@ def read_header(storage: Storage, dir_name: str, rank: int, manifest: Manifest) 
     if checksum(bytes(raw)) != digest or digest != manifest.header_checksum:
         raise CheckpointIntegrityError("shard header checksum does not match", step=manifest.step,
                                        rank=rank, path=path, hint="the shard is corrupt")
-    header = decode_header(bytes(raw), path, file_size=size, header_offset=offset)
+    header = decode_header(bytes(raw), path, file_size=size, header_offset=offset,
+                           version=version)
     if (header.step, header.rank, header.save_id, header.world_size) != (
         manifest.step, rank, manifest.save_id, manifest.world_size
     ):
@@ -234,124 +223,6 @@ def read_header(storage: Storage, dir_name: str, rank: int, manifest: Manifest) 
                                        step=manifest.step, rank=rank, path=path,
                                        hint="a shard was swapped between steps or ranks")
     return header
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedShard:
-    """A shard's tensors, every checksum verified, on the devices they were read for."""
-
-    header: ShardHeader
-    tensors: list[torch.Tensor]
-
-
-async def read_shard(
-    storage: Storage,
-    status: StepStatus,
-    rank: int,
-    *,
-    devices: Sequence[torch.device] | None = None,
-    threads: int,
-    limiter: anyio.CapacityLimiter,
-    progress: Callable[[int], None] | None = None,
-) -> LoadedShard:
-    """Read all tensor data, verifying each chunk's checksum as it arrives.
-
-    ``devices`` says where each tensor goes (default: all on the CPU). Tensors for a CUDA
-    device are read chunk by chunk into small pinned staging buffers (two per thread) and
-    copied to the device while the next chunk is read, so no pinned buffer of the whole shard
-    is allocated and the copies overlap the reads. Tensors for the CPU land in one host buffer.
-    Nothing here touches the live state. ``progress(bytes)`` is called from several worker
-    threads at once; it must be thread-safe.
-    """
-    header = status.header
-    if header is None:
-        raise CheckpointIntegrityError("step was not validated", step=status.step, rank=rank,
-                                       path=status.path)
-    records = header.tensors
-    targets = list(devices) if devices is not None else [torch.device("cpu")] * len(records)
-    rel = os.path.join(status.dir_name, shard_name(rank))
-    path = os.path.join(storage.root, rel)
-    base = header.data_offset
-    chunk = header.chunk_bytes
-    on_host = [i for i, d in enumerate(targets) if d.type != "cuda"]
-    buffer = torch.empty(max(header.data_length, 1) if on_host else 0, dtype=torch.uint8)
-    tensors: list[torch.Tensor] = []
-    for rec, device in zip(records, targets, strict=True):
-        start = rec.offset - base
-        if device.type == "cuda":
-            tensors.append(torch.empty(rec.shape, dtype=DTYPES[rec.dtype], device=device))
-        else:
-            tensors.append(buffer[start:start + rec.nbytes].view(DTYPES[rec.dtype])
-                           .view(rec.shape))
-    bad: list[str] = []
-    fd, _size = await anyio.to_thread.run_sync(storage.open_read, rel, status.shard_size,
-                                               limiter=limiter)
-
-    def read(view: memoryview, offset: int) -> None:
-        try:
-            storage.pread_into(fd, view, offset)
-        except StorageError as exc:
-            raise StorageError(exc.message, step=status.step, rank=rank, path=path,
-                               hint=exc.hint, errno=exc.errno) from exc
-
-    def run(group: list[tuple[int, int, int]]) -> None:
-        staging: list[torch.Tensor] = []
-        pending: list[Any] = [None, None]
-        stream: Any = None
-        try:
-            for start, end, i in group:
-                rec = records[i]
-                device = targets[i]
-                if device.type == "cuda" and end > start:
-                    if not staging:
-                        staging = [torch.empty(_STAGING_BYTES, dtype=torch.uint8,
-                                               pin_memory=True) for _ in range(2)]
-                        stream = torch.cuda.Stream(device=device)
-                    out = tensors[i].reshape(-1).view(torch.uint8)
-                for k, lo in enumerate(range(start, max(end, start + 1), chunk)):
-                    n = min(chunk, end - lo)
-                    if device.type == "cuda" and n > 0:
-                        # Small pinned pieces, alternating, hashed as a stream: the copy of one
-                        # piece to the GPU runs while the next is read.
-                        digest = xxhash.xxh3_64()
-                        for piece, at in enumerate(range(lo, lo + n, _STAGING_BYTES)):
-                            m = min(_STAGING_BYTES, lo + n - at)
-                            slot = piece % 2
-                            if pending[slot] is not None:
-                                pending[slot].synchronize()
-                            host = staging[slot][:m]
-                            view = byte_view(host)
-                            read(view, base + at)
-                            digest.update(view)
-                            with torch.cuda.stream(stream):
-                                out[at - start:at - start + m].copy_(host, non_blocking=True)
-                                pending[slot] = torch.cuda.Event()
-                                pending[slot].record(stream)
-                        ok = digest.intdigest() == rec.checksums[k]
-                    else:
-                        view = byte_view(buffer, lo, lo + n) if n > 0 else memoryview(b"")
-                        if n > 0:
-                            read(view, base + lo)
-                        ok = checksum(view) == rec.checksums[k]
-                    if not ok:
-                        bad.append(rec.path)
-                    if progress is not None:
-                        progress(n)
-        finally:
-            for event in pending:
-                if event is not None:
-                    event.synchronize()
-
-    items = [(r.offset - base, r.offset - base + r.nbytes, i) for i, r in enumerate(records)]
-    try:
-        await run_groups(run, split_balanced(items, threads), limiter)
-    finally:
-        await anyio.to_thread.run_sync(storage.close, fd, limiter=limiter)
-    if bad:
-        raise CheckpointIntegrityError(
-            f"checksum mismatch in {len(bad)} chunk(s), first in tensor {bad[0]!r}",
-            step=status.step, rank=rank, path=path, hint="the shard is corrupt")
-    return LoadedShard(header, tensors)
 
 
 def decode_contents(status: StepStatus, rank: int) -> tuple[dict[str, Any], TrainState]:

@@ -9,6 +9,7 @@ mutated in place while its copy may still be running.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,10 +19,11 @@ from .._format.shard import align_up
 from .._logging import log
 from ..errors import SnapshotTornError
 from .buffers import DeviceStaging, side_stream
+from .layout import DataLayout, span_source
 
 _log = log
 
-__all__ = ("Snapshot", "begin_streamed_snapshot", "copy_piece", "plan_layout", "take_snapshot")
+__all__ = ("Snapshot", "begin_streamed_snapshot", "copy_piece", "item_sources", "take_snapshot")
 
 
 @dataclass(slots=True)
@@ -36,15 +38,22 @@ class _HostCopies:
     staging: DeviceStaging
 
 
-def plan_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Aligned offsets of each tensor in the data region, and the region's length."""
+def _staging_layout(sources: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Aligned offsets of each source in a device's staging buffer, and its length."""
     offsets: list[int] = []
     end = 0
-    for t in tensors:
+    for t in sources:
         start = align_up(end)
         offsets.append(start)
         end = start + t.numel() * t.element_size()
     return offsets, end
+
+
+def item_sources(tensors: Sequence[torch.Tensor], layout: DataLayout) -> list[torch.Tensor]:
+    """What each stored item copies: the tensor itself, or the raw bytes of a shared span."""
+    return [tensors[item.source] if item.span is None
+            else span_source(tensors[item.source], item.span, item.nbytes)
+            for item in layout.items]
 
 
 @dataclass(slots=True)
@@ -66,9 +75,13 @@ class Snapshot:
     streaming: bool = False
     ready: dict[int, torch.cuda.Event] = field(default_factory=dict)
     enqueued: threading.Event = field(default_factory=threading.Event)
-    # Per tensor index, an event after which its copy is in host memory: the serialize stage
-    # hashes and writes the first tensors while the later ones are still being copied.
+    # Per stored item, an event after which its copy is in host memory: the serialize stage
+    # hashes and writes the first items while the later ones are still being copied.
     copied: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    # A streamed snapshot's stored items (sources, file offsets) and the gaps between them.
+    items: list[torch.Tensor] = field(default_factory=list)
+    item_offsets: list[int] = field(default_factory=list)
+    gaps: list[tuple[int, int]] = field(default_factory=list)
     # What the caller's streams wait for before mutating: the copies into the device staging
     # buffer when there is one (else ``events``, the copies into host memory).
     caller_events: list[tuple[torch.device, torch.cuda.Event]] | None = None
@@ -172,12 +185,15 @@ class Snapshot:
     def _finish(self) -> None:
         self.released = True
         self.sources = []
+        self.items = []
 
 
 def take_snapshot(
     tensors: Sequence[torch.Tensor],
     paths: Sequence[str],
+    sources: Sequence[torch.Tensor],
     offsets: Sequence[int],
+    gaps: Sequence[tuple[int, int]],
     buffer: torch.Tensor,
     *,
     step: int,
@@ -185,19 +201,31 @@ def take_snapshot(
     ordered: bool,
     staging: DeviceStaging | None = None,
 ) -> Snapshot:
-    """Copy every tensor into ``buffer`` at its offset; CUDA copies run asynchronously.
+    """Copy every stored item (``sources``, see ``item_sources``) into ``buffer`` at its
+    offset, and zero the ``gaps`` between them; CUDA copies run asynchronously.
 
-    With ``staging``, CUDA tensors are only copied into the device's staging buffer here (the
-    caller waits for that alone); the pipeline queues the copies to the host later
-    (``Snapshot.launch_host_copies``), off the training thread.
+    ``tensors`` are the state's tensors: the version counters of those on a GPU are recorded,
+    to catch an update in place while a copy may still run. With ``staging``, CUDA items are
+    only copied into the device's staging buffer here (the caller waits for that alone); the
+    pipeline queues the copies to the host later (``Snapshot.launch_host_copies``), off the
+    training thread.
     """
     snap = Snapshot(step, rank)
+    for start, end in gaps:
+        buffer[start:end].zero_()
     by_device: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
+    host: list[int] = []
+    for k, src in enumerate(sources):
+        if src.device.type == "cuda":
+            by_device.setdefault(src.device.index or 0, []).append(k)
+        else:
+            host.append(k)
+    _copy_all([_dest(buffer, offsets[k], sources[k]) for k in host], [sources[k] for k in host])
+    for t, path in zip(tensors, paths):
         if t.device.type == "cuda":
-            by_device.setdefault(t.device.index or 0, []).append(i)
-            continue
-        _dest(buffer, offsets[i], t).copy_(t)
+            snap.sources.append(t)
+            snap.versions.append(t._version)
+            snap.source_paths.append(path)
     waits: list[tuple[torch.device, torch.cuda.Event]] = []
     try:
         for device_index, indices in by_device.items():
@@ -207,38 +235,34 @@ def take_snapshot(
             ready = torch.cuda.Event()
             ready.record(caller)
             side.wait_event(ready)
-            sources = [tensors[i] for i in indices]
-            for i in indices:
-                snap.sources.append(tensors[i])
-                snap.versions.append(tensors[i]._version)
-                snap.source_paths.append(paths[i])
+            on_device = [sources[k] for k in indices]
             stage = None
             if staging is not None:
-                stage_offsets, stage_bytes = plan_layout(sources)
+                stage_offsets, stage_bytes = _staging_layout(on_device)
                 stage = staging.acquire(device, max(stage_bytes, 1))
             if stage is not None:
                 assert staging is not None
-                snap.deferred.append(_HostCopies(device, indices, [], buffer, offsets, staging))
-                staged = [_dest(stage, offset, t) for offset, t in zip(stage_offsets, sources)]
-                snap.deferred[-1].staged = staged
+                staged = [_dest(stage, offset, t) for offset, t in zip(stage_offsets, on_device)]
+                snap.deferred.append(_HostCopies(device, indices, staged, buffer, offsets,
+                                                 staging))
                 with torch.cuda.stream(side):
-                    _copy_all(staged, sources)
+                    _copy_all(staged, on_device)
                     wait = torch.cuda.Event()
                     wait.record(side)
             else:
                 with torch.cuda.stream(side):
                     group: list[int] = []
                     group_bytes = 0
-                    for i, t in zip(indices, sources):
-                        group.append(i)
+                    for k, t in zip(indices, on_device):
+                        group.append(k)
                         group_bytes += t.numel() * t.element_size()
                         if group_bytes >= COPY_GROUP_BYTES:
-                            _copy_all([_dest(buffer, offsets[j], tensors[j]) for j in group],
-                                      [tensors[j] for j in group])
+                            _copy_all([_dest(buffer, offsets[j], sources[j]) for j in group],
+                                      [sources[j] for j in group])
                             _mark_copied(snap, group, side)
                             group, group_bytes = [], 0
-                    _copy_all([_dest(buffer, offsets[j], tensors[j]) for j in group],
-                              [tensors[j] for j in group])
+                    _copy_all([_dest(buffer, offsets[j], sources[j]) for j in group],
+                              [sources[j] for j in group])
                     wait = torch.cuda.Event()
                     wait.record(side)
                 snap.copied.update(dict.fromkeys(group, wait))
@@ -273,18 +297,25 @@ def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         dest.copy_(source, non_blocking=True)
 
 
-def begin_streamed_snapshot(tensors: Sequence[torch.Tensor], paths: Sequence[str], *,
-                            step: int, rank: int) -> Snapshot:
+def begin_streamed_snapshot(tensors: Sequence[torch.Tensor], paths: Sequence[str],
+                            sources: Sequence[torch.Tensor], offsets: Sequence[int],
+                            gaps: Sequence[tuple[int, int]], *, step: int,
+                            rank: int) -> Snapshot:
     """A snapshot whose copies the serialize stage makes later, a host buffer at a time.
 
     Runs on the training thread: records the tensors' versions and, per CUDA device, an event
-    on the caller's stream after which the copies run.
+    on the caller's stream after which the copies run. ``sources``/``offsets``: the stored
+    items (``item_sources``) and where they go in the file.
     """
     snap = Snapshot(step, rank, streaming=True)
+    snap.items = list(sources)
+    snap.item_offsets = list(offsets)
+    snap.gaps = list(gaps)
     for t, path in zip(tensors, paths):
         snap.sources.append(t)
         snap.versions.append(t._version)
         snap.source_paths.append(path)
+    for t in sources:
         if t.device.type == "cuda":
             index = t.device.index if t.device.index is not None else 0
             if index not in snap.ready:
@@ -294,22 +325,32 @@ def begin_streamed_snapshot(tensors: Sequence[torch.Tensor], paths: Sequence[str
     return snap
 
 
-def copy_piece(snap: Snapshot, pieces: Sequence[tuple[int, int, int, int]],
-               offsets: Sequence[int], buffer: torch.Tensor,
+def copy_piece(snap: Snapshot, start: int, end: int, buffer: torch.Tensor,
                base: int) -> dict[int, torch.cuda.Event]:
-    """Copy byte ranges (start, end, tensor index, -) of the data region into ``buffer``.
+    """Copy the file range [start, end) of the data region into ``buffer`` (file offset
+    ``base`` at its start): the parts of every item in it, and zeros in the gaps.
 
-    A range starting at data offset ``start`` lands at ``start - base``. CPU ranges are copied
-    now; CUDA ranges are launched on the side stream, after the snapshot's ready event. Returns
-    the event that completes this piece's copies, per CUDA device.
+    CPU parts are copied now; CUDA parts are launched on the side stream, after the snapshot's
+    ready event. Returns the event that completes this piece's copies, per CUDA device.
     """
+    for g0, g1 in snap.gaps:
+        lo, hi = max(g0, start), min(g1, end)
+        if lo < hi:
+            buffer[lo - base:hi - base].zero_()
+    offsets = snap.item_offsets
     sides: dict[int, torch.cuda.Stream] = {}
-    for start, end, i, _k in pieces:
-        t = snap.sources[i]
-        lo, hi = start - offsets[i], end - offsets[i]
-        dest = buffer[start - base:end - base]
+    k = max(0, bisect_right(offsets, start) - 1)
+    while k < len(offsets) and offsets[k] < end:
+        t = snap.items[k]
+        flat = _flat_bytes(t)
+        lo, hi = max(start, offsets[k]), min(end, offsets[k] + flat.numel())
+        k += 1
+        if lo >= hi:
+            continue
+        dest = buffer[lo - base:hi - base]
+        part = flat[lo - offsets[k - 1]:hi - offsets[k - 1]]
         if t.device.type != "cuda":
-            dest.copy_(_flat_bytes(t)[lo:hi])
+            dest.copy_(part)
             continue
         index = t.device.index if t.device.index is not None else 0
         side = sides.get(index)
@@ -319,7 +360,7 @@ def copy_piece(snap: Snapshot, pieces: Sequence[tuple[int, int, int, int]],
             if ready is not None:
                 side.wait_event(ready)
         with torch.cuda.stream(side):
-            dest.copy_(_flat_bytes(t)[lo:hi], non_blocking=True)
+            dest.copy_(part, non_blocking=True)
     done: dict[int, torch.cuda.Event] = {}
     for index, side in sides.items():
         event = torch.cuda.Event()

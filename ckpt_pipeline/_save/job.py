@@ -11,6 +11,7 @@ from ..handle import SaveHandle
 from .buffers import Slot
 from .copy import Snapshot
 from .files import SaveFiles
+from .layout import EMPTY_LAYOUT, DataLayout
 
 __all__ = ("DataWritten", "SaveJob", "Sealed")
 
@@ -45,11 +46,9 @@ class SaveJob:
     paths: tuple[str, ...]
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    devices: tuple[str, ...]
     layouts: tuple[DistLayout | None, ...]
-    offsets: list[int]
-    sizes: tuple[int, ...]
-    data_length: int
+    data: DataLayout
+    """Where each stored item and tensor goes in the data region."""
     tree: bytes
     train_state: dict[str, Any]
     requested_at: float
@@ -65,7 +64,12 @@ class SaveJob:
 
     @property
     def data_bytes(self) -> int:
-        return sum(self.sizes)
+        """Bytes of the stored items: the state's unique tensor bytes."""
+        return self.data.stored_bytes
+
+    @property
+    def data_length(self) -> int:
+        return self.data.data_length
 
     @property
     def shard_size(self) -> int:
@@ -77,5 +81,5 @@ class SaveJob:
         """A save that failed before it had data: it only takes part in the commit vote."""
         return cls(step=step, rank=rank, world_size=world_size, save_id=save_id,
                    handle=handle, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),
-                   devices=(), layouts=(), offsets=[], sizes=(), data_length=0, tree=b"",
+                   layouts=(), data=EMPTY_LAYOUT, tree=b"",
                    train_state={}, requested_at=0.0, error=error, failed_stage=stage)

@@ -11,7 +11,7 @@ import anyio
 from .._crash import crash_point
 from .._format.documents import Manifest, encode_manifest
 from .._format.names import manifest_name, shard_name
-from .._format.shard import PREAMBLE_SIZE, align_up, checksum, encode_preamble
+from .._format.shard import checksum, encode_preamble
 from .._threads import in_thread
 from ..storage import Storage
 from .files import close_quietly
@@ -30,7 +30,7 @@ async def write_shard(job: SaveJob, storage: Storage, *,
     fd = job.files.fd
     assert fd is not None and job.written is not None
     header = job.written.header
-    header_offset = align_up(PREAMBLE_SIZE + job.data_length)
+    header_offset = job.data.data_end
     try:
         await in_thread(limiter, storage.pwrite, fd, memoryview(header), header_offset)
         preamble = memoryview(encode_preamble(header_offset, header))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import queue
 import time
+from bisect import bisect_left, bisect_right
 from functools import partial
 
 import anyio
@@ -18,45 +19,59 @@ from .._format.shard import (
     PREAMBLE_SIZE,
     ShardHeader,
     TensorRecord,
+    align_down,
     align_up,
     checksum,
-    chunk_count,
     encode_header,
+    region_chunks,
 )
 from .._hostmem import byte_view
-from .._parallel import first_leaf, run_groups, split_balanced, tensor_chunks
+from .._parallel import first_leaf, run_groups, split_balanced
 from ..errors import StorageError
 from ..storage import Storage
 from .copy import Snapshot, copy_piece
 from .files import close_quietly
 from .job import DataWritten, SaveJob
 
-__all__ = ("required_bytes", "serialize")
+__all__ = ("checksum_chunk", "required_bytes", "serialize")
+
+
+def checksum_chunk(data_end: int, chunk_bytes: int, threads: int) -> int:
+    """The checksum chunk of a save: ``chunk_bytes``, or smaller for a small shard, so that
+    every I/O thread gets chunks to write and, at restore, to read and verify."""
+    share = align_up(-(-data_end // (2 * threads)))
+    return max(ALIGN, min(chunk_bytes, max(MIN_CHUNK_BYTES, share)))
+
+
+MIN_CHUNK_BYTES = 1 << 20
 
 
 def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
-    """Bytes a save needs on disk (an upper bound): shard data, header, preamble, small files."""
-    chunks = sum(chunk_count(n, chunk_bytes) for n in job.sizes)
+    """Bytes a save needs on disk (an upper bound): shard data, header, small files."""
+    chunks = -(-job.data.data_end // chunk_bytes)
     header = (len(job.tree) + 4 * ALIGN + sum(len(p) + 128 for p in job.paths) + 9 * chunks
-              + len(encode_tree(job.train_state)))
-    return align_up(PREAMBLE_SIZE + job.data_length) + header + 3 * ALIGN
+              + 40 * len(job.data.items) + len(encode_tree(job.train_state)))
+    return job.data.data_end + header + 3 * ALIGN
 
 
 async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
                     limiter: anyio.CapacityLimiter, direct_io: bool = True) -> DataWritten:
-    """Write the tensor bytes into a new temporary shard file, then encode the shard header.
+    """Write the data region into a new temporary shard file, then encode the shard header.
 
-    One pass over host memory: each chunk is hashed (xxh3) right before it is written at its
-    offset, by several threads at once. With ``direct_io`` the bytes go through a second
-    descriptor opened with ``O_DIRECT`` (no page cache, no copy into it), each tensor's last
-    chunk padded with zeros to the next aligned offset; where the file system refuses direct
-    I/O the same writes go through the page cache. A streamed snapshot (state larger than the
-    host buffer) is copied here, a piece at a time, each piece written while the next is copied;
-    the result's ``copy_seconds`` are then until the last copy was launched. The temporary
-    shard is left open (``job.files.fd``) for ``seal``; the result holds the encoded header.
+    One pass over host memory: each checksum chunk of the region is hashed (xxh3) right
+    before it is written at its offset, by several threads at once. With ``direct_io`` the
+    aligned part of each chunk goes through a second descriptor opened with ``O_DIRECT`` (no
+    page cache, no copy into it) and the unaligned end of the region through the first one;
+    where the file system refuses direct I/O the same writes go through the page cache. A
+    streamed snapshot (state larger than the host buffer) is copied here, a piece at a time,
+    each piece written while the next is copied; the result's ``copy_seconds`` are then until
+    the last copy was launched. The temporary shard is left open (``job.files.fd``) for
+    ``seal``; the result holds the encoded header.
     """
     job.files.dir_name = step_dir_name(job.step)
-    need = required_bytes(job, chunk_bytes)
+    layout = job.data
+    chunk = checksum_chunk(layout.data_end, chunk_bytes, threads)
+    need = required_bytes(job, chunk)
     free = await anyio.to_thread.run_sync(storage.free_bytes, limiter=limiter)
     if free < need:
         raise StorageError(
@@ -70,18 +85,20 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     job.files.fd = fd
     assert job.slot is not None and job.snapshot is not None
     buffer = job.slot.buffer
-    chunks = tensor_chunks(job.offsets, job.sizes, chunk_bytes)
-    per_tensor: list[list[int]] = [[0] * chunk_count(n, chunk_bytes) for n in job.sizes]
+    chunks = [(a, b, k) for k, (a, b) in enumerate(region_chunks(PREAMBLE_SIZE,
+                                                                 layout.data_end, chunk))]
+    sums = [0] * len(chunks)
     direct: int | None = None
-    if direct_io and buffer.data_ptr() % ALIGN == 0 and job.data_length > 0:
+    if direct_io and buffer.data_ptr() % ALIGN == 0 and chunks:
         direct = await anyio.to_thread.run_sync(storage.open_direct, job.files.dir_name, temp,
                                                 limiter=limiter)
     snap = job.snapshot
-    writer = _ChunkWriter(storage, fd, direct, buffer, per_tensor, snap.copied)
+    writer = _ChunkWriter(storage, fd, direct, buffer, sums, snap.copied,
+                          [item.offset for item in layout.items], layout.data_end)
     copied: float | None = None
     try:
         if snap.streaming:
-            copied = await _stream(job, writer, chunks, chunk_bytes, threads, limiter)
+            copied = await _stream(job, writer, chunks, threads, limiter)
         elif snap.has_device_copies:
             copied = await _overlapped(snap, writer, chunks, threads, limiter)
         else:
@@ -95,67 +112,91 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     if direct is not None:
         await anyio.to_thread.run_sync(storage.close, direct, limiter=limiter)
     crash_point("serialize.data_written")
+    items = layout.items
     records = tuple(
-        TensorRecord(path, dtype, shape, PREAMBLE_SIZE + offset, nbytes, sums, device, layout)
-        for path, dtype, shape, offset, nbytes, sums, device, layout in zip(
-            job.paths, job.dtypes, job.shapes, job.offsets, job.sizes, map(tuple, per_tensor),
-            job.devices, job.layouts)
+        TensorRecord(path, dtype, shape, stride, item, offset, items[item].device, dist)
+        for path, dtype, shape, stride, item, offset, dist in zip(
+            job.paths, job.dtypes, job.shapes, layout.tensor_stride, layout.tensor_item,
+            layout.tensor_offset, job.layouts)
     )
     header = encode_header(ShardHeader(
         step=job.step, rank=job.rank, world_size=job.world_size, save_id=job.save_id,
-        created_unix=time.time(), chunk_bytes=chunk_bytes, data_offset=PREAMBLE_SIZE,
-        data_length=job.data_length, tensors=records, tree=job.tree,
-        train_state=job.train_state,
+        created_unix=time.time(), chunk_bytes=chunk, data_offset=PREAMBLE_SIZE,
+        data_length=layout.data_length, storages=layout.storage_records(), tensors=records,
+        checksums=tuple(sums), tree=job.tree, train_state=job.train_state,
     ))
     return DataWritten(header, copied)
 
 
-Chunk = tuple[int, int, int, int]  # (start, end) in the data region, tensor index, chunk index
+Chunk = tuple[int, int, int]  # (start, end) file offsets of a checksum chunk, its index
 
 
 class _ChunkWriter:
     """Hash and write chunks from a host buffer; shared by the worker threads of one save."""
 
     def __init__(self, storage: Storage, fd: int, direct: int | None, buffer: torch.Tensor,
-                 per_tensor: list[list[int]], copied: dict[int, torch.cuda.Event]) -> None:
-        self.copied = copied  # device copies still running into the buffer, per tensor
+                 sums: list[int], copied: dict[int, torch.cuda.Event],
+                 item_offsets: list[int], data_end: int) -> None:
+        self.copied = copied  # device copies still running into the buffer, per stored item
         self.storage = storage
         self.fd = fd
         self.direct = direct
         self.buffer = buffer
-        self.per_tensor = per_tensor
+        self.sums = sums
+        self.item_offsets = item_offsets
+        self.data_end = data_end
         self.refused = False  # a direct write was refused: buffered writes from then on
 
     def chunk(self, chunk: Chunk, at: int) -> None:
-        """Hash and write one chunk whose bytes are at ``buffer[at:]``."""
-        start, end, i, k = chunk
+        """Hash and write one chunk whose bytes are at ``buffer[at:]``.
+
+        The buffer holds the file's bytes around the chunk at the same alignment, so the
+        direct write may start at the page the chunk starts in (before the data region, that
+        is the preamble's page, which ``seal`` writes last).
+        """
+        start, end, k = chunk
         stop = at + end - start
-        self.per_tensor[i][k] = checksum(byte_view(self.buffer, at, stop))
-        if end == start:
-            return
-        offset = PREAMBLE_SIZE + start
+        self.sums[k] = checksum(byte_view(self.buffer, at, stop))
         if self.direct is not None and not self.refused:
-            padded = align_up(stop)
-            if padded > stop:
-                self.buffer[stop:padded].zero_()  # the gap up to the next tensor reads as zeros
+            first = align_down(start)
+            last = end if end % ALIGN == 0 else align_down(end)
             try:
-                self.storage.pwrite(self.direct, byte_view(self.buffer, at, padded), offset)
+                if last > first:
+                    self.storage.pwrite(self.direct,
+                                        byte_view(self.buffer, at - (start - first),
+                                                  at + (last - start)), first)
+                if last < end:  # the unaligned end of the region
+                    lo = max(start, last)
+                    self.storage.pwrite(self.fd, byte_view(self.buffer, at + lo - start, stop),
+                                        lo)
                 return
             except StorageError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.refused = True
-        self.storage.pwrite(self.fd, byte_view(self.buffer, at, stop), offset)
+        self.storage.pwrite(self.fd, byte_view(self.buffer, at, stop), start)
+
+    def wait_copied(self, start: int, end: int) -> None:
+        """Wait for the device copies into [start, end) (the last one per stream suffices)."""
+        if not self.copied:
+            return
+        offsets = self.item_offsets
+        first = max(0, bisect_right(offsets, start) - 1)
+        seen: dict[int, torch.cuda.Event] = {}
+        for k in range(first, bisect_left(offsets, end)):
+            event = self.copied.get(k)
+            if event is not None:
+                seen[id(event)] = event
+        for event in seen.values():
+            event.synchronize()
 
     def run(self, group: list[Chunk]) -> None:
-        """Chunks laid out in the buffer as in the data region (the whole state fits).
+        """Chunks laid out in the buffer as in the file (the whole state fits).
 
-        A chunk of a tensor whose device copy may still run waits for that copy first.
+        A chunk whose device copies may still run waits for them first.
         """
         for chunk in group:
-            event = self.copied.get(chunk[2])
-            if event is not None:
-                event.synchronize()
+            self.wait_copied(chunk[0], chunk[1])
             self.chunk(chunk, chunk[0])
 
 
@@ -186,20 +227,18 @@ async def _overlapped(snap: Snapshot, writer: _ChunkWriter, chunks: list[Chunk],
 
 
 def pieces_of(chunks: list[Chunk], piece_bytes: int) -> list[tuple[int, list[Chunk]]]:
-    """Consecutive chunks grouped so that each group spans at most ``piece_bytes`` (aligned).
-
-    Returns (data offset of the group's first chunk, its chunks).
-    """
+    """Consecutive chunks grouped so that each group, from the aligned offset before its first
+    chunk, spans at most ``piece_bytes``. Returns (that aligned file offset, the chunks)."""
     out: list[tuple[int, list[Chunk]]] = []
     for chunk in chunks:
         if not out or align_up(chunk[1]) - out[-1][0] > piece_bytes:
-            out.append((chunk[0], []))
+            out.append((align_down(chunk[0]), []))
         out[-1][1].append(chunk)
     return out
 
 
-async def _stream(job: SaveJob, writer: _ChunkWriter, chunks: list[Chunk], chunk_bytes: int,
-                  threads: int, limiter: anyio.CapacityLimiter) -> float:
+async def _stream(job: SaveJob, writer: _ChunkWriter, chunks: list[Chunk], threads: int,
+                  limiter: anyio.CapacityLimiter) -> float:
     """Copy a streamed snapshot through the host buffer a piece at a time, writing each.
 
     The buffer is cut into segments; one thread launches the copies of the next piece into a
@@ -210,6 +249,7 @@ async def _stream(job: SaveJob, writer: _ChunkWriter, chunks: list[Chunk], chunk
     snap = job.snapshot
     assert snap is not None
     buffer = writer.buffer
+    chunk_bytes = max((b - a for a, b, _k in chunks), default=ALIGN)
     segments = max(2, min(threads, buffer.numel() // chunk_bytes))
     segment_bytes = buffer.numel() // segments // ALIGN * ALIGN
     pieces = pieces_of(chunks, segment_bytes)
@@ -231,7 +271,8 @@ async def _stream(job: SaveJob, writer: _ChunkWriter, chunks: list[Chunk], chunk
                 if errors:
                     break
                 at = segment * segment_bytes
-                done = copy_piece(snap, group, job.offsets, buffer[at:at + segment_bytes], base)
+                done = copy_piece(snap, group[0][0], group[-1][1],
+                                  buffer[at:at + segment_bytes], base)
                 latest.update(done)
                 work.put((base, group, at, list(done.values())))
         except BaseException as exc:

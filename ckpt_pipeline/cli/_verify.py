@@ -20,6 +20,7 @@ import anyio
 from .._format.names import commit_name, parse_rejected_dir
 from .._format.shard import ShardHeader
 from .._restore import scan as _recovery
+from .._restore.read import LoadedShard, read_shard
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..storage import Storage
 from ._ls import _commit_record
@@ -50,9 +51,9 @@ class _Verified:
 
 
 async def _read_shard(storage: Storage, status: _recovery.StepStatus, rank: int,
-                      progress: Callable[[int], None]) -> _recovery.LoadedShard:
+                      progress: Callable[[int], None]) -> LoadedShard:
     limiter = anyio.CapacityLimiter(_VERIFY_THREADS)
-    return await _recovery.read_shard(storage, status, rank,
+    return await read_shard(storage, status, rank,
                                       threads=_VERIFY_THREADS, limiter=limiter,
                                       progress=progress)
 
@@ -75,7 +76,7 @@ def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
         if _was_pruned(storage, status, rank):
             return outcome("skipped", _PRUNED_WHILE_VERIFIED)
         return outcome("failed", status.reason)
-    total = sum(r.nbytes for r in status.header.tensors)
+    total = sum(end - start for start, end, _ in status.header.checks())
     show = bar_stream if total > _PROGRESS_MIN_BYTES else None
     progress = _Progress(total, f"step {status.step}", show)
     started = time.perf_counter()

@@ -21,7 +21,9 @@ from ckpt_pipeline._format.documents import (
 from ckpt_pipeline._format.limits import ALIGN
 from ckpt_pipeline._format.names import parse_rank_file, parse_step_dir, step_dir_name
 from ckpt_pipeline._format.shard import (
+    PREAMBLE_SIZE,
     ShardHeader,
+    StorageRecord,
     TensorRecord,
     decode_header,
     decode_preamble,
@@ -99,10 +101,11 @@ def test_garbage_tree_bytes_decode_or_fail_with_an_integrity_error(raw: bytes) -
 @given(st.binary(min_size=40, max_size=64), st.integers(0, 1 << 40))
 def test_garbage_preamble_never_points_outside_the_file(raw: bytes, size: int) -> None:
     try:
-        offset, length, _ = decode_preamble(raw, size, "x")
+        version, offset, length, _ = decode_preamble(raw, size, "x")
     except CheckpointIntegrityError:
         return
-    assert offset + length == size and offset % ALIGN == 0
+    assert offset + length == size and offset >= PREAMBLE_SIZE
+    assert version == 2 or offset % ALIGN == 0
 
 
 def test_declared_lengths_larger_than_the_input_are_refused() -> None:
@@ -117,21 +120,46 @@ def test_deep_nesting_is_refused_without_crashing() -> None:
         decode_tree(deep, "x")
 
 
-def _one_tensor_header(record: TensorRecord) -> bytes:
+def _one_tensor_header(record: TensorRecord, storage: StorageRecord) -> bytes:
     return encode_header(ShardHeader(
         step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0, chunk_bytes=ALIGN,
-        data_offset=ALIGN, data_length=8, tensors=(record,), tree=b"\x80", train_state={}))
+        data_offset=PREAMBLE_SIZE, data_length=16, storages=(storage,), tensors=(record,),
+        checksums=(0,), tree=b"\x80", train_state={}))
 
 
-@pytest.mark.parametrize(("record", "message"), [
-    (TensorRecord("w", "object", (2,), ALIGN, 8, (0,), "cpu", None), "allow-list"),
-    (TensorRecord("w", "float32", (2,), 10 * ALIGN, 8, (0,), "cpu", None), "outside"),
-    (TensorRecord("w", "float32", (3,), ALIGN, 8, (0,), "cpu", None), "length"),
-    (TensorRecord("w", "float32", (2,), ALIGN, 8, (0, 1), "cpu", None), "checksums"),
-    (TensorRecord("w", "float32", (2,), ALIGN + 1, 8, (0,), "cpu", None), "outside"),
+_STORAGE = StorageRecord(PREAMBLE_SIZE, 16, "cpu")
+
+
+@pytest.mark.parametrize(("record", "storage", "message"), [
+    (TensorRecord("w", "object", (2,), (1,), 0, 0, "cpu"), _STORAGE, "allow-list"),
+    (TensorRecord("w", "float32", (5,), (1,), 0, 0, "cpu"), _STORAGE, "outside its storage"),
+    (TensorRecord("w", "float32", (2,), (1,), 0, 12, "cpu"), _STORAGE, "outside its storage"),
+    (TensorRecord("w", "float32", (2, 2), (1, 3), 0, 0, "cpu"), _STORAGE,
+     "outside its storage"),
+    (TensorRecord("w", "float32", (2,), (1,), 0, 2, "cpu"), _STORAGE, "aligned"),
+    (TensorRecord("w", "float32", (2,), (1,), 0, 0, "cpu"),
+     StorageRecord(PREAMBLE_SIZE + 1, 15, "cpu"), "aligned"),
+    (TensorRecord("w", "float32", (2,), (1,), 1, 0, "cpu"), _STORAGE, "storage reference"),
+    (TensorRecord("w", "float32", (2,), (1, 1), 0, 0, "cpu"), _STORAGE, "stride"),
+    (TensorRecord("w", "float32", (2,), (1,), 0, 0, "cpu"),
+     StorageRecord(PREAMBLE_SIZE, 17, "cpu"), "outside the data region"),
+    (TensorRecord("w", "float32", (2,), (1,), 0, 0, "cpu"),
+     StorageRecord(PREAMBLE_SIZE - 1, 16, "cpu"), "outside the data region"),
 ])
-def test_header_with_an_impossible_tensor_record_is_refused(record: TensorRecord,
-                                                            message: str) -> None:
+def test_header_with_an_impossible_tensor_record_is_refused(
+        record: TensorRecord, storage: StorageRecord, message: str) -> None:
+    header = _one_tensor_header(record, storage)
     with pytest.raises(CheckpointIntegrityError, match=message):
-        decode_header(_one_tensor_header(record), "x", file_size=3 * ALIGN,
-                      header_offset=2 * ALIGN)
+        decode_header(header, "x", file_size=PREAMBLE_SIZE + 16 + len(header),
+                      header_offset=PREAMBLE_SIZE + 16)
+
+
+def test_checksums_must_cover_every_chunk_of_the_data_region() -> None:
+    record = TensorRecord("w", "float32", (4,), (1,), 0, 0, "cpu")
+    raw = encode_header(ShardHeader(
+        step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0, chunk_bytes=ALIGN,
+        data_offset=PREAMBLE_SIZE, data_length=16, storages=(_STORAGE,), tensors=(record,),
+        checksums=(0, 0), tree=b"\x80", train_state={}))
+    with pytest.raises(CheckpointIntegrityError, match="checksums"):
+        decode_header(raw, "x", file_size=PREAMBLE_SIZE + 16 + len(raw),
+                      header_offset=PREAMBLE_SIZE + 16)

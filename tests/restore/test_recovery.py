@@ -48,7 +48,7 @@ def test_bit_flip_in_tensor_data_falls_back_to_previous_step(root: Path) -> None
     assert [e.step for e in rejected] == [20]
 
 
-@pytest.mark.parametrize("keep", [0, 1, 4096, 4096 + 10])
+@pytest.mark.parametrize("keep", [0, 1, 40, 64, 4096 + 10])
 def test_truncated_shard_falls_back_to_previous_step(root: Path, keep: int) -> None:
     _save_steps(root, [10, 20])
     os.truncate(_shard(root, 20), keep)
@@ -62,7 +62,7 @@ def test_shard_truncated_around_its_header_falls_back(root: Path, where: str) ->
     _save_steps(root, [10, 20])
     shard = _shard(root, 20)
     data = shard.read_bytes()
-    header, _, _ = decode_preamble(data, len(data), str(shard))
+    _, header, _, _ = decode_preamble(data, len(data), str(shard))
     keep = {"header - 1": header - 1, "header": header, "length - 1": len(data) - 1}[where]
     os.truncate(shard, keep)
     result, w, _ = _restore(root)

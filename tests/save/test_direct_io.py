@@ -11,6 +11,7 @@ import torch
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.limits import ALIGN
 from ckpt_pipeline._format.shard import PREAMBLE_SIZE, align_up
+from ckpt_pipeline._save.layout import DataLayout, plan_layout
 from ckpt_pipeline.storage import LocalStorage
 from ckpt_pipeline.testing import Fault, FaultyStorage
 
@@ -39,19 +40,13 @@ def _state(scale: int) -> dict[str, torch.Tensor]:
             "big": torch.arange(300_001, dtype=torch.float32) + scale}
 
 
-def _data_region(root: Path, step: int) -> bytes:
-    data = (root / SHARD.format(step)).read_bytes()
-    return data[PREAMBLE_SIZE:]
+def _shard_bytes(root: Path, step: int) -> bytes:
+    return (root / SHARD.format(step)).read_bytes()
 
 
-def _gaps(state: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
-    """[end of each tensor, next aligned offset) in the data region (pipeline layout order)."""
-    out, end = [], 0
-    for t in state.values():
-        start = align_up(end)
-        end = start + t.numel() * t.element_size()
-        out.append((end, align_up(end)))
-    return out
+def _layout(state: dict[str, torch.Tensor]) -> DataLayout:
+    """The data region the pipeline lays out for this state (file offsets)."""
+    return plan_layout(list(state.values()))
 
 
 def _save(root: Path, storage: LocalStorage, step: int, state: dict[str, torch.Tensor],
@@ -79,10 +74,11 @@ def test_direct_and_buffered_writes_give_the_same_bytes(tmp_path: Path) -> None:
     buffered = RecordingStorage(tmp_path / "buffered")
     _save(buffered.root, buffered, 1, state, direct_io=False)
     assert buffered.direct == []  # not even asked for
-    a, b = _data_region(direct.root, 1), _data_region(buffered.root, 1)
-    data_end = _gaps(state)[-1][0]
-    assert a[:data_end] == b[:data_end]
-    for start, end in _gaps(state):
+    a, b = _shard_bytes(direct.root, 1), _shard_bytes(buffered.root, 1)
+    layout = _layout(state)
+    assert layout.gaps and layout.data_end % ALIGN  # padding, and an unaligned end
+    assert a[PREAMBLE_SIZE:layout.data_end] == b[PREAMBLE_SIZE:layout.data_end]
+    for start, end in layout.gaps:
         assert a[start:end] == bytes(end - start), (start, end)
     step, live = _restore(direct.root, state)
     assert step == 1
@@ -93,15 +89,19 @@ def test_direct_and_buffered_writes_give_the_same_bytes(tmp_path: Path) -> None:
 def test_gaps_are_zero_when_a_buffer_is_reused_with_another_layout(tmp_path: Path) -> None:
     """A slot that held other bytes at a gap offset must not leak them into the file."""
     storage = RecordingStorage(tmp_path / "ckpt")
-    first = {"x": torch.full((40_000,), -1.0)}  # fills the slot with 0xbf80 patterns
-    second = {"x": torch.arange(1001, dtype=torch.float32), "y": torch.ones(999)}
+    first = {"x": torch.full((400_000,), -1.0)}  # fills the slot with 0xbf80 patterns
+    second = {"x": torch.arange(1100, dtype=torch.float32), "c": torch.ones(3, dtype=torch.int8),
+              "big": torch.ones(262_145)}  # big starts at an aligned offset: a gap before it
     with cp.CheckpointPipeline(storage.root, storage=storage, chunk_bytes=ALIGN * 16) as pipe:
         pipe.save(1, first).result(30)
+        size = pipe.host_memory_bytes
         pipe.save(2, second).result(30)
-        assert pipe.host_memory_bytes == align_up(40_000 * 4)  # the same slot, reused
-    region = _data_region(storage.root, 2)
-    for start, end in _gaps(second):
-        assert region[start:end] == bytes(end - start), (start, end)
+        assert pipe.host_memory_bytes == size == align_up(_layout(first).buffer_bytes)
+    shard = _shard_bytes(storage.root, 2)
+    gaps = _layout(second).gaps
+    assert sum(end - start for start, end in gaps) > 3000
+    for start, end in gaps:
+        assert shard[start:end] == bytes(end - start), (start, end)
     step, live = _restore(storage.root, second)
     assert step == 2 and all(torch.equal(live[k], v) for k, v in second.items())
 

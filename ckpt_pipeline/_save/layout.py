@@ -1,0 +1,169 @@
+"""Where each tensor's bytes go in the shard: storages written once, packed, views of them.
+
+Tensors that share memory (tied weights, views) are found by their storage: overlapping (or
+touching) byte ranges of one storage are stored once, as one span, and each tensor as a view of
+it (byte offset, shape, stride), so that restore can give them back aliased. Any other tensor is
+stored alone and contiguously. Small storages are packed from the start of the data region,
+largest element size first, so that each is aligned to its element size without padding; a
+storage of ``LARGE_STORAGE`` bytes or more starts at an aligned offset (``ALIGN``), where direct
+I/O and a future zero-copy read need it. The host buffer mirrors the file from offset 0, so that
+an aligned piece of the buffer is an aligned piece of the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._format.limits import ALIGN
+from .._format.shard import PREAMBLE_SIZE, StorageRecord, align_up, contiguous_stride
+
+__all__ = ("EMPTY_LAYOUT", "LARGE_STORAGE", "DataLayout", "StoredItem", "plan_layout", "span_source")
+
+LARGE_STORAGE = 1 << 20
+"""Storages at least this large start at an ``ALIGN``-aligned offset (at most 0.4% padding)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredItem:
+    """One storage to copy into the buffer: a tensor (copied contiguously) or a raw span."""
+
+    offset: int
+    nbytes: int
+    device: str
+    source: int
+    """The tensor whose memory is copied."""
+    span: int | None
+    """For a shared storage: the byte offset of the span in the source's untyped storage."""
+
+
+@dataclass(frozen=True, slots=True)
+class DataLayout:
+    """The data region of one save: items in file order, and each tensor's view of one."""
+
+    items: tuple[StoredItem, ...]
+    tensor_item: tuple[int, ...]
+    tensor_offset: tuple[int, ...]
+    """Byte offset of each tensor in its item."""
+    tensor_stride: tuple[tuple[int, ...], ...]
+    data_end: int
+    """Absolute file offset where the data region ends (and the header starts)."""
+    gaps: tuple[tuple[int, int], ...]
+    """Padding between items, zeroed in the buffer so that a shard's bytes are deterministic."""
+
+    @property
+    def data_length(self) -> int:
+        return self.data_end - PREAMBLE_SIZE
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The host buffer a save needs: the file up to the end of the data region."""
+        return self.data_end
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    def storage_records(self) -> tuple[StorageRecord, ...]:
+        return tuple(StorageRecord(i.offset, i.nbytes, i.device) for i in self.items)
+
+
+EMPTY_LAYOUT = DataLayout((), (), (), (), PREAMBLE_SIZE, ())
+"""The layout of a save without tensors (and of a save that failed before it had one)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, end) of a non-empty tensor's elements in its untyped storage."""
+    size = t.element_size()
+    start = int(t.storage_offset()) * size
+    last = sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * size
+
+
+def _shareable(t: torch.Tensor) -> bool:
+    """Whether the tensor's memory holds its values as they are (no lazy conj/neg bit)."""
+    return t.numel() > 0 and not (t.is_conj() or t.is_neg() or t._is_zerotensor())
+
+
+def plan_layout(tensors: Sequence[torch.Tensor]) -> DataLayout:
+    """Group tensors by the memory they share, and lay the groups out in the data region."""
+    groups: dict[tuple[torch.device, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _shareable(t):
+            groups.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
+    # (nbytes, alignment, device, source, span, [(tensor, offset in item, stride)])
+    pending: list[tuple[int, int, str, int, int | None, list[tuple[int, int, tuple[int, ...]]]]]
+    pending = []
+    grouped: set[int] = set()
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        extents = sorted((_extent(tensors[i]), i) for i in members)
+        component: list[int] = []
+        reach = -1
+        for (start, end), i in extents:
+            if component and start > reach:
+                _add_span(pending, tensors, component, grouped)
+                component = []
+            component.append(i)
+            reach = max(reach, end)
+        _add_span(pending, tensors, component, grouped)
+    for i, t in enumerate(tensors):
+        if i not in grouped:
+            pending.append((_nbytes(t), t.element_size(), str(t.device), i, None,
+                            [(i, 0, contiguous_stride(t.shape))]))
+    return _place(pending, len(tensors))
+
+
+def _add_span(pending: list[tuple[int, int, str, int, int | None,
+                                  list[tuple[int, int, tuple[int, ...]]]]],
+              tensors: Sequence[torch.Tensor], component: list[int], grouped: set[int]) -> None:
+    """Store a component of a shared storage as one span, or its only tensor alone."""
+    if len(component) < 2:
+        return
+    align = max(tensors[i].element_size() for i in component)
+    start = min(_extent(tensors[i])[0] for i in component) // align * align
+    end = max(_extent(tensors[i])[1] for i in component)
+    views = [(i, _extent(tensors[i])[0] - start, tuple(tensors[i].stride())) for i in component]
+    first = tensors[component[0]]
+    pending.append((end - start, align, str(first.device), component[0], start, views))
+    grouped.update(component)
+
+
+def _place(pending: list[tuple[int, int, str, int, int | None,
+                               list[tuple[int, int, tuple[int, ...]]]]],
+           count: int) -> DataLayout:
+    small = sorted((p for p in pending if p[0] < LARGE_STORAGE),
+                   key=lambda p: (p[2], -p[1], p[3]))
+    large = sorted((p for p in pending if p[0] >= LARGE_STORAGE), key=lambda p: p[3])
+    items: list[StoredItem] = []
+    gaps: list[tuple[int, int]] = []
+    tensor_item = [0] * count
+    tensor_offset = [0] * count
+    tensor_stride: list[tuple[int, ...]] = [()] * count
+    pos = PREAMBLE_SIZE
+    for nbytes, align, device, source, span, views in (*small, *large):
+        start = align_up(pos, ALIGN if nbytes >= LARGE_STORAGE else align)
+        if start > pos:
+            gaps.append((pos, start))
+        for i, offset, stride in views:
+            tensor_item[i] = len(items)
+            tensor_offset[i] = offset
+            tensor_stride[i] = stride
+        items.append(StoredItem(start, nbytes, device, source, span))
+        pos = start + nbytes
+    return DataLayout(tuple(items), tuple(tensor_item), tuple(tensor_offset),
+                      tuple(tensor_stride), pos, tuple(gaps))
+
+
+def span_source(t: torch.Tensor, span: int, nbytes: int) -> torch.Tensor:
+    """The raw bytes [span, span + nbytes) of ``t``'s untyped storage, as a uint8 tensor."""
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return out.set_(t.untyped_storage(), span, (nbytes,), (1,))
+
