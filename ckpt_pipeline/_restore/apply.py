@@ -30,12 +30,14 @@ from .rollback import (
     _ABSENT,
     AppliedState,
     BackupCopies,
+    _AdoptedBackup,
     _Backup,
     _OptimizerBackup,
     _RNGBackup,
     _SlotBackup,
     _StatefulBackup,
     _TensorBackup,
+    adoptable,
 )
 from .validate import _rebuild_tuple, _walks_tuple
 
@@ -86,16 +88,50 @@ class _Applier:
         return materialize(node, self.tensors)
 
     def _copy_into(self, live: torch.Tensor, node: TensorRef, path: str) -> None:
+        new = self.tensors[node.index]
+        if adoptable(live, new):
+            self._adopt(live, new, path)
+            return
         self.journal.append(_TensorBackup(live, path, self.copies))
         with torch.no_grad():
-            live.copy_(self.tensors[node.index])
+            live.copy_(new)
+
+    def _adopt(self, live: torch.Tensor, new: torch.Tensor, path: str) -> None:
+        """Give ``live`` the restored memory: no copy, and its old memory is the backup."""
+        backup = _AdoptedBackup(live, path)
+        self.copies.keep(live, backup.old)
+        self.journal.append(backup)
+        with torch.no_grad():
+            live.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
 
     def _load_stateful(self, obj: Any, node: Any, path: str) -> None:
         if _OptimizerBackup.applies_to(obj):
             self.journal.append(_OptimizerBackup(obj, path))
-        else:
-            self.journal.append(_StatefulBackup(obj, path, self.copies))
+            obj.load_state_dict(materialize(node, self.tensors))
+            return
+        adopt = self._adoptions(obj, node) if isinstance(obj, torch.nn.Module) else []
+        for live, _new, _key in adopt:  # their old memory is their backup: not copied
+            self.copies.keep(live, live.detach())
+        self.journal.append(_StatefulBackup(obj, path, self.copies))
+        for live, new, key in adopt:
+            self._adopt(live, new, _join(path, key))
+        # load_state_dict still runs (its hooks, its checks); for an adopted tensor it copies
+        # the memory onto itself.
         obj.load_state_dict(materialize(node, self.tensors))
+
+    def _adoptions(self, module: torch.nn.Module, node: Any
+                   ) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+        """The module's parameters and buffers that can take the restored memory."""
+        if not isinstance(node, dict):
+            return []
+        out = []
+        for key, live in module.state_dict(keep_vars=True).items():
+            ref = node.get(key)
+            if isinstance(live, torch.Tensor) and isinstance(ref, TensorRef):
+                new = self.tensors[ref.index]
+                if adoptable(live, new):
+                    out.append((live, new, key))
+        return out
 
     @staticmethod
     def _guarded(path: str, fn: Callable[[], Any]) -> Any:

@@ -31,7 +31,7 @@ from ..errors import RestoreError
 from ..train_state import RNGState
 from .validate import _is_namedtuple, _local, _rebuild_tuple
 
-__all__ = ("AppliedState", "BackupCopies", "undone_on_error")
+__all__ = ("AppliedState", "BackupCopies", "adoptable", "owns_memory", "undone_on_error")
 
 
 # ---------------------------------------------------------------- copies
@@ -42,6 +42,42 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t.clone()
     return t.to("cpu", copy=True)
+
+
+ADOPT_MIN_BYTES = 1 << 20
+"""CPU tensors at least this large take the restored memory instead of a copy of it."""
+
+
+def _use_count(t: torch.Tensor) -> int | None:
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    if counter is None:
+        return None
+    try:
+        return int(counter(t.untyped_storage()._cdata)) - 1  # this call's storage object
+    except (RuntimeError, TypeError, AttributeError):
+        return None
+
+
+def owns_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a large CPU tensor that alone uses memory of exactly its size, private
+    to this process and not pinned: it may be given other memory without anyone seeing it
+    (but raw pointers to it, such as a ``numpy()`` view)."""
+    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu"
+            or t.layout != torch.strided or t.grad_fn is not None or t._base is not None
+            or t.storage_offset() != 0):
+        return False
+    nbytes = t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    if (nbytes < ADOPT_MIN_BYTES or storage.nbytes() != nbytes or t.is_shared()
+            or t.is_pinned() or getattr(storage, "filename", None) is not None):
+        return False
+    return _use_count(t) == 1
+
+
+def adoptable(live: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``live`` can take ``new``'s memory (same layout, neither used elsewhere)."""
+    return (live.dtype == new.dtype and live.shape == new.shape
+            and live.stride() == new.stride() and owns_memory(live) and owns_memory(new))
 
 
 _DEVICE_MARGIN_BYTES = 1 << 30
@@ -104,6 +140,8 @@ class BackupCopies:
                 self._walk(value, depth + 1)
 
     def _take(self, t: torch.Tensor) -> None:
+        if owns_memory(t):
+            return  # the restore will likely hand it the read memory: nothing to copy
         t = t.detach()
         if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
             return
@@ -121,6 +159,12 @@ class BackupCopies:
             copy_ = _host_copy(t)
         with self._lock:
             self._copies[key] = (version, copy_)
+
+    def keep(self, t: torch.Tensor, old: torch.Tensor) -> None:
+        """``old`` holds ``t``'s values and nothing will write into it: ``host_copy(t)``
+        returns it instead of copying (``t`` is about to be given other memory)."""
+        with self._lock:
+            self._copies[_view_key(t.detach())] = (t._version, old)
 
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """The prefetched copy of ``t`` if it is still current, else a fresh one."""
@@ -247,6 +291,20 @@ class _TensorBackup(_Backup):
     def undo(self) -> None:
         with torch.no_grad():
             _local(self.live).copy_(self.old)
+
+
+class _AdoptedBackup(_Backup):
+    """A live tensor given the restored memory: undone by giving it its old memory back."""
+
+    def __init__(self, live: torch.Tensor, path: str) -> None:
+        self.live = live
+        self.path = path
+        self.old = live.detach()  # keeps the old memory, untouched from now on
+
+    def undo(self) -> None:
+        with torch.no_grad():
+            old = self.old
+            self.live.set_(old.untyped_storage(), old.storage_offset(), old.shape, old.stride())
 
 
 class _StatefulBackup(_Backup):
