@@ -119,10 +119,9 @@ def _tensor_refusal(t: torch.Tensor) -> tuple[str, str] | None:
         layout = str(t.layout).removeprefix("torch.")
         return (f"is a {layout} tensor", "convert it to a dense tensor (t.to_dense()), or save "
                                          "its parts (indices, values) as dense tensors")
-    device = t.device
-    if not _device_ok(device):
-        return (f"is on device {device}; only CPU and CUDA tensors can be saved (limit device)",
-                "move it to the CPU or a CUDA device")
+    if not (t.is_cpu or t.is_cuda) and not _device_ok(t.device):
+        return (f"is on device {t.device}; only CPU and CUDA tensors can be saved (limit "
+                "device)", "move it to the CPU or a CUDA device")
     if t.dtype not in DTYPE_NAMES:
         return (f"has dtype {t.dtype}: dtype {t.dtype} is not supported: supported dtypes are "
                 f"{_SUPPORTED} (limit dtype)",

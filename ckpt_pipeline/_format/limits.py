@@ -401,12 +401,13 @@ def header_bytes_bound(flat: FlatState, tree: bytes, ts_bytes: bytes, *, step: i
         ShardHeader,
         StorageRecord,
         TensorRecord,
+        contiguous_stride,
         encode_header,
     )
 
     paths, tensors, layouts = flat.paths, flat.tensors, flat.layouts
     n = len(tensors)
-    items = layout.storage_records()
+    count = len(layout.items)
     smallest_chunk = max(ALIGN, min(chunk_bytes, 1 << 20))  # see write_data.checksum_chunk
     chunks = -(-layout.data_length // smallest_chunk) + (layout.data_length > 0)
 
@@ -421,19 +422,21 @@ def header_bytes_bound(flat: FlatState, tree: bytes, ts_bytes: bytes, *, step: i
     # The fixed fields, with empty lists (1 byte each), tree (2) and train_state map (1).
     fixed = len(header((), (), b"", {})) - 6
     low = (fixed + _bin_header(len(tree)) + len(tree) + len(ts_bytes) + _array_header(n)
-           + _array_header(len(items)) + _array_header(chunks) + _CHECKSUM_BYTES * chunks)
+           + _array_header(count) + _array_header(chunks) + _CHECKSUM_BYTES * chunks)
     if not exact:
         if low > cap:  # the state tree and the TrainState alone are too large
             return low
         cheap = (low + n * _RECORD_BYTES + 4 * sum(map(len, paths))  # UTF-8: <= 4 B a char
-                 + len(items) * _STORAGE_BYTES + (n - layouts.count(None)) * _DIST_BYTES)
+                 + count * _STORAGE_BYTES + (n - layouts.count(None)) * _DIST_BYTES)
         if cheap <= cap:
             return cheap
         tighter = cheap - 18 * (MAX_NDIM * n - sum(t.dim() for t in tensors))  # real dims
         if tighter <= cap:
             return tighter
+    items = layout.storage_records()
     records = tuple(
-        TensorRecord(path, DTYPE_NAMES[t.dtype], tuple(t.shape), stride, item, offset,
+        TensorRecord(path, DTYPE_NAMES[t.dtype], tuple(t.shape),
+                     contiguous_stride(t.shape) if stride is None else stride, item, offset,
                      items[item].device, dist)
         for t, path, stride, item, offset, dist in zip(
             tensors, paths, layout.tensor_stride, layout.tensor_item, layout.tensor_offset,

@@ -249,8 +249,13 @@ class _RangeReader:
 def _views(header: ShardHeader, targets: list[torch.device | None], units: list[_Unit],
            unit_of: list[int], memory: list[torch.Tensor], status: Any,
            rank: int) -> list[torch.Tensor]:
-    """Each tensor as a view of its unit (tensors of one storage share its memory)."""
+    """Each tensor as a view of its unit (tensors of one storage share its memory).
+
+    A large unit's tensors own their memory as far as torch can tell (``set_``: no view base,
+    so that a restore may hand it to a live tensor); a small unit's are strided views of it.
+    """
     out: list[torch.Tensor] = []
+    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
     for rec in header.tensors:
         dtype = DTYPES[rec.dtype]
         device = targets[rec.storage]
@@ -260,13 +265,21 @@ def _views(header: ShardHeader, targets: list[torch.device | None], units: list[
             out.append(torch.empty_strided(rec.shape, rec.stride, dtype=dtype, device=device))
             continue
         at = header.storages[rec.storage].offset + rec.byte_offset - units[u].start
-        if at % dtype.itemsize:
+        size = dtype.itemsize
+        if at % size:
             raise CheckpointIntegrityError(
                 f"tensor {rec.path!r} is not aligned to its element size in its storage",
                 step=status.step, rank=rank, path=status.path, hint="the shard is corrupt")
-        view = torch.empty(0, dtype=dtype, device=device)
-        out.append(view.set_(memory[u].untyped_storage(), at // dtype.itemsize, rec.shape,
-                             rec.stride))
+        if not units[u].small:
+            view = torch.empty(0, dtype=dtype, device=device)
+            out.append(view.set_(memory[u].untyped_storage(), at // size, rec.shape,
+                                 rec.stride))
+            continue
+        base = typed.get((u, dtype))
+        if base is None:
+            raw = memory[u]
+            base = typed[(u, dtype)] = raw[:raw.numel() // size * size].view(dtype)
+        out.append(base.as_strided(rec.shape, rec.stride, at // size))
     return out
 
 

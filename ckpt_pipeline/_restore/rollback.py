@@ -86,7 +86,7 @@ _DEVICE_MARGIN_BYTES = 1 << 30
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """What identifies the memory a (detached) view reads: the same for every alias of it."""
-    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+    return (t.get_device(), t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
 class BackupCopies:

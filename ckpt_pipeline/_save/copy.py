@@ -220,7 +220,7 @@ def take_snapshot(
             by_device.setdefault(src.device.index or 0, []).append(k)
         else:
             host.append(k)
-    _copy_all([_dest(buffer, offsets[k], sources[k]) for k in host], [sources[k] for k in host])
+    _copy_host(buffer, offsets, sources, host)
     for t, path in zip(tensors, paths):
         if t.device.type == "cuda":
             snap.sources.append(t)
@@ -279,6 +279,34 @@ def take_snapshot(
         snap.released = True
         snap.sources = []
     return snap
+
+
+def _copy_host(buffer: torch.Tensor, offsets: Sequence[int], sources: Sequence[torch.Tensor],
+               host: list[int]) -> None:
+    """Copy CPU items into the buffer: each run of adjacent items of one dtype with one
+    ``torch.cat`` (one C++ loop, no per-item view), anything else one by one."""
+    run: list[torch.Tensor] = []
+    start = end = 0
+    dtype: torch.dtype | None = None
+
+    def flush() -> None:
+        if run:
+            torch.cat(run, out=buffer[start:end].view(run[0].dtype))
+
+    for k in host:
+        src = sources[k]
+        offset = offsets[k]
+        if src.is_conj() or src.is_neg() or src._is_zerotensor():
+            _dest(buffer, offset, src).copy_(src)
+            continue
+        if run and (src.dtype != dtype or offset != end):
+            flush()
+            run = []
+        if not run:
+            start, dtype = offset, src.dtype
+        run.append(src if src.dim() == 1 else src.reshape(-1))
+        end = offset + src.numel() * src.element_size()
+    flush()
 
 
 def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .._format.limits import ALIGN
-from .._format.shard import PREAMBLE_SIZE, StorageRecord, align_up, contiguous_stride
+from .._format.shard import PREAMBLE_SIZE, StorageRecord
 
 __all__ = ("EMPTY_LAYOUT", "LARGE_STORAGE", "DataLayout", "StoredItem", "plan_layout", "span_source")
 
@@ -47,7 +47,8 @@ class DataLayout:
     tensor_item: tuple[int, ...]
     tensor_offset: tuple[int, ...]
     """Byte offset of each tensor in its item."""
-    tensor_stride: tuple[tuple[int, ...], ...]
+    tensor_stride: tuple[tuple[int, ...] | None, ...]
+    """Each tensor's stride in its item; None: contiguous (the item is the tensor alone)."""
     data_end: int
     """Absolute file offset where the data region ends (and the header starts)."""
     gaps: tuple[tuple[int, int], ...]
@@ -62,9 +63,8 @@ class DataLayout:
         """The host buffer a save needs: the file up to the end of the data region."""
         return self.data_end
 
-    @property
-    def stored_bytes(self) -> int:
-        return sum(item.nbytes for item in self.items)
+    stored_bytes: int = 0
+    """Bytes of the items: the state's unique tensor bytes."""
 
     def storage_records(self) -> tuple[StorageRecord, ...]:
         return tuple(StorageRecord(i.offset, i.nbytes, i.device) for i in self.items)
@@ -72,10 +72,6 @@ class DataLayout:
 
 EMPTY_LAYOUT = DataLayout((), (), (), (), PREAMBLE_SIZE, ())
 """The layout of a save without tensors (and of a save that failed before it had one)."""
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -86,59 +82,79 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * size
 
 
-def _shareable(t: torch.Tensor) -> bool:
-    """Whether the tensor's memory holds its values as they are (no lazy conj/neg bit)."""
-    return t.numel() > 0 and not (t.is_conj() or t.is_neg() or t._is_zerotensor())
+def _device_name(index: int) -> str:
+    return "cpu" if index < 0 else f"cuda:{index}"
+
+
+Pending = tuple[int, int, int, int, "int | None", "list[tuple[int, int, tuple[int, ...] | None]]"]
+"""An item before placement: (nbytes, alignment, device index (-1: CPU), source tensor,
+span start, [(tensor, byte offset in the item, stride or None for contiguous)])."""
 
 
 def plan_layout(tensors: Sequence[torch.Tensor]) -> DataLayout:
-    """Group tensors by the memory they share, and lay the groups out in the data region."""
-    groups: dict[tuple[torch.device, int], list[int]] = {}
+    """Group tensors by the memory they share, and lay the groups out in the data region.
+
+    Runs on the training thread, so per tensor it touches only what it must.
+    """
+    n = len(tensors)
+    sizes = [0] * n
+    aligns = [0] * n
+    devices = [0] * n
+    first: dict[tuple[int, int], int] = {}
+    shared: set[tuple[int, int]] = set()
     for i, t in enumerate(tensors):
-        if _shareable(t):
-            groups.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
-    # (nbytes, alignment, device, source, span, [(tensor, offset in item, stride)])
-    pending: list[tuple[int, int, str, int, int | None, list[tuple[int, int, tuple[int, ...]]]]]
-    pending = []
+        esize = t.element_size()
+        nbytes = t.numel() * esize
+        sizes[i] = nbytes
+        aligns[i] = esize
+        index = devices[i] = t.get_device()
+        # Only memory that holds the values as they are is shared (no lazy conj/neg bit).
+        if nbytes and not (t.is_conj() or t.is_neg() or t._is_zerotensor()):
+            key = (index, t.untyped_storage().data_ptr())
+            if first.setdefault(key, i) != i:
+                shared.add(key)
+    pending: list[Pending] = []
     grouped: set[int] = set()
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        extents = sorted((_extent(tensors[i]), i) for i in members)
-        component: list[int] = []
-        reach = -1
-        for (start, end), i in extents:
-            if component and start > reach:
-                _add_span(pending, tensors, component, grouped)
-                component = []
-            component.append(i)
-            reach = max(reach, end)
-        _add_span(pending, tensors, component, grouped)
-    for i, t in enumerate(tensors):
+    if shared:
+        groups: dict[tuple[int, int], list[int]] = {key: [] for key in shared}
+        for i, t in enumerate(tensors):
+            if sizes[i] and not (t.is_conj() or t.is_neg() or t._is_zerotensor()):
+                members = groups.get((devices[i], t.untyped_storage().data_ptr()))
+                if members is not None:
+                    members.append(i)
+        for members in groups.values():
+            extents = sorted((_extent(tensors[i]), i) for i in members)
+            component: list[int] = []
+            reach = -1
+            for (start, end), i in extents:
+                if component and start > reach:
+                    _add_span(pending, tensors, component, grouped)
+                    component = []
+                component.append(i)
+                reach = max(reach, end)
+            _add_span(pending, tensors, component, grouped)
+    for i in range(n):
         if i not in grouped:
-            pending.append((_nbytes(t), t.element_size(), str(t.device), i, None,
-                            [(i, 0, contiguous_stride(t.shape))]))
-    return _place(pending, len(tensors))
+            pending.append((sizes[i], aligns[i], devices[i], i, None, [(i, 0, None)]))
+    return _place(pending, n)
 
 
-def _add_span(pending: list[tuple[int, int, str, int, int | None,
-                                  list[tuple[int, int, tuple[int, ...]]]]],
-              tensors: Sequence[torch.Tensor], component: list[int], grouped: set[int]) -> None:
+def _add_span(pending: list[Pending], tensors: Sequence[torch.Tensor], component: list[int],
+              grouped: set[int]) -> None:
     """Store a component of a shared storage as one span, or its only tensor alone."""
     if len(component) < 2:
         return
     align = max(tensors[i].element_size() for i in component)
     start = min(_extent(tensors[i])[0] for i in component) // align * align
     end = max(_extent(tensors[i])[1] for i in component)
-    views = [(i, _extent(tensors[i])[0] - start, tuple(tensors[i].stride())) for i in component]
-    first = tensors[component[0]]
-    pending.append((end - start, align, str(first.device), component[0], start, views))
+    views: list[tuple[int, int, tuple[int, ...] | None]] = [
+        (i, _extent(tensors[i])[0] - start, tuple(tensors[i].stride())) for i in component]
+    pending.append((end - start, align, tensors[component[0]].get_device(), component[0],
+                    start, views))
     grouped.update(component)
 
 
-def _place(pending: list[tuple[int, int, str, int, int | None,
-                               list[tuple[int, int, tuple[int, ...]]]]],
-           count: int) -> DataLayout:
+def _place(pending: list[Pending], count: int) -> DataLayout:
     small = sorted((p for p in pending if p[0] < LARGE_STORAGE),
                    key=lambda p: (p[2], -p[1], p[3]))
     large = sorted((p for p in pending if p[0] >= LARGE_STORAGE), key=lambda p: p[3])
@@ -146,20 +162,25 @@ def _place(pending: list[tuple[int, int, str, int, int | None,
     gaps: list[tuple[int, int]] = []
     tensor_item = [0] * count
     tensor_offset = [0] * count
-    tensor_stride: list[tuple[int, ...]] = [()] * count
+    tensor_stride: list[tuple[int, ...] | None] = [None] * count
     pos = PREAMBLE_SIZE
+    names: dict[int, str] = {}
     for nbytes, align, device, source, span, views in (*small, *large):
-        start = align_up(pos, ALIGN if nbytes >= LARGE_STORAGE else align)
+        step = ALIGN if nbytes >= LARGE_STORAGE else align
+        start = (pos + step - 1) // step * step
         if start > pos:
             gaps.append((pos, start))
         for i, offset, stride in views:
             tensor_item[i] = len(items)
             tensor_offset[i] = offset
             tensor_stride[i] = stride
-        items.append(StoredItem(start, nbytes, device, source, span))
+        name = names.get(device)
+        if name is None:
+            name = names[device] = _device_name(device)
+        items.append(StoredItem(start, nbytes, name, source, span))
         pos = start + nbytes
     return DataLayout(tuple(items), tuple(tensor_item), tuple(tensor_offset),
-                      tuple(tensor_stride), pos, tuple(gaps))
+                      tuple(tensor_stride), pos, tuple(gaps), sum(p[0] for p in pending))
 
 
 def span_source(t: torch.Tensor, span: int, nbytes: int) -> torch.Tensor:

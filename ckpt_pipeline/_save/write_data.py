@@ -22,6 +22,7 @@ from .._format.shard import (
     align_down,
     align_up,
     checksum,
+    contiguous_stride,
     encode_header,
     region_chunks,
 )
@@ -114,7 +115,8 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     crash_point("serialize.data_written")
     items = layout.items
     records = tuple(
-        TensorRecord(path, dtype, shape, stride, item, offset, items[item].device, dist)
+        TensorRecord(path, dtype, shape, contiguous_stride(shape) if stride is None else stride,
+                     item, offset, items[item].device, dist)
         for path, dtype, shape, stride, item, offset, dist in zip(
             job.paths, job.dtypes, job.shapes, layout.tensor_stride, layout.tensor_item,
             layout.tensor_offset, job.layouts)
