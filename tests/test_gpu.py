@@ -234,3 +234,38 @@ def test_device_staging_with_two_buffers_keeps_every_save_exact(root: Path) -> N
         assert torch.equal(live["t"], torch.full_like(t, float(step))), step
         (root / f"step-{step:010d}").rename(root.parent / f"hidden-{step}")
     assert not [e for e in events if isinstance(e, cp.SaveFailed)]
+
+
+def test_cuda_views_and_tied_weights_are_written_once_and_come_back_aliased(root: Path) -> None:
+    base = torch.arange(4096, dtype=torch.float32, device="cuda")
+    model = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 512)).cuda()
+    model[1].weight = model[0].weight
+    state = {"model": model, "d": {"base": base, "view": base[100:900], "t": base.view(64, 64).t(),
+                                   "step": torch.tensor(3.0), "small": torch.ones(3, device="cuda")}}
+    for options in ({}, {"device_staging": True}, {"host_buffer_bytes": 1 << 20,
+                                                   "chunk_bytes": 256 * 1024}):
+        target = root / str(len(list(root.iterdir())) if root.exists() else 0)
+        with cp.CheckpointPipeline(target, **options) as pipe:
+            pipe.save(1, state).result(60)
+            pipe.wait_snapshot()
+        shard = target / "step-0000000001" / "rank-00000.shard"
+        unique = (512 * 64 + 512 + 4096 + 3) * 4 + 4
+        with open(shard, "rb") as f:
+            header = int.from_bytes(f.read(40)[24:32], "little")
+        assert shard.stat().st_size <= unique + header + 64 + 4096, options
+        fresh = torch.nn.Sequential(torch.nn.Embedding(512, 64),
+                                    torch.nn.Linear(64, 512)).cuda()
+        fresh[1].weight = fresh[0].weight
+        live = {"model": fresh, "d": {}}
+        with cp.CheckpointPipeline(target) as pipe:
+            assert pipe.restore_latest(live) is not None
+        assert fresh[1].weight is fresh[0].weight
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            assert torch.equal(a, b)
+        got = live["d"]
+        for key, value in state["d"].items():
+            assert torch.equal(got[key], value), (key, options)
+            assert got[key].device == value.device, key
+        assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+        got["base"][100] = -1.0
+        assert got["view"][0].item() == -1.0
