@@ -427,7 +427,8 @@ def header_bytes_bound(flat: FlatState, tree: bytes, ts_bytes: bytes, *, step: i
         if low > cap:  # the state tree and the TrainState alone are too large
             return low
         cheap = (low + n * _RECORD_BYTES + 4 * sum(map(len, paths))  # UTF-8: <= 4 B a char
-                 + count * _STORAGE_BYTES + (n - layouts.count(None)) * _DIST_BYTES)
+                 + count * _STORAGE_BYTES + _STORAGE_BYTES * min(count, 1024)  # device names
+                 + (n - layouts.count(None)) * _DIST_BYTES)
         if cheap <= cap:
             return cheap
         tighter = cheap - 18 * (MAX_NDIM * n - sum(t.dim() for t in tensors))  # real dims
