@@ -261,7 +261,7 @@ def _views(header: ShardHeader, targets: list[torch.device | None], units: list[
         device = targets[rec.storage]
         assert device is not None
         u = unit_of[rec.storage]
-        if u < 0 or rec.nbytes == 0:
+        if u < 0:  # a storage of no bytes (an empty tensor), or none read
             out.append(torch.empty_strided(rec.shape, rec.stride, dtype=dtype, device=device))
             continue
         at = header.storages[rec.storage].offset + rec.byte_offset - units[u].start

@@ -62,13 +62,14 @@ def owns_memory(t: torch.Tensor) -> bool:
     """Whether ``t`` is a large CPU tensor that alone uses memory of exactly its size, private
     to this process and not pinned: it may be given other memory without anyone seeing it
     (but raw pointers to it, such as a ``numpy()`` view)."""
-    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu"
+    nbytes = t.numel() * t.element_size()
+    if (nbytes < ADOPT_MIN_BYTES or not t.is_cpu
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)
             or t.layout != torch.strided or t.grad_fn is not None or t._base is not None
             or t.storage_offset() != 0):
         return False
-    nbytes = t.numel() * t.element_size()
     storage = t.untyped_storage()
-    if (nbytes < ADOPT_MIN_BYTES or storage.nbytes() != nbytes or t.is_shared()
+    if (storage.nbytes() != nbytes or t.is_shared()
             or t.is_pinned() or getattr(storage, "filename", None) is not None):
         return False
     return _use_count(t) == 1
@@ -140,6 +141,8 @@ class BackupCopies:
                 self._walk(value, depth + 1)
 
     def _take(self, t: torch.Tensor) -> None:
+        if t.is_cpu and t.numel() * t.element_size() < ADOPT_MIN_BYTES:
+            return  # copied when its backup is taken: cheaper than keying it here
         if owns_memory(t):
             return  # the restore will likely hand it the read memory: nothing to copy
         t = t.detach()
@@ -169,6 +172,8 @@ class BackupCopies:
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """The prefetched copy of ``t`` if it is still current, else a fresh one."""
         t = t.detach()
+        if t.is_cpu and t.numel() * t.element_size() < ADOPT_MIN_BYTES:
+            return t.clone()  # never prefetched nor kept (``_take``, ``keep``)
         with self._lock:
             found = self._copies.pop(_view_key(t), None) if t.layout == torch.strided else None
         if found is not None and found[0] == t._version:

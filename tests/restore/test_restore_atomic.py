@@ -704,17 +704,23 @@ def test_dtensor_and_plain_tensor_mismatch_is_refused_on_every_rank(tmp_path: Pa
 
 
 def test_prefetched_backup_copies_are_used_only_while_current() -> None:
+    """Large tensors that do not own their memory (views) are copied ahead of time; small CPU
+    tensors and tensors a restore will hand new memory are not."""
     from ckpt_pipeline._restore.rollback import BackupCopies
 
-    model = torch.nn.Linear(4, 3)
-    live = {"model": model, "extra": torch.arange(6.0)}
+    base = torch.arange(600_000.0)
+    owner = torch.arange(300_000.0)
+    live = {"a": base[:400_000], "b": base[100_000:], "small": torch.arange(6.0),
+            "owner": owner}
     copies = BackupCopies()
     copies.prefetch(live)
-    weight = model.state_dict()["weight"]  # another alias of the same memory
-    taken = copies.host_copy(weight)
-    assert torch.equal(taken, model.weight.detach())
-    assert taken.data_ptr() != model.weight.data_ptr()
+    assert len(copies._copies) == 2  # a and b
+    alias = base[:400_000]  # another alias of a's memory
+    taken = copies.host_copy(alias)
+    assert torch.equal(taken, live["a"]) and taken.data_ptr() != live["a"].data_ptr()
     with torch.no_grad():
-        live["extra"].add_(1)  # changed since the prefetch: its copy is stale
-    fresh = copies.host_copy(live["extra"])
-    assert torch.equal(fresh, torch.arange(6.0) + 1)
+        live["b"].add_(1)  # changed since the prefetch: its copy is stale
+    fresh = copies.host_copy(live["b"])
+    assert torch.equal(fresh, torch.arange(100_000.0, 600_000.0) + 1)
+    small = copies.host_copy(live["small"])
+    assert torch.equal(small, live["small"]) and small.data_ptr() != live["small"].data_ptr()
