@@ -45,6 +45,7 @@ __all__ = (
     "align_down",
     "align_up",
     "checksum",
+    "chunk_count",
     "contiguous_stride",
     "decode_header",
     "decode_preamble",
@@ -79,6 +80,11 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def chunk_count(start: int, end: int, chunk_bytes: int) -> int:
+    """How many ``region_chunks`` the region [start, end) has (without listing them)."""
+    return -(-end // chunk_bytes) - start // chunk_bytes if end > start else 0
 
 
 def region_chunks(start: int, end: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -269,7 +275,7 @@ def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int,
     if data_offset != PREAMBLE_SIZE or data_end != header_offset or header_offset > file_size:
         raise CheckpointIntegrityError("data region does not match the preamble", path=path)
     sums = _req(data, "checksums", list, path)
-    if (len(sums) != len(region_chunks(data_offset, data_end, chunk))
+    if (len(sums) != chunk_count(data_offset, data_end, chunk)
             or not all(_is_u64(s) for s in sums)):
         raise CheckpointIntegrityError("checksums are malformed", path=path)
     devices = _req(data, "devices", list, path)
@@ -382,7 +388,8 @@ def _decode_record(raw: Any, index: int, storages: tuple[StorageRecord, ...],
     if type(dtype) is not str or dtype not in DTYPES:
         raise CheckpointIntegrityError(f"tensor #{index} ({tpath}) has dtype {dtype!r}, which "
                                        "is not on the allow-list", path=path)
-    if not _ints(shape) or not _ints(stride) or len(stride) != len(shape):
+    if (not _ints(shape) or not _ints(stride) or len(stride) != len(shape)
+            or not numel_fits(shape)):
         raise CheckpointIntegrityError(f"tensor #{index} ({tpath}) shape or stride is "
                                        "malformed", path=path)
     if (type(storage) is not int or not 0 <= storage < len(storages)
@@ -397,13 +404,29 @@ def _decode_record(raw: Any, index: int, storages: tuple[StorageRecord, ...],
                         record.device, layout)
 
 
+_INT64_MAX = 2**63 - 1
+"""Sizes and strides torch can hold."""
+
+
 def _ints(value: Any, *, positive: bool = False) -> bool:
+    """A list of at most MAX_NDIM ints in [0 (1 if ``positive``), 2**63 - 1]."""
     if type(value) is not list or len(value) > MAX_NDIM:
         return False
     low = 1 if positive else 0
     for v in value:  # a loop: ~3x faster than all() over a generator here  # noqa: SIM110
-        if type(v) is not int or v < low:
+        if type(v) is not int or v < low or v > _INT64_MAX:
             return False
+    return True
+
+
+def numel_fits(shape: Sequence[int]) -> bool:
+    """The product of the non-zero sizes fits in int64 (torch checks it even when one is 0)."""
+    count = 1
+    for size in shape:
+        if size:
+            count *= size
+            if count > _INT64_MAX:
+                return False
     return True
 
 

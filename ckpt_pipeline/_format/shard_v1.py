@@ -13,17 +13,19 @@ from typing import Any
 
 from ..errors import CheckpointIntegrityError
 from .documents import _nonneg, _req
-from .limits import ALIGN, DTYPES, MAX_NDIM, MAX_PATH_LEN, MAX_TENSORS
+from .limits import ALIGN, DTYPES, MAX_PATH_LEN, MAX_TENSORS
 from .shard import (
     _DEVICE,
     ShardHeader,
     StorageRecord,
     TensorRecord,
     _decode_dist,
+    _ints,
     _is_u64,
     align_up,
     contiguous_stride,
     decode_identity,
+    numel_fits,
 )
 
 __all__ = ("V1_PREAMBLE_SIZE", "decode_v1_body")
@@ -78,8 +80,7 @@ def _decode_v1_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: 
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointIntegrityError(f"{where} ({tpath}) has dtype {dtype!r}, which is not "
                                        "on the allow-list", path=path)
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    if not _ints(shape) or not numel_fits(shape):
         raise CheckpointIntegrityError(f"{where} ({tpath}) shape is malformed", path=path)
     for name, value in (("offset", offset), ("length", nbytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -91,7 +92,7 @@ def _decode_v1_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: 
     if offset % ALIGN or offset < lo or offset + nbytes > hi:
         raise CheckpointIntegrityError(f"{where} ({tpath}) lies outside the data region",
                                        path=path)
-    if (not isinstance(sums, list) or len(sums) != max(1, math.ceil(nbytes / chunk))
+    if (not isinstance(sums, list) or len(sums) != max(1, -(-nbytes // chunk))
             or not all(_is_u64(s) for s in sums)):
         raise CheckpointIntegrityError(f"{where} ({tpath}) checksums are malformed", path=path)
     if not isinstance(device, str) or not _DEVICE.fullmatch(device):
