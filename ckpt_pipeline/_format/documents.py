@@ -10,15 +10,14 @@ each document is then validated field by field into its dataclass. The field che
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from .._gc import gc_paused
 from ..errors import CheckpointIntegrityError
 from .limits import MAX_HEADER_BYTES, MAX_NESTING, MAX_SAVE_ID_LEN, MAX_SMALL_FILE_BYTES
 
@@ -71,19 +70,6 @@ class _Nested:
 
     def __init__(self, payload: bytes) -> None:
         self.payload = payload
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while millions of containers are made (a shard header of
-    a million tensors decodes 8x faster); restored after, unless someone else turned it off."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _unpack(data: bytes, *, max_len: int, unwalked: tuple[str, ...] = ()) -> Any:

@@ -21,8 +21,9 @@ from typing import Any
 
 import xxhash
 
+from .._gc import gc_paused
 from ..errors import CheckpointIntegrityError
-from .documents import FORMAT_VERSION, _decode, _nonneg, _pack, _req, gc_paused
+from .documents import FORMAT_VERSION, _decode, _nonneg, _pack, _req
 from .limits import (
     ALIGN,
     DEVICE_PATTERN,

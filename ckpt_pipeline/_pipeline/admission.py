@@ -17,6 +17,7 @@ from typing import Any
 
 from .._format.documents import encode_tree
 from .._format.limits import DTYPE_NAMES, check_byte_copyable, check_save
+from .._gc import gc_paused
 from .._save.buffers import DeviceStaging, HostPool, Slot
 from .._save.copy import begin_streamed_snapshot, item_sources, take_snapshot
 from .._save.job import SaveJob
@@ -73,6 +74,11 @@ class Admission:
     def plan(self, step: int, state: Mapping[str, Any],
              train_state: TrainState | None) -> SavePlan:
         """Validate, capture RNG, flatten and encode, lay out, check the limits."""
+        with gc_paused():
+            return self._plan(step, state, train_state)
+
+    def _plan(self, step: int, state: Mapping[str, Any],
+              train_state: TrainState | None) -> SavePlan:
         started = time.perf_counter()
         self.ledger.check_not_restoring("save()", step)
         self.ledger.raise_if_failures_due(step)
@@ -132,7 +138,7 @@ class Admission:
         is refused. Whatever raises gives the slot back.
         """
         try:
-            with self.ledger.admission:
+            with self.ledger.admission, gc_paused():
                 return self._skip(plan.step) if slot is None else self._admit(plan, slot)
         except BaseException:
             if slot is not None:

@@ -216,13 +216,13 @@ def take_snapshot(
     by_device: dict[int, list[int]] = {}
     host: list[int] = []
     for k, src in enumerate(sources):
-        if src.device.type == "cuda":
-            by_device.setdefault(src.device.index or 0, []).append(k)
+        if src.is_cuda:
+            by_device.setdefault(src.get_device(), []).append(k)
         else:
             host.append(k)
     _copy_host(buffer, offsets, sources, host)
     for t, path in zip(tensors, paths):
-        if t.device.type == "cuda":
+        if t.is_cuda:
             snap.sources.append(t)
             snap.versions.append(t._version)
             snap.source_paths.append(path)
@@ -294,11 +294,8 @@ def _copy_host(buffer: torch.Tensor, offsets: Sequence[int], sources: Sequence[t
             torch.cat(run, out=buffer[start:end].view(run[0].dtype))
 
     for k in host:
-        src = sources[k]
+        src = sources[k]  # (cat writes a conjugate or negative view's values, as copy_ does)
         offset = offsets[k]
-        if src.is_conj() or src.is_neg() or src._is_zerotensor():
-            _dest(buffer, offset, src).copy_(src)
-            continue
         if run and (src.dtype != dtype or offset != end):
             flush()
             run = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -26,9 +27,11 @@ LARGE_STORAGE = 1 << 20
 """Storages at least this large start at an ``ALIGN``-aligned offset (at most 0.4% padding)."""
 
 
-@dataclass(frozen=True, slots=True)
-class StoredItem:
-    """One storage to copy into the buffer: a tensor (copied contiguously) or a raw span."""
+class StoredItem(NamedTuple):
+    """One storage to copy into the buffer: a tensor (copied contiguously) or a raw span.
+
+    (A named tuple: a save of a million tensors makes a million of them on the training
+    thread.)"""
 
     offset: int
     nbytes: int
@@ -108,8 +111,7 @@ def plan_layout(tensors: Sequence[torch.Tensor]) -> DataLayout:
         sizes[i] = nbytes
         aligns[i] = esize
         index = devices[i] = t.get_device()
-        # Only memory that holds the values as they are is shared (no lazy conj/neg bit).
-        if nbytes and not (t.is_conj() or t.is_neg() or t._is_zerotensor()):
+        if nbytes and not t._is_zerotensor():  # (a zero tensor has no storage)
             key = (index, t.untyped_storage().data_ptr())
             if first.setdefault(key, i) != i:
                 shared.add(key)
@@ -118,6 +120,8 @@ def plan_layout(tensors: Sequence[torch.Tensor]) -> DataLayout:
     if shared:
         groups: dict[tuple[int, int], list[int]] = {key: [] for key in shared}
         for i, t in enumerate(tensors):
+            # Only memory that holds the values as they are is shared (no lazy conj/neg bit,
+            # no zero tensor without memory): those are stored alone, as their values.
             if sizes[i] and not (t.is_conj() or t.is_neg() or t._is_zerotensor()):
                 members = groups.get((devices[i], t.untyped_storage().data_ptr()))
                 if members is not None:
