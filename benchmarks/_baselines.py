@@ -1,12 +1,17 @@
-"""The floors: a test state, and the same bytes written durably the plain ways.
+"""The floors: a test state, and the same bytes written durably and read back the plain ways.
 
 Each writer makes its file durable the same way (fsync of the file, rename to its final name,
 fsync of the directory), so that any of them can stand against a checkpoint of the same state.
+The reader reads a file with ``os.preadv`` from a pool of threads; ``drop_page_cache`` makes its
+next read cold (``POSIX_FADV_DONTNEED`` after fsync, which needs no privileges for clean pages)
+and ``resident_fraction`` says how much of a file the page cache holds (``mincore``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import mmap
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,13 +24,19 @@ __all__ = (
     "aiofiles_write_fsync",
     "byte_views",
     "chunked",
+    "coalesced",
+    "drop_page_cache",
+    "drop_page_cache_tree",
     "iter_tensors",
     "make_state",
+    "plain_read_threads",
     "plain_write_fsync",
+    "pread_all",
     "pwrite_threads_fsync",
+    "resident_fraction",
     "torch_save",
+    "warm_page_cache",
 )
-
 
 
 def make_state(total_bytes: int, tensors: int, seed: int = 0) -> dict[str, Any]:
@@ -44,6 +55,9 @@ def iter_tensors(state: Any) -> Iterator[torch.Tensor]:
     elif isinstance(state, dict):
         for value in state.values():
             yield from iter_tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from iter_tensors(value)
 
 
 def byte_views(state: Any) -> list[memoryview]:
@@ -60,6 +74,24 @@ def chunked(views: list[memoryview], chunk_bytes: int) -> list[tuple[int, memory
             pieces.append((offset, piece))
             offset += piece.nbytes
     return pieces
+
+
+def coalesced(views: list[memoryview], min_bytes: int) -> list[memoryview]:
+    """The same bytes in the same order, each run of views smaller than ``min_bytes`` joined
+    into one buffer: what a writer gathers before it writes many small tensors."""
+    out: list[memoryview] = []
+    run: list[memoryview] = []
+    for view in views:
+        if view.nbytes >= min_bytes:
+            if run:
+                out.append(memoryview(b"".join(run)))
+                run = []
+            out.append(view)
+        else:
+            run.append(view)
+    if run:
+        out.append(memoryview(b"".join(run)))
+    return out
 
 
 # --- durable writes ---------------------------------------------------------------------------
@@ -147,3 +179,104 @@ def torch_save(state: dict[str, Any], final: Path) -> None:
     finally:
         os.close(fd)
     _publish(tmp, final)
+
+
+# --- reads and the page cache ----------------------------------------------------------------
+
+
+def pread_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise OSError(f"short read at offset {offset}")
+        view = view[n:]
+        offset += n
+
+
+def plain_read_threads(path: Path, buffer: memoryview, pool: ThreadPoolExecutor,
+                       piece_bytes: int) -> int:
+    """Read the whole file into ``buffer`` (at least the file's size), ``piece_bytes`` at a
+    time into disjoint ranges from the pool's threads; the number of bytes read."""
+    size = path.stat().st_size
+    if size > buffer.nbytes:
+        raise ValueError(f"{path} holds {size} bytes, more than the {buffer.nbytes} of the buffer")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        futures = [pool.submit(pread_all, fd, buffer[start:min(start + piece_bytes, size)], start)
+                   for start in range(0, size, piece_bytes)]
+        for future in futures:
+            future.result()
+    finally:
+        os.close(fd)
+    return size
+
+
+def drop_page_cache(path: Path) -> bool:
+    """Ask the kernel to drop a file's (clean) pages from the page cache; False if it can't."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def drop_page_cache_tree(root: Path) -> int:
+    """``drop_page_cache`` for every regular file under ``root``; the number of files dropped."""
+    dropped = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            dropped += drop_page_cache(Path(dirpath) / name)
+    return dropped
+
+
+def warm_page_cache(path: Path, piece_bytes: int = 8 << 20) -> int:
+    """Read a file through once, so that the page cache holds it; the bytes read."""
+    buffer = bytearray(piece_bytes)
+    total = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while n := os.readv(fd, [buffer]):
+            total += n
+    finally:
+        os.close(fd)
+    return total
+
+
+def resident_fraction(path: Path) -> float | None:
+    """The fraction of a file's pages in the page cache (``mincore``); None where unknown."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0.0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return None
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vector = (ctypes.c_ubyte * pages)()
+            if libc.mincore(addr, size, vector) != 0:
+                return None
+            return sum(1 for byte in bytes(vector) if byte & 1) / pages
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)

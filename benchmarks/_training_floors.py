@@ -21,6 +21,9 @@ from typing import Any
 import torch
 from _baselines import (
     chunked,
+    drop_page_cache,
+    drop_page_cache_tree,
+    plain_read_threads,
     plain_write_fsync,
     pwrite_threads_fsync,
 )
@@ -98,42 +101,6 @@ def plain_write(mirror: HostMirror, workdir: Path, *, thread_counts: tuple[int, 
     return samples
 
 
-def drop_page_cache(path: Path) -> bool:
-    """Ask the kernel to drop a file's (clean) pages from the page cache; False if it can't."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def drop_page_cache_tree(root: Path) -> int:
-    """``drop_page_cache`` for every regular file under ``root``; the number of files dropped."""
-    dropped = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            dropped += drop_page_cache(Path(dirpath) / name)
-    return dropped
-
-
-def _pread_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise OSError(f"short read at offset {offset}")
-        view = view[n:]
-        offset += n
-
-
 def plain_read(mirror: HostMirror, path: Path, device: torch.device, *, threads: int,
                repeats: int, chunk_bytes: int = 64 * MiB) -> list[dict[str, Any]]:
     """Read ``path`` (the mirror's bytes) into the mirror, then copy it to the device.
@@ -146,21 +113,13 @@ def plain_read(mirror: HostMirror, path: Path, device: torch.device, *, threads:
         raise ValueError(f"{path} holds {size} bytes, more than the {mirror.nbytes} of the buffer")
     target = torch.empty(mirror.nbytes, dtype=torch.uint8, device=device) \
         if device.type == "cuda" else None
-    views = [(offset, piece) for offset, piece in chunked([mirror.byte_view(0, size)],
-                                                          chunk_bytes)]
     out = []
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="plain-read") as pool:
         for _ in range(repeats):
             dropped = drop_page_cache(path)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                t0 = time.perf_counter()
-                futures = [pool.submit(_pread_all, fd, piece, offset) for offset, piece in views]
-                for future in futures:
-                    future.result()
-                t1 = time.perf_counter()
-            finally:
-                os.close(fd)
+            t0 = time.perf_counter()
+            plain_read_threads(path, mirror.byte_view(0, size), pool, chunk_bytes)
+            t1 = time.perf_counter()
             if target is not None:
                 sync(device)
                 t2 = time.perf_counter()

@@ -114,23 +114,36 @@ def import_ckpt_pipeline() -> Any:
     return ckpt_pipeline
 
 
+def pipeline_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``PipelineConfig`` fields set on the command line (``--io-threads`` and so on)."""
+    overrides: dict[str, Any] = {}
+    if args.io_threads is not None:
+        overrides["io_threads"] = args.io_threads
+    if args.pipeline_chunk_mb is not None:
+        overrides["chunk_bytes"] = args.pipeline_chunk_mb * MiB
+    return overrides
+
+
 class PipelineRunner:
     """One pipeline, opened once, saving the same state at increasing steps.
 
-    Retention prunes the step ``KEEP_LAST`` back after each commit, in the background. A save
+    Retention prunes the step ``keep_last`` back after each commit, in the background. A save
     is over, for the benchmark, once that prune is done too (its ``CheckpointPruned`` event), so
     that deleting a checkpoint is not charged to whichever method runs next. The prune is not
-    part of the time to durable.
+    part of the time to durable. ``options``: more ``PipelineConfig`` fields.
     """
 
-    def __init__(self, cp: Any, root: Path, state: dict[str, Any], args: argparse.Namespace):
+    def __init__(self, cp: Any, root: Path, state: dict[str, Any], args: argparse.Namespace,
+                 *, keep_last: int = KEEP_LAST, options: dict[str, Any] | None = None):
         self.cp = cp
         self.root = root
         self.state = state
         self.args = args
+        self.keep_last = keep_last
+        self.options = dict(options or {})
         self.step = 0
         self.stack = contextlib.ExitStack()
-        self.settings: dict[str, Any] = {"keep_last": KEEP_LAST}
+        self.settings: dict[str, Any] = {"keep_last": keep_last}
         self.pruned: dict[int, float] = {}
         self.stages: dict[int, dict[str, float]] = {}
         self.pruned_changed = threading.Condition()
@@ -151,16 +164,12 @@ class PipelineRunner:
             return self.pruned.get(step)
 
     def open(self) -> None:
-        kwargs: dict[str, Any] = {"keep_last": KEEP_LAST}
-        overrides = {}
-        if self.args.io_threads is not None:
-            overrides["io_threads"] = self.args.io_threads
-        if self.args.pipeline_chunk_mb is not None:
-            overrides["chunk_bytes"] = self.args.pipeline_chunk_mb * MiB
+        kwargs: dict[str, Any] = {"keep_last": self.keep_last}
+        overrides = {**self.options, **pipeline_overrides(self.args)}
         if overrides:
-            config = self.cp.PipelineConfig(keep_last=KEEP_LAST, **overrides)
+            config = self.cp.PipelineConfig(keep_last=self.keep_last, **overrides)
             kwargs = {"config": config}
-            self.settings = {"keep_last": KEEP_LAST, **overrides}
+            self.settings = {"keep_last": self.keep_last, **overrides}
         self.pipe = self.stack.enter_context(self.cp.CheckpointPipeline(self.root, **kwargs))
         self.can_wait_prune = hasattr(self.pipe, "subscribe")
         if self.can_wait_prune:
@@ -187,10 +196,11 @@ class PipelineRunner:
         t3 = time.perf_counter()
         self.pipe.wait()
         prune_s = None
-        if self.can_wait_prune and self.step > KEEP_LAST:
-            prune_s = self._wait_pruned(self.step - KEEP_LAST)
+        if self.can_wait_prune and self.step > self.keep_last:
+            prune_s = self._wait_pruned(self.step - self.keep_last)
             if prune_s is None:
-                _log(f"ckpt_pipeline: step {self.step - KEEP_LAST} was not pruned within 120 s")
+                _log(f"ckpt_pipeline: step {self.step - self.keep_last} was not pruned within "
+                     "120 s")
         return {
             "step": self.step,
             "durable_s": t3 - t0,
