@@ -16,7 +16,7 @@ if [ -z "${CKPT_BENCH_COMMIT:-}" ] && [ -f commit.txt ]; then
   export CKPT_BENCH_COMMIT="$(cat commit.txt)"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-TESTS="${TESTS:-tests/test_gpu.py tests/save/test_streamed.py tests/save/test_direct_io.py tests/save/test_dtypes.py tests/restore/test_restore_atomic.py tests/pipeline/test_concurrent_use.py tests/pipeline/test_save_restore.py}"
+TESTS="${TESTS:-tests/test_gpu.py tests/save/test_streamed.py tests/save/test_direct_io.py tests/save/test_dtypes.py tests/save/test_layout.py tests/restore/test_restore_atomic.py tests/restore/test_adopt.py tests/format/test_format_v1.py tests/pipeline/test_concurrent_use.py tests/pipeline/test_save_restore.py}"
 # shellcheck disable=SC2086
 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" $TESTS -rs > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"
