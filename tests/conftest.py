@@ -8,6 +8,7 @@ checkout first on ``PYTHONPATH``; ``load_script`` imports one to share its helpe
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -80,6 +81,26 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         for name, value in oa["state"][key].items():
             assert torch.equal(value.cpu(), ob["state"][key][name].cpu()), (key, name)
     assert a["scheduler"].state_dict() == b["scheduler"].state_dict()
+
+
+def tensor_hashes(obj: Any, path: str = "") -> dict[str, str]:
+    """sha256 of each tensor's bytes (row-major) by '/'-joined path, objects with
+    ``state_dict()`` walked through it: what ``tests/format/fixtures/format-v1/expected.json``
+    holds."""
+    out: dict[str, str] = {}
+    if isinstance(obj, torch.Tensor):
+        flat = obj.detach().reshape(-1).contiguous()
+        raw = bytes(flat.view(torch.uint8).tolist()) if flat.numel() else b""
+        out[path] = hashlib.sha256(raw).hexdigest()
+    elif hasattr(obj, "state_dict"):
+        out.update(tensor_hashes(obj.state_dict(), path))
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            out.update(tensor_hashes(value, f"{path}/{key}" if path else str(key)))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            out.update(tensor_hashes(value, f"{path}/{i}"))
+    return out
 
 
 def child_script(name: str) -> Path:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import xxhash
 
 from .._gc import gc_paused
@@ -51,6 +52,7 @@ __all__ = (
     "decode_header",
     "decode_preamble",
     "encode_header",
+    "encode_header_fields",
     "encode_preamble",
     "region_chunks",
 )
@@ -198,31 +200,58 @@ class ShardHeader:
 def encode_header(h: ShardHeader) -> bytes:
     if h.version != FORMAT_VERSION:
         raise ValueError(f"only format {FORMAT_VERSION} is written")
+    return encode_header_fields(
+        step=h.step, rank=h.rank, world_size=h.world_size, save_id=h.save_id,
+        created_unix=h.created_unix, chunk_bytes=h.chunk_bytes, data_offset=h.data_offset,
+        data_length=h.data_length, checksums=h.checksums,
+        storages=[(st.offset, st.nbytes, st.device) for st in h.storages],
+        tensors=((t.path, t.dtype, t.shape, t.stride, t.storage, t.byte_offset, t.dist)
+                 for t in h.tensors),
+        tensor_count=len(h.tensors), tree=h.tree, train_state=h.train_state)
+
+
+def encode_header_fields(
+    *, step: int, rank: int, world_size: int, save_id: str, created_unix: float,
+    chunk_bytes: int, data_offset: int, data_length: int, checksums: Sequence[int],
+    storages: Sequence[tuple[int, int, str]],
+    tensors: Iterable[tuple[str, str, Sequence[int], Sequence[int], int, int,
+                            DistLayout | None]],
+    tensor_count: int, tree: bytes, train_state: dict[str, Any],
+) -> bytes:
+    """The shard header, packed one entry at a time (the writer's path: no record objects, and
+    a million-tensor header never holds the GIL in one long msgpack call, so the training
+    thread gets its turns while a save is encoded)."""
     devices: dict[str, int] = {}
-    for s in h.storages:
-        devices.setdefault(s.device, len(devices))
-    return _pack({
-        "format": FORMAT_VERSION,
-        "kind": "shard",
-        "step": h.step,
-        "rank": h.rank,
-        "world_size": h.world_size,
-        "save_id": h.save_id,
-        "created_unix": float(h.created_unix),
-        "chunk_bytes": h.chunk_bytes,
-        "data_offset": h.data_offset,
-        "data_length": h.data_length,
-        "checksums": list(h.checksums),
-        "devices": list(devices),
-        "storages": [[s.offset, s.nbytes, devices[s.device]] for s in h.storages],
-        "tensors": [
-            [t.path, t.dtype, list(t.shape), list(t.stride), t.storage, t.byte_offset,
-             None if t.dist is None else t.dist.to_plain()]
-            for t in h.tensors
-        ],
-        "tree": h.tree,
-        "train_state": h.train_state,
-    })
+    for _offset, _nbytes, device in storages:
+        devices.setdefault(device, len(devices))
+    packer = msgpack.Packer(use_bin_type=True, strict_types=True)
+    fixed: dict[str, Any] = {
+        "format": FORMAT_VERSION, "kind": "shard", "step": step, "rank": rank,
+        "world_size": world_size, "save_id": save_id, "created_unix": float(created_unix),
+        "chunk_bytes": chunk_bytes, "data_offset": data_offset, "data_length": data_length,
+        "checksums": list(checksums), "devices": list(devices)}
+    parts = [packer.pack_map_header(len(fixed) + 4)]
+    for key, value in fixed.items():
+        parts.append(packer.pack(key))
+        parts.append(packer.pack(value))
+    parts.append(packer.pack("storages"))
+    parts.append(packer.pack_array_header(len(storages)))
+    parts.extend(packer.pack([offset, nbytes, devices[device]])
+                 for offset, nbytes, device in storages)
+    parts.append(packer.pack("tensors"))
+    parts.append(packer.pack_array_header(tensor_count))
+    written = 0
+    for path, dtype, shape, stride, storage, byte_offset, dist in tensors:
+        parts.append(packer.pack([path, dtype, list(shape), list(stride), storage, byte_offset,
+                                  None if dist is None else dist.to_plain()]))
+        written += 1
+    if written != tensor_count:
+        raise ValueError(f"{written} tensor records for a count of {tensor_count}")
+    parts.append(packer.pack("tree"))
+    parts.append(packer.pack(tree))
+    parts.append(packer.pack("train_state"))
+    parts.append(_pack(train_state))
+    return b"".join(parts)
 
 
 def encode_preamble(header_offset: int, header: bytes) -> bytes:

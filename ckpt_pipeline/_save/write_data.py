@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import queue
 import time
 from bisect import bisect_left, bisect_right
@@ -17,13 +18,11 @@ from .._format.limits import ALIGN
 from .._format.names import shard_name, step_dir_name
 from .._format.shard import (
     PREAMBLE_SIZE,
-    ShardHeader,
-    TensorRecord,
     align_down,
     align_up,
     checksum,
     contiguous_stride,
-    encode_header,
+    encode_header_fields,
     region_chunks,
 )
 from .._hostmem import byte_view
@@ -114,19 +113,19 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
         await anyio.to_thread.run_sync(storage.close, direct, limiter=limiter)
     crash_point("serialize.data_written")
     items = layout.items
-    records = tuple(
-        TensorRecord(path, dtype, shape, contiguous_stride(shape) if stride is None else stride,
-                     item, offset, items[item].device, dist)
-        for path, dtype, shape, stride, item, offset, dist in zip(
-            job.paths, job.dtypes, job.shapes, layout.tensor_stride, layout.tensor_item,
-            layout.tensor_offset, job.layouts)
-    )
-    header = encode_header(ShardHeader(
-        step=job.step, rank=job.rank, world_size=job.world_size, save_id=job.save_id,
-        created_unix=time.time(), chunk_bytes=chunk, data_offset=PREAMBLE_SIZE,
-        data_length=layout.data_length, storages=layout.storage_records(), tensors=records,
-        checksums=tuple(sums), tree=job.tree, train_state=job.train_state,
-    ))
+    header = await anyio.to_thread.run_sync(functools.partial(
+        encode_header_fields, step=job.step, rank=job.rank, world_size=job.world_size,
+        save_id=job.save_id, created_unix=time.time(), chunk_bytes=chunk,
+        data_offset=PREAMBLE_SIZE, data_length=layout.data_length, checksums=sums,
+        storages=[(item.offset, item.nbytes, item.device) for item in items],
+        tensors=(
+            (path, dtype, shape, contiguous_stride(shape) if stride is None else stride, item,
+             offset, dist)
+            for path, dtype, shape, stride, item, offset, dist in zip(
+                job.paths, job.dtypes, job.shapes, layout.tensor_stride, layout.tensor_item,
+                layout.tensor_offset, job.layouts)),
+        tensor_count=len(job.paths), tree=job.tree, train_state=job.train_state),
+        limiter=limiter)
     return DataWritten(header, copied)
 
 

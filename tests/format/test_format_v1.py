@@ -8,7 +8,6 @@ the sha256 of every tensor's bytes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -18,33 +17,13 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tensor_hashes
 from torch import nn
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.cli import main as cli_main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "format-v1"
-
-
-def _sha256(t: torch.Tensor) -> str:
-    flat = t.detach().reshape(-1).contiguous()
-    raw = bytes(flat.view(torch.uint8).tolist()) if flat.numel() else b""
-    return hashlib.sha256(raw).hexdigest()
-
-
-def _hashes(obj: Any, path: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    if isinstance(obj, torch.Tensor):
-        out[path] = _sha256(obj)
-    elif hasattr(obj, "state_dict"):
-        out.update(_hashes(obj.state_dict(), path))
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            out.update(_hashes(value, f"{path}/{key}" if path else str(key)))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            out.update(_hashes(value, f"{path}/{i}"))
-    return out
 
 
 @pytest.fixture
@@ -78,7 +57,7 @@ def test_a_format_1_checkpoint_restores_bit_exact(root: Path) -> None:
     assert result.train_state.extra == {"loss": 0.25, "note": "v1"}
     assert result.train_state.consumed_train_samples == 112
     assert random.random() == expected["python_random_next"]  # the RNG states came back
-    assert _hashes(state) == expected["tensors"]
+    assert tensor_hashes(state) == expected["tensors"]
     model = state["model"]
     assert model[3].weight is model[0].weight  # the live tie is kept
     extras = state["extras"]
@@ -106,4 +85,4 @@ def test_a_new_save_next_to_a_format_1_step_is_format_2(root: Path) -> None:
     with cp.CheckpointPipeline(root) as pipe:
         result = pipe.restore_latest(again)
     assert result is not None and result.step == 8
-    assert _hashes(again) == _hashes(state)
+    assert tensor_hashes(again) == tensor_hashes(state)

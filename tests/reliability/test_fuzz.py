@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import itertools
 import json
 import math
@@ -56,6 +55,7 @@ from typing import Any, TypeVar
 import msgpack
 import pytest
 import torch
+from conftest import tensor_hashes
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -1999,22 +1999,6 @@ def _v1_live() -> dict[str, Any]:
     return {"model": model, "optimizer": opt, "extras": {}}
 
 
-def _hashes(obj: Any, path: str = "") -> dict[str, str]:
-    """sha256 of each tensor's bytes by path, as ``expected.json`` holds them."""
-    out: dict[str, str] = {}
-    if isinstance(obj, torch.Tensor):
-        out[path] = hashlib.sha256(_bits(obj)).hexdigest()
-    elif hasattr(obj, "state_dict"):
-        out.update(_hashes(obj.state_dict(), path))
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            out.update(_hashes(value, f"{path}/{key}" if path else str(key)))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            out.update(_hashes(value, f"{path}/{i}"))
-    return out
-
-
 @functools.cache
 def _v1_expected() -> dict[str, str]:
     tensors: dict[str, str] = json.loads((V1_FIXTURE / "expected.json").read_text())["tensors"]
@@ -2046,7 +2030,7 @@ def _check_v1_restore(root: Path, accepted: Callable[[], bool]) -> None:
     event("restored the fuzzed format-1 step")
     assert result is not None and result.step == V1_STEP
     assert accepted(), "restore used a step whose fuzzed file does not decode"
-    assert _hashes(state) == _v1_expected()
+    assert tensor_hashes(state) == _v1_expected()
 
 
 @st.composite
@@ -2088,7 +2072,7 @@ def test_harness_resigned_format_1_header_reaches_the_decoder(v1_template: Templ
         state = _v1_live()
         result, _, _ = _restore(root, live=state)
         assert result is not None and result.step == V1_STEP
-        assert _hashes(state) == _v1_expected()
+        assert tensor_hashes(state) == _v1_expected()
     with _copy_of(v1_template) as root:
         _install_header(v1_template, root, enc({**doc, "step": 8}), "all")
         with pytest.raises(CheckpointError, match="does not match its manifest"):
