@@ -79,6 +79,7 @@ import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_commit
 from ckpt_pipeline._format.names import commit_name
 from ckpt_pipeline._restore import scan as _recovery
+from ckpt_pipeline._restore.read import LoadedShard, read_shard
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.events import CheckpointCommitted, Event, TemporariesScrubbed
 from ckpt_pipeline.storage import FileInfo
@@ -313,8 +314,8 @@ def commit_save_id(storage: cp.LocalStorage, step: int, rank: int) -> str | None
 
 
 async def _read_shard(storage: cp.LocalStorage, status: _recovery.StepStatus,
-                      rank: int) -> _recovery.LoadedShard:
-    return await _recovery.read_shard(storage, status, rank, threads=1,
+                      rank: int) -> LoadedShard:
+    return await read_shard(storage, status, rank, threads=1,
                                       limiter=anyio.CapacityLimiter(1))
 
 
