@@ -46,6 +46,7 @@ __all__ = (
     "MAX_SAVE_ID_LEN",
     "MAX_SMALL_FILE_BYTES",
     "MAX_TENSORS",
+    "MIN_CHUNK_BYTES",
     "PLACEMENT_PATTERN",
     "TRAIN_STATE_DEPTH",
     "Limit",
@@ -59,6 +60,8 @@ __all__ = (
 
 ALIGN = 4096
 """Alignment of the shard's regions; the checksum chunk size is a multiple of it."""
+MIN_CHUNK_BYTES = 1024 * 1024
+"""The smallest checksum chunk a writer picks, unless ``chunk_bytes`` is smaller still."""
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 MAX_SMALL_FILE_BYTES = 1024 * 1024
 MAX_TENSORS = 1_000_000
@@ -408,7 +411,7 @@ def header_bytes_bound(flat: FlatState, tree: bytes, ts_bytes: bytes, *, step: i
     paths, tensors, layouts = flat.paths, flat.tensors, flat.layouts
     n = len(tensors)
     count = len(layout.items)
-    smallest_chunk = max(ALIGN, min(chunk_bytes, 1 << 20))  # see write_data.checksum_chunk
+    smallest_chunk = max(ALIGN, min(chunk_bytes, MIN_CHUNK_BYTES))
     chunks = -(-layout.data_length // smallest_chunk) + (layout.data_length > 0)
 
     def header(records: tuple[TensorRecord, ...], storages: tuple[StorageRecord, ...],

@@ -191,11 +191,6 @@ class ShardHeader:
         chunks = region_chunks(self.data_offset, self.data_end, self.chunk_bytes)
         return [(a, b, s) for (a, b), s in zip(chunks, self.checksums, strict=True)]
 
-    @property
-    def stored_bytes(self) -> int:
-        """Bytes of the storages (what restore reads and verifies, padding aside)."""
-        return sum(s.nbytes for s in self.storages)
-
 
 def encode_header(h: ShardHeader) -> bytes:
     if h.version != FORMAT_VERSION:
@@ -204,7 +199,7 @@ def encode_header(h: ShardHeader) -> bytes:
         step=h.step, rank=h.rank, world_size=h.world_size, save_id=h.save_id,
         created_unix=h.created_unix, chunk_bytes=h.chunk_bytes, data_offset=h.data_offset,
         data_length=h.data_length, checksums=h.checksums,
-        storages=[(st.offset, st.nbytes, st.device) for st in h.storages],
+        storages=h.storages,
         tensors=((t.path, t.dtype, t.shape, t.stride, t.storage, t.byte_offset, t.dist)
                  for t in h.tensors),
         tensor_count=len(h.tensors), tree=h.tree, train_state=h.train_state)
@@ -213,7 +208,7 @@ def encode_header(h: ShardHeader) -> bytes:
 def encode_header_fields(
     *, step: int, rank: int, world_size: int, save_id: str, created_unix: float,
     chunk_bytes: int, data_offset: int, data_length: int, checksums: Sequence[int],
-    storages: Sequence[tuple[int, int, str]],
+    storages: Sequence[StorageRecord],
     tensors: Iterable[tuple[str, str, Sequence[int], Sequence[int], int, int,
                             DistLayout | None]],
     tensor_count: int, tree: bytes, train_state: dict[str, Any],
@@ -222,8 +217,8 @@ def encode_header_fields(
     a million-tensor header never holds the GIL in one long msgpack call, so the training
     thread gets its turns while a save is encoded)."""
     devices: dict[str, int] = {}
-    for _offset, _nbytes, device in storages:
-        devices.setdefault(device, len(devices))
+    for record in storages:
+        devices.setdefault(record.device, len(devices))
     packer = msgpack.Packer(use_bin_type=True, strict_types=True)
     fixed: dict[str, Any] = {
         "format": FORMAT_VERSION, "kind": "shard", "step": step, "rank": rank,
@@ -236,8 +231,7 @@ def encode_header_fields(
         parts.append(packer.pack(value))
     parts.append(packer.pack("storages"))
     parts.append(packer.pack_array_header(len(storages)))
-    parts.extend(packer.pack([offset, nbytes, devices[device]])
-                 for offset, nbytes, device in storages)
+    parts.extend(packer.pack([s.offset, s.nbytes, devices[s.device]]) for s in storages)
     parts.append(packer.pack("tensors"))
     parts.append(packer.pack_array_header(tensor_count))
     written = 0

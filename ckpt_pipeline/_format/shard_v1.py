@@ -49,8 +49,9 @@ def decode_v1_body(data: dict[str, Any], path: str, *, file_size: int,
     checks: list[tuple[int, int, int]] = []
     end = data_offset + data_length
     for i, raw in enumerate(records_raw):
-        record, sums = _decode_v1_record(raw, i, chunk, data_offset, end, path, len(storages))
-        storage = StorageRecord(record_offset(raw), record.nbytes, record.device)
+        record, offset, sums = _decode_v1_record(raw, i, chunk, data_offset, end, path,
+                                                 len(storages))
+        storage = StorageRecord(offset, record.nbytes, record.device)
         if storages and storage.offset < storages[-1].end:
             raise CheckpointIntegrityError(f"tensor #{i} overlaps the one before it", path=path)
         storages.append(storage)
@@ -64,13 +65,9 @@ def decode_v1_body(data: dict[str, Any], path: str, *, file_size: int,
                        legacy_checks=tuple(checks))
 
 
-def record_offset(raw: list[Any]) -> int:
-    offset: int = raw[3]
-    return offset
-
-
 def _decode_v1_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: str,
-                      storage: int) -> tuple[TensorRecord, list[int]]:
+                      storage: int) -> tuple[TensorRecord, int, list[int]]:
+    """A format-1 record as a view of a storage of its own, its file offset, its checksums."""
     where = f"tensor #{index}"
     if not isinstance(raw, list) or len(raw) != 8:
         raise CheckpointIntegrityError(f"{where} record is malformed", path=path)
@@ -100,4 +97,4 @@ def _decode_v1_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: 
     layout = None if dist is None else _decode_dist(dist, len(shape), f"{where} ({tpath})", path)
     record = TensorRecord(tpath, dtype, tuple(shape), contiguous_stride(shape), storage, 0,
                           device, layout)
-    return record, sums
+    return record, offset, sums

@@ -98,9 +98,7 @@ class _Applier:
 
     def _adopt(self, live: torch.Tensor, new: torch.Tensor, path: str) -> None:
         """Give ``live`` the restored memory: no copy, and its old memory is the backup."""
-        backup = _AdoptedBackup(live, path)
-        self.copies.keep(live, backup.old)
-        self.journal.append(backup)
+        self.journal.append(_AdoptedBackup(live, path))
         with torch.no_grad():
             live.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
 

@@ -28,6 +28,7 @@ from .._parallel import run_groups, split_balanced
 from .._save.layout import LARGE_STORAGE
 from ..errors import CheckpointIntegrityError, StorageError
 from ..storage import Storage
+from .scan import StepStatus
 
 __all__ = ("LoadedShard", "device_bytes", "read_shard")
 
@@ -95,7 +96,7 @@ def device_bytes(header: ShardHeader, devices: Sequence[torch.device]) -> dict[i
 
 async def read_shard(
     storage: Storage,
-    status: Any,
+    status: StepStatus,
     rank: int,
     *,
     devices: Sequence[torch.device] | None = None,
@@ -108,7 +109,7 @@ async def read_shard(
 
     ``progress(bytes)`` is called from several worker threads at once; it must be thread-safe.
     """
-    header: ShardHeader | None = status.header
+    header = status.header
     if header is None:
         raise CheckpointIntegrityError("step was not validated", step=status.step, rank=rank,
                                        path=status.path)
@@ -247,7 +248,7 @@ class _RangeReader:
 
 
 def _views(header: ShardHeader, targets: list[torch.device | None], units: list[_Unit],
-           unit_of: list[int], memory: list[torch.Tensor], status: Any,
+           unit_of: list[int], memory: list[torch.Tensor], status: StepStatus,
            rank: int) -> list[torch.Tensor]:
     """Each tensor as a view of its unit (tensors of one storage share its memory).
 

@@ -14,7 +14,7 @@ import torch
 
 from .._crash import crash_point
 from .._format.documents import encode_tree
-from .._format.limits import ALIGN
+from .._format.limits import ALIGN, MIN_CHUNK_BYTES
 from .._format.names import shard_name, step_dir_name
 from .._format.shard import (
     PREAMBLE_SIZE,
@@ -37,13 +37,11 @@ __all__ = ("checksum_chunk", "required_bytes", "serialize")
 
 
 def checksum_chunk(data_end: int, chunk_bytes: int, threads: int) -> int:
-    """The checksum chunk of a save: ``chunk_bytes``, or smaller for a small shard, so that
-    every I/O thread gets chunks to write and, at restore, to read and verify."""
+    """The checksum chunk of a save: ``chunk_bytes``, or smaller for a small shard (never below
+    ``MIN_CHUNK_BYTES``), so that every I/O thread gets chunks to write and, at restore, to
+    read and verify."""
     share = align_up(-(-data_end // (2 * threads)))
     return max(ALIGN, min(chunk_bytes, max(MIN_CHUNK_BYTES, share)))
-
-
-MIN_CHUNK_BYTES = 1 << 20
 
 
 def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
@@ -94,7 +92,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
                                                 limiter=limiter)
     snap = job.snapshot
     writer = _ChunkWriter(storage, fd, direct, buffer, sums, snap.copied,
-                          [item.offset for item in layout.items], layout.data_end)
+                          [item.offset for item in layout.items])
     copied: float | None = None
     try:
         if snap.streaming:
@@ -112,12 +110,11 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     if direct is not None:
         await anyio.to_thread.run_sync(storage.close, direct, limiter=limiter)
     crash_point("serialize.data_written")
-    items = layout.items
     header = await anyio.to_thread.run_sync(functools.partial(
         encode_header_fields, step=job.step, rank=job.rank, world_size=job.world_size,
         save_id=job.save_id, created_unix=time.time(), chunk_bytes=chunk,
         data_offset=PREAMBLE_SIZE, data_length=layout.data_length, checksums=sums,
-        storages=[(item.offset, item.nbytes, item.device) for item in items],
+        storages=layout.storage_records(),
         tensors=(
             (path, dtype, shape, contiguous_stride(shape) if stride is None else stride, item,
              offset, dist)
@@ -137,7 +134,7 @@ class _ChunkWriter:
 
     def __init__(self, storage: Storage, fd: int, direct: int | None, buffer: torch.Tensor,
                  sums: list[int], copied: dict[int, torch.cuda.Event],
-                 item_offsets: list[int], data_end: int) -> None:
+                 item_offsets: list[int]) -> None:
         self.copied = copied  # device copies still running into the buffer, per stored item
         self.storage = storage
         self.fd = fd
@@ -145,7 +142,6 @@ class _ChunkWriter:
         self.buffer = buffer
         self.sums = sums
         self.item_offsets = item_offsets
-        self.data_end = data_end
         self.refused = False  # a direct write was refused: buffered writes from then on
 
     def chunk(self, chunk: Chunk, at: int) -> None:
