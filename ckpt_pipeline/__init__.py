@@ -29,10 +29,14 @@ from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
 from .events import Event as Event
+from .events import ReplicaStored as ReplicaStored
+from .events import ReplicationDegraded as ReplicationDegraded
 from .events import RetentionFailed as RetentionFailed
 from .events import SaveFailed as SaveFailed
 from .events import SaveRequested as SaveRequested
 from .events import SaveSkipped as SaveSkipped
+from .events import ShardFetched as ShardFetched
+from .events import ShardReplicated as ShardReplicated
 from .events import ShardSerialized as ShardSerialized
 from .events import ShardWritten as ShardWritten
 from .events import SnapshotTaken as SnapshotTaken
@@ -77,6 +81,8 @@ __all__ = (
     "PoolBusyError",
     "RNGState",
     "RejectedStep",
+    "ReplicaStored",
+    "ReplicationDegraded",
     "RestoreError",
     "RestoreResult",
     "RetentionFailed",
@@ -87,6 +93,8 @@ __all__ = (
     "SaveHandle",
     "SaveRequested",
     "SaveSkipped",
+    "ShardFetched",
+    "ShardReplicated",
     "ShardSerialized",
     "ShardWritten",
     "SnapshotMode",

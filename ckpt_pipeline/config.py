@@ -55,7 +55,20 @@ class PipelineConfig:
     - ``max_failures_in_row``: a failed save does not stop training (its ``result()`` raises
       and ``SaveFailed`` is emitted), but after this many failures in a row the next ``save()``
       raises, so that a broken disk cannot go unnoticed for hours.
-    - ``strict``: raise at the next ``save()`` or ``wait()`` after any failed save.
+    - ``strict``: raise at the next ``save()`` or ``wait()`` after any failed save (a save
+      committed without all its copies, see ``replicas``, counts as failed here).
+    - ``replicas``: extra copies of each rank's shard, each on another node than the shard and
+      the other copies (0: none). Sent from the host buffer while the local write runs, over
+      TCP between the ranks (never the training's process group); a step commits when every
+      rank's shard is durable, and the copies that could not be made are reported
+      (``CommitInfo.missing_replicas``, ``ReplicationDegraded``). At restore a rank whose shard
+      is missing or corrupt fetches a copy. More than the number of other nodes is a
+      ``ConfigError`` at open. Placement: docs/distributed.md, "Replication".
+    - ``node_name``: the node this rank runs on, for placing copies (None: the host name).
+    - ``replication_timeout_s``: bound on every send, receive and acknowledgement of a copy; a
+      peer that does not answer in time loses that copy (the save still commits).
+    - ``replication_host``: the address other ranks reach this rank's copy server at (None:
+      the address this host uses to reach ``MASTER_ADDR``, else its host name's).
     """
 
     keep_last: int = 3
@@ -76,6 +89,10 @@ class PipelineConfig:
     coordination_timeout_s: float = 300.0
     max_failures_in_row: int = 3
     strict: bool = False
+    replicas: int = 0
+    node_name: str | None = None
+    replication_timeout_s: float = 60.0
+    replication_host: str | None = None
 
     @property
     def retention_policy(self) -> RetentionPolicy:
@@ -128,6 +145,19 @@ class PipelineConfig:
                               hint="for example 300 (seconds)")
         _positive_int("max_failures_in_row", self.max_failures_in_row,
                       "for example max_failures_in_row=3")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or (
+            self.replicas < 0
+        ):
+            raise ConfigError(f"replicas={self.replicas!r} is not a number of copies",
+                              hint="use 0 (no copies, the default) or a positive int")
+        for name in ("node_name", "replication_host"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{name}={value!r} must be a non-empty string or None")
+        timeout = self.replication_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"replication_timeout_s={timeout!r} must be a positive number",
+                              hint="for example 60 (seconds)")
         for name in ("capture_rng", "restore_rng", "strict", "direct_io", "device_staging"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")
@@ -163,3 +193,7 @@ class PipelineOptions(TypedDict, total=False):
     coordination_timeout_s: float
     max_failures_in_row: int
     strict: bool
+    replicas: int
+    node_name: str | None
+    replication_timeout_s: float
+    replication_host: str | None

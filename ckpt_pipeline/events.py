@@ -17,10 +17,14 @@ __all__ = (
     "CheckpointRejected",
     "CheckpointRestored",
     "Event",
+    "ReplicaStored",
+    "ReplicationDegraded",
     "RetentionFailed",
     "SaveFailed",
     "SaveRequested",
     "SaveSkipped",
+    "ShardFetched",
+    "ShardReplicated",
     "ShardSerialized",
     "ShardWritten",
     "SnapshotTaken",
@@ -170,6 +174,65 @@ class CheckpointRestored(Event):
     log_name: ClassVar[str] = "ckpt.recovery.restored"
     log_level: ClassVar[str] = "info"
     save_id: str
+    path: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ShardReplicated(Event):
+    """A copy of this rank's shard is durable on ``peer`` (sender side, before the vote)."""
+
+    log_name: ClassVar[str] = "ckpt.replicate.sent"
+    save_id: str
+    peer: int
+    node: str
+    bytes: int
+    seconds: float
+    """From the first byte sent to the peer's acknowledgement (data, header and manifest
+    verified and fsynced there)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStored(Event):
+    """This rank (the holder) published a verified copy of rank ``source``'s shard.
+
+    Emitted from the copy server's thread once shard and manifest are durable; the copy's
+    commit record follows when the step commits, else the copy is removed.
+    """
+
+    log_name: ClassVar[str] = "ckpt.replicate.stored"
+    save_id: str
+    source: int
+    path: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationDegraded(Event):
+    """The step committed, but without some of its copies (every rank emits the same list).
+
+    ``missing`` holds (source rank, holder rank) of each copy that is not durable, ``reasons``
+    why, in the same order (a timeout or a lost connection names the peer).
+    """
+
+    log_name: ClassVar[str] = "ckpt.replicate.degraded"
+    log_level: ClassVar[str] = "warning"
+    save_id: str
+    missing: tuple[tuple[int, int], ...]
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFetched(Event):
+    """At restore, this rank's shard came from the copy held by ``peer``, verified and written
+    back to this rank's root (so the copy count is whole again)."""
+
+    log_name: ClassVar[str] = "ckpt.recovery.fetched"
+    log_level: ClassVar[str] = "info"
+    save_id: str
+    peer: int
     path: str
     bytes: int
     seconds: float

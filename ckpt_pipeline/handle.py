@@ -28,6 +28,16 @@ class CommitInfo:
     bytes: int
     seconds: float
     """From ``save()`` to the commit record fsynced (time to durable)."""
+    replica_holders: tuple[int, ...] = ()
+    """Ranks that hold a durable copy of this rank's shard of the step (``replicas``)."""
+    missing_replicas: tuple[tuple[int, int], ...] = ()
+    """(source rank, holder rank) of every copy of the step, on any rank, that could not be
+    made: the step committed with less redundancy than asked for. Empty when whole."""
+
+    @property
+    def degraded(self) -> bool:
+        """Some copy of the step is missing (see ``missing_replicas``)."""
+        return bool(self.missing_replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +63,9 @@ class RestoreResult:
     """Newer steps that were found corrupt or incomplete and skipped (each was also reported)."""
     valid_by_rank: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     """What each rank reported: the steps it held complete and valid, newest first."""
+    fetched: Mapping[int, int] = field(default_factory=dict)
+    """{rank: holder rank} for each rank whose shard was missing or corrupt in its own root and
+    was fetched from a copy (replication); every other rank loaded its own shard."""
 
 
 class SaveHandle:

@@ -3,7 +3,9 @@
 A step is a directory ``step-<step, 10 digits>``; each rank writes ``rank-<rank, 5 digits>``
 ``.shard``, ``.manifest`` and ``.commit`` in it, each first under a temporary name
 (``TEMP_FILE``); recovery moves a rank's files of a step it will not use aside, to
-``step-<step>.rejected-r<rank>-<token>``. docs/format.md is the reference. A parser accepts
+``step-<step>.rejected-r<rank>-<token>``. A copy of rank ``s``'s files held by rank ``h``
+(replication) is ``replica-<s, 5 digits>-on-<h, 5 digits>`` with the same three suffixes, in
+the same step directory of the holder's root; the holder owns it. docs/format.md is the reference. A parser accepts
 only the canonical spelling of a name (the one the matching ``*_name`` writes), so that no two
 names on disk stand for the same step or rank.
 """
@@ -18,16 +20,21 @@ __all__ = (
     "manifest_name",
     "parse_rank_file",
     "parse_rejected_dir",
+    "parse_replica_file",
     "parse_step_dir",
     "rejected_dir_name",
+    "replica_name",
     "shard_name",
     "step_dir_name",
+    "temp_owner",
 )
 
 _STEP_DIR = re.compile(r"^step-([0-9]{10,})$")
 _RANK_FILE = re.compile(r"^rank-([0-9]{5,})\.(shard|manifest|commit)$")
 _REJECTED_DIR = re.compile(r"^(step-[0-9]{10,})\.rejected-r([0-9]{5,})-([0-9a-f]{8})$")
-TEMP_FILE = re.compile(r"^\.rank-[0-9]{5,}\.(shard|manifest|commit)\.tmp-[0-9a-f]{1,32}$")
+_REPLICA_FILE = re.compile(r"^replica-([0-9]{5,})-on-([0-9]{5,})\.(shard|manifest|commit)$")
+TEMP_FILE = re.compile(r"^\.(?:rank-[0-9]{5,}|replica-[0-9]{5,}-on-[0-9]{5,})"
+                       r"\.(shard|manifest|commit)\.tmp-[0-9a-f]{1,32}$")
 
 
 def step_dir_name(step: int) -> str:
@@ -80,3 +87,30 @@ def parse_rank_file(name: str) -> tuple[int, str] | None:
     rank = int(m.group(1))
     kind = m.group(2)
     return (rank, kind) if f"rank-{rank:05d}.{kind}" == name else None
+
+
+def replica_name(source: int, holder: int, kind: str) -> str:
+    """A copy of rank ``source``'s file of ``kind`` (shard, manifest, commit) held by
+    ``holder``."""
+    return f"replica-{source:05d}-on-{holder:05d}.{kind}"
+
+
+def parse_replica_file(name: str) -> tuple[int, int, str] | None:
+    """(source rank, holder rank, kind) of a committed copy's file name, or None."""
+    m = _REPLICA_FILE.match(name)
+    if m is None:
+        return None
+    source, holder, kind = int(m.group(1)), int(m.group(2)), m.group(3)
+    return (source, holder, kind) if replica_name(source, holder, kind) == name else None
+
+
+def temp_owner(name: str) -> int | None:
+    """The rank that owns a temporary file (its rank, or the holder of a copy), or None."""
+    if not TEMP_FILE.match(name):
+        return None
+    final = name[1:name.rindex(".tmp-")]
+    parsed = parse_rank_file(final)
+    if parsed is not None:
+        return parsed[0]
+    replica = parse_replica_file(final)
+    return None if replica is None else replica[1]

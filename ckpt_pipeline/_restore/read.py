@@ -117,7 +117,7 @@ async def read_shard(
     units, unit_of = _units(header, targets)
     memory = [torch.empty(u.end - u.start, dtype=torch.uint8, device=u.device) for u in units]
     starts = [u.start for u in units]
-    rel = os.path.join(status.dir_name, shard_name(rank))
+    rel = os.path.join(status.dir_name, status.shard_file or shard_name(rank))
     path = os.path.join(storage.root, rel)
     bad: list[tuple[int, int]] = []
     fd, _size = await anyio.to_thread.run_sync(storage.open_read, rel, status.shard_size,

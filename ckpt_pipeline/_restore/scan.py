@@ -10,19 +10,20 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crash_point
 from .._format.documents import CommitRecord, Manifest, decode_commit, decode_manifest, decode_tree
 from .._format.names import (
-    TEMP_FILE,
     commit_name,
-    manifest_name,
     parse_rank_file,
+    parse_replica_file,
     parse_step_dir,
     rejected_dir_name,
-    shard_name,
+    replica_name,
+    temp_owner,
 )
 from .._format.shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
 from ..errors import CheckpointIntegrityError, StateError, StorageError
@@ -30,12 +31,15 @@ from ..storage import Storage
 from ..train_state import TrainState
 
 __all__ = (
+    "FileSet",
     "StepStatus",
     "committed_steps",
     "decode_contents",
+    "owned_sets",
     "quarantine",
     "read_header",
     "scan",
+    "scan_replicas",
     "scrub",
     "step_dirs",
     "tidy_step_dir",
@@ -43,6 +47,52 @@ __all__ = (
 
 _SMALL_LIMIT = 1024 * 1024
 _STAGING_BYTES = 8 * 1024 * 1024  # pinned piece size for reads bound for a GPU
+
+
+@dataclass(frozen=True, slots=True)
+class FileSet:
+    """The three files of one rank's shard of a step, as one rank holds them: its own
+    (``rank-S.*``, ``holder`` None) or a copy held for rank ``source`` (``replica-S-on-H.*``).
+    The files are the same bytes either way; only the names differ."""
+
+    source: int
+    holder: int | None = None
+
+    def name(self, kind: str) -> str:
+        if self.holder is None:
+            return f"rank-{self.source:05d}.{kind}"
+        return replica_name(self.source, self.holder, kind)
+
+    @property
+    def shard(self) -> str:
+        return self.name("shard")
+
+    @property
+    def manifest(self) -> str:
+        return self.name("manifest")
+
+    @property
+    def commit(self) -> str:
+        return self.name("commit")
+
+    def names(self) -> tuple[str, str, str]:
+        """Commit record first: the order in which a set is taken off the disk."""
+        return self.commit, self.manifest, self.shard
+
+
+def owned_sets(names: Iterable[str], rank: int) -> list[FileSet]:
+    """The file sets ``rank`` owns among ``names`` (its own and the copies it holds), each
+    named by at least one of its files."""
+    out: dict[tuple[int, int | None], FileSet] = {}
+    for name in names:
+        parsed = parse_rank_file(name)
+        if parsed is not None and parsed[0] == rank:
+            out.setdefault((rank, None), FileSet(rank))
+            continue
+        replica = parse_replica_file(name)
+        if replica is not None and replica[1] == rank:
+            out.setdefault((replica[0], rank), FileSet(replica[0], rank))
+    return sorted(out.values(), key=lambda f: (f.holder is not None, f.source))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +113,17 @@ class StepStatus:
     data_bytes: int = 0
     committed_unix: float | None = None
     header: ShardHeader | None = None
+    files: FileSet | None = None
+    """Which files were looked at (None: this rank's own)."""
+
+    @property
+    def source(self) -> int | None:
+        """The rank whose shard this is, for a copy; None for the scanning rank's own."""
+        return None if self.files is None or self.files.holder is None else self.files.source
+
+    @property
+    def shard_file(self) -> str | None:
+        return None if self.files is None else self.files.shard
 
 
 def step_dirs(storage: Storage) -> dict[int, str]:
@@ -88,8 +149,9 @@ def _read_small(storage: Storage, rel: str) -> bytes:
         storage.close(fd)
 
 
-def _read_commit(storage: Storage, dir_name: str, step: int, rank: int) -> CommitRecord:
-    rel = os.path.join(dir_name, commit_name(rank))
+def _read_commit(storage: Storage, dir_name: str, step: int, rank: int,
+                 files: FileSet | None = None) -> CommitRecord:
+    rel = os.path.join(dir_name, (files or FileSet(rank)).commit)
     path = os.path.join(storage.root, rel)
     record = decode_commit(_read_small(storage, rel), path)
     if record.step != step or record.rank != rank:
@@ -117,19 +179,18 @@ def committed_steps(storage: Storage, rank: int) -> dict[int, str]:
 def scrub(storage: Storage, rank: int) -> list[tuple[str, int]]:
     """Remove this rank's temporaries and uncommitted files; return (path, bytes) removed.
 
-    A committed step is never touched. Runs in a worker thread, before any save starts.
+    This rank's files are its own and the copies it holds for other ranks; a copy without its
+    commit record is uncommitted too. A committed step is never touched. Runs in a worker thread, before any save starts.
     """
     removed: list[tuple[str, int]] = []
-    prefix = f".rank-{rank:05d}."
     for _step, dir_name in sorted(step_dirs(storage).items()):
         entries = storage.list_dir(dir_name)
         names = {e.name for e in entries}
-        committed = commit_name(rank) in names
+        uncommitted = {name for files in owned_sets(names, rank) if files.commit not in names
+                       for name in files.names()}
         for entry in entries:
-            own_temp = entry.name.startswith(prefix) and TEMP_FILE.match(entry.name)
-            parsed = parse_rank_file(entry.name)
-            own_uncommitted = (not committed and parsed is not None and parsed[0] == rank)
-            if (own_temp or own_uncommitted) and not entry.is_dir:
+            own_temp = temp_owner(entry.name) == rank
+            if (own_temp or entry.name in uncommitted) and not entry.is_dir:
                 storage.unlink(os.path.join(dir_name, entry.name))
                 removed.append((os.path.join(storage.root, dir_name, entry.name), entry.size))
                 crash_point("scrub.removed")
@@ -166,27 +227,49 @@ def scan(storage: Storage, rank: int) -> list[StepStatus]:
     return out
 
 
+def scan_replicas(storage: Storage, rank: int) -> list[StepStatus]:
+    """Cheaply validate every copy this rank holds for other ranks, newest step first (then
+    by source rank). Worker thread."""
+    out: list[StepStatus] = []
+    for step, dir_name in sorted(step_dirs(storage).items(), reverse=True):
+        names = {e.name for e in storage.list_dir(dir_name)}
+        for files in owned_sets(names, rank):
+            if files.holder is not None:
+                out.append(scan_files(storage, files, step, dir_name, names))
+    return out
+
+
 def _scan_step(storage: Storage, rank: int, step: int, dir_name: str) -> StepStatus:
+    return scan_files(storage, FileSet(rank), step, dir_name)
+
+
+def scan_files(storage: Storage, files: FileSet, step: int, dir_name: str,
+               names: Collection[str] | None = None) -> StepStatus:
+    """Cheaply validate one file set of a step: commit record, manifest, shard size, header."""
+    rank = files.source
     path = os.path.join(storage.root, dir_name)
-    names = {e.name: e for e in storage.list_dir(dir_name)}
-    if commit_name(rank) not in names:
+    if names is None:
+        names = {e.name for e in storage.list_dir(dir_name)}
+    what = "" if files.holder is None else f" (copy held by rank {files.holder})"
+    if files.commit not in names:
         return StepStatus(step, dir_name, path, complete=False, valid=False,
-                          reason=f"no commit record for rank {rank}")
+                          reason=f"no commit record for rank {rank}{what}", files=files)
     try:
-        record = _read_commit(storage, dir_name, step, rank)
-        manifest = _read_manifest(storage, dir_name, step, rank, record)
-        header = read_header(storage, dir_name, rank, manifest)
+        record = _read_commit(storage, dir_name, step, rank, files)
+        manifest = _read_manifest(storage, dir_name, step, rank, record, files)
+        header = read_header(storage, dir_name, rank, manifest, files)
     except (CheckpointIntegrityError, StorageError) as exc:
-        return StepStatus(step, dir_name, path, complete=True, valid=False, reason=str(exc))
+        return StepStatus(step, dir_name, path, complete=True, valid=False,
+                          reason=f"{exc}{what}", files=files)
     return StepStatus(step, dir_name, path, complete=True, valid=True, reason=None,
                       save_id=record.save_id, world_size=record.world_size,
                       shard_size=manifest.shard_size, data_bytes=manifest.data_bytes,
-                      committed_unix=record.committed_unix, header=header)
+                      committed_unix=record.committed_unix, header=header, files=files)
 
 
 def _read_manifest(storage: Storage, dir_name: str, step: int, rank: int,
-                   record: CommitRecord) -> Manifest:
-    rel = os.path.join(dir_name, manifest_name(rank))
+                   record: CommitRecord, files: FileSet | None = None) -> Manifest:
+    rel = os.path.join(dir_name, (files or FileSet(rank)).manifest)
     path = os.path.join(storage.root, rel)
     manifest = decode_manifest(_read_small(storage, rel), path)
     if (manifest.step, manifest.rank, manifest.save_id, manifest.world_size) != (
@@ -198,9 +281,10 @@ def _read_manifest(storage: Storage, dir_name: str, step: int, rank: int,
     return manifest
 
 
-def read_header(storage: Storage, dir_name: str, rank: int, manifest: Manifest) -> ShardHeader:
+def read_header(storage: Storage, dir_name: str, rank: int, manifest: Manifest,
+                files: FileSet | None = None) -> ShardHeader:
     """Open the shard, check its size, preamble and header against the manifest."""
-    rel = os.path.join(dir_name, shard_name(rank))
+    rel = os.path.join(dir_name, (files or FileSet(rank)).shard)
     path = os.path.join(storage.root, rel)
     fd, size = storage.open_read(rel, manifest.shard_size)
     try:
@@ -247,17 +331,19 @@ def decode_contents(status: StepStatus, rank: int) -> tuple[dict[str, Any], Trai
     return tree, train_state
 
 
-def quarantine(storage: Storage, step: int, dir_name: str, rank: int) -> str | None:
+def quarantine(storage: Storage, step: int, dir_name: str, rank: int, *,
+               own_only: bool = False) -> str | None:
     """Move this rank's files of a step aside (kept for inspection, invisible to scans).
 
-    Only this rank's files move, into a directory of this rank's own, so ranks sharing a root
-    never touch each other's files. Returns the new directory, or None if nothing was there.
-    Runs in a worker thread.
+    Only this rank's files move (its own, and the copies it holds), into a directory of this
+    rank's own, so ranks sharing a root never touch each other's files. ``own_only``: only
+    its own shard's files (a corrupt shard about to be replaced by a fetched copy). Returns
+    the new directory, or None if nothing was there. Runs in a worker thread.
     """
-    prefix = f".rank-{rank:05d}."
-    own = [e.name for e in storage.list_dir(dir_name)
-           if (parse_rank_file(e.name) or (-1, ""))[0] == rank
-           or (e.name.startswith(prefix) and TEMP_FILE.match(e.name))]
+    names = [e.name for e in storage.list_dir(dir_name)]
+    held = {name for files in owned_sets(names, rank)
+            if not (own_only and files.holder is not None) for name in files.names()}
+    own = [name for name in names if name in held or temp_owner(name) == rank]
     if not own:
         return None
     target = rejected_dir_name(step, rank, secrets.token_hex(4))

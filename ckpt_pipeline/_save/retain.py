@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 
 from .._crash import crash_point
-from .._format.names import commit_name, manifest_name, shard_name, step_dir_name
-from .._restore.scan import committed_steps, tidy_step_dir
+from .._format.names import step_dir_name
+from .._restore.scan import committed_steps, owned_sets, step_dirs, tidy_step_dir
 from ..errors import CheckpointError
 from ..retention import RetentionPolicy
 from ..storage import Storage
@@ -46,13 +46,15 @@ def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int
           ) -> tuple[list[Pruned], list[PruneFailed]]:
     """Remove this rank's files of the committed steps that ``policy`` does not keep.
 
-    Only steps older than ``complete``, a step known to be committed on every rank, are ever
+    This rank's files are its own shard and the copies it holds for other ranks: a step is
+    kept or pruned with all of them (a step held only as copies counts like the others). Only
+    steps older than ``complete``, a step known to be committed on every rank, are ever
     removed: the newest complete set survives whatever happened to the newer ones. Steps are
     ordered by the step recorded in the commit record, not by names or times. The commit
     record goes first, so a step being pruned is never mistaken for complete. A step that
     cannot be removed is reported and the others are still tried. Runs in a worker thread.
     """
-    steps = committed_steps(storage, rank)
+    steps = {**_held_steps(storage, rank), **committed_steps(storage, rank)}
     keep = policy.keep(tuple(sorted(steps, reverse=True)))
     out: list[Pruned] = []
     failed: list[PruneFailed] = []
@@ -69,17 +71,30 @@ def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int
     return out, failed
 
 
+def _held_steps(storage: Storage, rank: int) -> dict[int, str]:
+    """Steps where this rank holds a committed copy of another rank's shard."""
+    out: dict[int, str] = {}
+    for step, dir_name in step_dirs(storage).items():
+        names = {e.name for e in storage.list_dir(dir_name)}
+        if any(f.holder is not None and f.commit in names for f in owned_sets(names, rank)):
+            out[step] = dir_name
+    return out
+
+
 def _remove_step(storage: Storage, rank: int, dir_name: str) -> int:
     sizes = {e.name: e.size for e in storage.list_dir(dir_name)}
     size = 0
-    for name in (commit_name(rank), manifest_name(rank), shard_name(rank)):
-        size += sizes.get(name, 0)
-        storage.unlink(os.path.join(dir_name, name))
-        if name == commit_name(rank):
-            # Durable before the data go: whatever a power cut keeps of the rest, this
-            # step can no longer look complete.
-            storage.fsync_dir(dir_name)
-            crash_point("retain.commit_removed")
+    for files in owned_sets(sizes, rank):
+        for name in files.names():
+            if name not in sizes:
+                continue
+            size += sizes[name]
+            storage.unlink(os.path.join(dir_name, name))
+            if name == files.commit:
+                # Durable before the data go: whatever a power cut keeps of the rest, this
+                # set can no longer look complete.
+                storage.fsync_dir(dir_name)
+                crash_point("retain.commit_removed")
     tidy_step_dir(storage, dir_name)
     return size
 
