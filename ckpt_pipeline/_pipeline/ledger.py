@@ -92,11 +92,17 @@ class Ledger:
 
     # ------------------------------------------------------------------ outcomes
 
-    def committed(self, step: int) -> None:
+    def committed(self, step: int, *, degraded: CheckpointError | None = None) -> None:
+        """A save committed; ``degraded``: without some of its copies, which the failure
+        policy counts like a failure (the save itself succeeded)."""
         with self.lock:
-            self._failures_in_row = 0
-            if not self.config.strict:
-                self._unreported = None
+            if degraded is not None:
+                self._failures_in_row += 1
+                self._unreported = degraded
+            else:
+                self._failures_in_row = 0
+                if not self.config.strict:
+                    self._unreported = None
             if self._latest_committed is None or step > self._latest_committed:
                 self._latest_committed = step
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._logging import log
+from .._replicate.replication import Replication
 from .._restore import scan as _scan
 from .._restore.recovery import AppliedState, Loaded, Recovery
 from .._restore.rollback import undone_on_error
@@ -31,7 +32,6 @@ from .._save.job import SaveJob
 from .._threads import in_thread
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
-from ..coordination._agree import agree_run_id
 from ..errors import CheckpointError, ConfigError, PipelineClosedError
 from ..events import TemporariesScrubbed
 from ..handle import RestoreResult, SaveHandle
@@ -111,12 +111,13 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         self.admission = Admission(self.config, root_path, self.ledger, self._pool,
                                    self._staging, self.emitter.emit)
         self._limiter = anyio.CapacityLimiter(self.config.io_threads)
+        self.replication = Replication(self.storage, self.config, self.emitter.emit)
         self.runner = StageRunner(
             Stages(self.config, self.storage, self.coordinator, self.ledger, self._pool,
-                   self.emitter.emit, self._limiter),
+                   self.emitter.emit, self._limiter, self.replication),
             self.ledger, self.emitter.emit, self.config.queue_depth)
         self._recovery = Recovery(self.storage, self.coordinator, self.config,
-                                  self.emitter.emit)
+                                  self.emitter.emit, self.replication)
         self.state = PipelineState.NEW
 
     # ------------------------------------------------------------------ lifecycle
@@ -154,6 +155,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         else:
             return
         finally:
+            self.replication.close()
             self._pool.close()
             if self._staging is not None:
                 self._staging.close()
@@ -174,11 +176,14 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                                                       bytes=size))
             # After the scrub: the agreement is also a barrier, so that no rank's first save
             # can create a step directory that another rank's scrub (of a shared root) removes.
-            self.admission.run_id = await agree_run_id(self.coordinator)
+            # It also tells every rank where the others' copy servers are (replication).
+            self.admission.run_id = await self.replication.start(self.coordinator,
+                                                                 self._limiter)
             committed = await in_thread(self._limiter, _scan.committed_steps, self.storage,
                                         self.rank)
             self.ledger.resume_at(max(committed, default=None))
         except BaseException:
+            self.replication.close()
             lock.release()
             raise
         return lock

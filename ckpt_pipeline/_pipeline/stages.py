@@ -22,6 +22,7 @@ from typing import Literal
 import anyio
 
 from .._logging import log
+from .._replicate.replication import Replication
 from .._save.buffers import HostPool
 from .._save.commit import commit
 from .._save.job import SaveJob
@@ -31,11 +32,14 @@ from .._save.write_data import serialize
 from .._threads import in_thread
 from ..config import PipelineConfig
 from ..coordination import Coordinator
+from ..errors import SaveError
 from ..events import (
     CheckpointCommitted,
     CheckpointPruned,
     Event,
+    ReplicationDegraded,
     RetentionFailed,
+    ShardReplicated,
     ShardSerialized,
     ShardWritten,
     SnapshotTaken,
@@ -54,7 +58,8 @@ class Stages:
 
     def __init__(self, config: PipelineConfig, storage: Storage, coordinator: Coordinator,
                  ledger: Ledger, pool: HostPool, emit: Callable[[Event], None],
-                 limiter: anyio.CapacityLimiter) -> None:
+                 limiter: anyio.CapacityLimiter, replication: Replication | None = None
+                 ) -> None:
         self.config = config
         self.rank = config.rank
         self.storage = storage
@@ -63,6 +68,7 @@ class Stages:
         self.pool = pool
         self._emit = emit
         self.limiter = limiter
+        self.replication = replication
 
     def release_slot(self, job: SaveJob) -> None:
         """Give the job's host buffer (and any device staging it holds) back."""
@@ -88,6 +94,8 @@ class Stages:
 
     async def write_data(self, job: SaveJob) -> None:
         started = time.perf_counter()
+        if self.replication is not None:
+            job.push = self.replication.push_for(job.step, job.save_id)
         written = await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
                                   threads=self.config.io_threads, limiter=self.limiter,
                                   direct_io=self.config.direct_io)
@@ -103,20 +111,47 @@ class Stages:
     async def seal(self, job: SaveJob) -> None:
         started = time.perf_counter()
         job.sealed = await write_shard(job, self.storage, limiter=self.limiter)
+        if job.push is not None and job.written is not None:
+            await in_thread(self.limiter, job.push.finish, job.written.header,
+                            job.data.data_end, job.sealed.preamble, job.sealed.manifest)
         self._emit(ShardWritten(step=job.step, rank=self.rank, save_id=job.save_id,
                                 path=os.path.join(str(self.storage.root), job.files.dir_name),
                                 bytes=job.shard_size, seconds=time.perf_counter() - started))
 
     async def commit(self, job: SaveJob) -> None:
-        await commit(job, self.storage, self.coordinator, limiter=self.limiter)
+        replicas = await commit(job, self.storage, self.coordinator, limiter=self.limiter,
+                                replication=self.replication)
+        job.push = None
         if job.error is not None:
             return
         seconds = time.perf_counter() - job.requested_at
         path = os.path.join(str(self.storage.root), job.files.dir_name)
         job.committed = True
-        self.ledger.committed(job.step)
+        pushed = replicas.pushed
+        if pushed is not None and self.replication is not None:
+            for holder in pushed.acked:
+                peer = self.replication.peers[holder]
+                self._emit(ShardReplicated(step=job.step, rank=self.rank, save_id=job.save_id,
+                                           peer=holder, node=peer.node,
+                                           bytes=pushed.bytes.get(holder, 0),
+                                           seconds=pushed.seconds.get(holder, 0.0)))
+        degraded = None
+        if replicas.missing:
+            self._emit(ReplicationDegraded(step=job.step, rank=self.rank, save_id=job.save_id,
+                                           missing=replicas.missing, reasons=replicas.reasons))
+            listing = "; ".join(f"rank {s}'s copy on rank {h}: {why}" for (s, h), why in
+                                zip(replicas.missing, replicas.reasons, strict=True))
+            degraded = SaveError(
+                f"step {job.step} committed without {len(replicas.missing)} of its copies "
+                f"({listing})", step=job.step, rank=self.rank, path=path,
+                hint="the step is restorable; a node lost now may take it with it. Check "
+                     "the named peers (disk, network)",
+                ranks=tuple(sorted({h for _s, h in replicas.missing})))
+        self.ledger.committed(job.step, degraded=degraded)
         info = CommitInfo(step=job.step, rank=self.rank, save_id=job.save_id, path=path,
-                          bytes=job.shard_size, seconds=seconds)
+                          bytes=job.shard_size, seconds=seconds,
+                          replica_holders=replicas.holders,
+                          missing_replicas=replicas.missing)
         self._emit(CheckpointCommitted(step=job.step, rank=self.rank, save_id=job.save_id,
                                        path=path, bytes=job.shard_size, seconds=seconds))
         job.handle._resolve(info)

@@ -30,6 +30,10 @@ class Placement:
     holders: tuple[tuple[int, ...], ...]
     """For each rank, the ranks that hold copies of its shard (the k-th copy k-th)."""
 
+    def held_by_any(self) -> tuple[int, ...]:
+        """Every rank that holds some copy, in increasing order."""
+        return tuple(sorted({h for holders in self.holders for h in holders}))
+
     def held_by(self, rank: int) -> tuple[int, ...]:
         """The ranks whose shards ``rank`` holds copies of, in increasing order."""
         return tuple(src for src, holders in enumerate(self.holders) if rank in holders)

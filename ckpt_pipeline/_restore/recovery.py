@@ -15,20 +15,33 @@ import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
+from .._format.names import step_dir_name
 from .._format.shard import TensorRecord
 from .._logging import log
 from .._threads import in_thread
 from .._tree import find_mesh, to_dtensor
 from ..config import PipelineConfig
 from ..coordination import Coordinator
-from ..coordination._agree import Candidates, agree_barrier, agree_candidates, agree_outcome
-from ..errors import CheckpointError, CheckpointIntegrityError, RestoreError, StateError
-from ..events import CheckpointRejected, CheckpointRestored, Event
+from ..coordination._agree import (
+    Candidates,
+    agree_barrier,
+    agree_candidates,
+    agree_outcome,
+    gather_outcome,
+)
+from ..errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    RestoreError,
+    StateError,
+    StorageError,
+)
+from ..events import CheckpointRejected, CheckpointRestored, Event, ShardFetched
 from ..handle import RejectedStep, RestoreResult
 from ..storage import Storage
 from ..train_state import TrainState
@@ -36,6 +49,9 @@ from . import scan as _recovery
 from .apply import apply_state
 from .read import device_bytes, read_shard
 from .rollback import AppliedState, BackupCopies
+
+if TYPE_CHECKING:
+    from .._replicate.replication import Replication
 from .validate import validate_state
 
 __all__ = ("AppliedState", "Loaded", "Recovery")
@@ -62,13 +78,17 @@ class Loaded:
     scanned: frozenset[tuple[int, str]] = frozenset()
     """(step, directory) of every step this restore's scan saw: only those, when newer than
     the restored step, are moved aside (never a step created after the scan)."""
+    fetched: dict[int, int] | None = None
+    """{rank: holder} of the ranks whose shard came from a copy (every rank's, after the
+    load vote)."""
 
 
 class Recovery:
     """Finds the newest step that every rank holds and verifies, and loads it."""
 
     def __init__(self, storage: Storage, coordinator: Coordinator, config: PipelineConfig,
-                 emit: Callable[[Event], None]) -> None:
+                 emit: Callable[[Event], None], replication: Replication | None = None) -> None:
+        self.replication = replication
         self.storage = storage
         self.coordinator = coordinator
         self.config = config
@@ -84,33 +104,41 @@ class Recovery:
         """
         started = time.perf_counter()
         statuses = await in_thread(limiter, _recovery.scan, self.storage, self.rank)
+        copies = await in_thread(limiter, _recovery.scan_replicas, self.storage, self.rank)
         rejected: list[RejectedStep] = []
         for seen in statuses:
             if seen.complete and not seen.valid:
                 rejected.append(self._reject(seen.step, seen.path, seen.reason or "?"))
+        for copy in copies:
+            if copy.complete and not copy.valid:
+                _log.warning("ckpt.recovery.copy_invalid", step=copy.step, rank=self.rank,
+                             source=copy.source, path=copy.path, reason=copy.reason)
         valid = {s.step: s for s in statuses if s.valid}
+        held = [(c.step, c.files.source, c.save_id or "", c.world_size or 0)
+                for c in copies if c.valid and c.files is not None]
         agreed = await agree_candidates(
             self.coordinator, {step: (s.save_id or "", s.world_size or 0)
                                for step, s in valid.items()},
-            held_any=any(s.complete for s in statuses))
+            held_any=any(s.complete for s in statuses) or bool(held), copies=held)
         self._check_world_size(agreed)
         for step, save_id in agreed.steps:
             status = valid.get(step)
+            if status is not None and status.save_id != save_id:
+                status = None
             error: CheckpointError | None = None
             loaded: Loaded | None = None
+            fetched: int | None = None
             try:
-                if status is None or status.save_id != save_id:
-                    raise CheckpointIntegrityError("this rank holds no matching save",
-                                                   step=step, rank=self.rank)
-                loaded = await self._read_candidate(status, state, started, rejected, agreed,
-                                                    limiter)
+                loaded, fetched = await self._load_step(
+                    step, save_id, status, agreed.holders.get((step, self.rank), ()), state,
+                    started, rejected, agreed, limiter)
                 loaded.scanned = frozenset((st.step, st.dir_name) for st in statuses)
             except CheckpointError as exc:
                 error = exc
             fatal = isinstance(error, StateError)
-            failures, any_fatal = await agree_outcome(
+            failures, any_fatal, extras = await gather_outcome(
                 self.coordinator, step, save_id, None if error is None else error.message,
-                what="restore load", fatal=fatal)
+                what="restore load", fatal=fatal, extra={"fetched": fetched})
             if any_fatal:
                 if error is not None and fatal:
                     raise error  # the live state does not fit: a usage error, nothing rejected
@@ -119,19 +147,100 @@ class Recovery:
                     f"{sorted(failures)}: {_listing(failures)}", step=step, rank=self.rank,
                     hint="restore into the same state layout that was saved")
             if not failures and loaded is not None:
+                loaded.fetched = {r: e["fetched"] for r, e in enumerate(extras)
+                                  if isinstance(e, dict) and isinstance(e.get("fetched"), int)}
                 return loaded
             path = status.path if status is not None else ""
             rejected.append(self._reject(step, path, _listing(failures)))
-        if agreed.held_any:
-            held = "; ".join(f"rank {r}: {list(steps) or 'none'}"
-                             for r, steps in sorted(agreed.valid_by_rank.items()))
-            listing = "; ".join(f"step {r.step}: {r.reason}" for r in rejected)
-            raise RestoreError(
-                f"no checkpoint could be loaded on every rank (valid steps by rank: {held}"
-                + (f"; rejected: {listing}" if listing else "") + ")", rank=self.rank,
-                path=str(self.storage.root),
-                hint="inspect with `ckpt-pipeline verify`; move the roots aside to start fresh")
-        return None
+        if not agreed.held_any:
+            return None
+        missing = self._missing_shards(agreed)
+        by_rank = "; ".join(f"rank {r}: {list(steps) or 'none'}"
+                            for r, steps in sorted(agreed.valid_by_rank.items()))
+        listing = "; ".join(f"step {r.step}: {r.reason}" for r in rejected)
+        raise RestoreError(
+            f"no checkpoint could be loaded on every rank (valid steps by rank: {by_rank}"
+            + (f"; missing everywhere: {missing}" if missing else "")
+            + (f"; rejected: {listing}" if listing else "") + ")", rank=self.rank,
+            path=str(self.storage.root),
+            hint="inspect with `ckpt-pipeline verify`; move the roots aside to start fresh")
+
+    @staticmethod
+    def _missing_shards(agreed: Candidates) -> str:
+        """For the newest step any rank holds: the ranks whose shard no rank holds."""
+        newest = max((s for steps in agreed.valid_by_rank.values() for s in steps),
+                     default=None)
+        if newest is None:
+            return ""
+        lacking = [r for r, steps in sorted(agreed.valid_by_rank.items())
+                   if newest not in steps and not agreed.copies_of(newest, r)]
+        if not lacking:
+            return ""
+        return (f"step {newest}: the shard of rank(s) {lacking} (no own file, no copy on "
+                "any rank)")
+
+    async def _load_step(self, step: int, save_id: str, status: _recovery.StepStatus | None,
+                         holders: tuple[int, ...], state: Mapping[str, Any], started: float,
+                         rejected: list[RejectedStep], agreed: Candidates,
+                         limiter: anyio.CapacityLimiter) -> tuple[Loaded, int | None]:
+        """Read this rank's shard of the step: its own, or, when that is missing or does not
+        verify, a copy fetched from a holder. Returns the load and the holder used."""
+        if status is not None:
+            try:
+                return await self._read_candidate(status, state, started, rejected, agreed,
+                                                  limiter), None
+            except (CheckpointIntegrityError, StorageError) as exc:
+                if not holders:
+                    raise
+                _log.warning("ckpt.recovery.own_shard_bad", step=step, rank=self.rank,
+                             path=status.path, reason=exc.message,
+                             action=f"fetching a copy from rank(s) {list(holders)}")
+        elif not holders:
+            raise CheckpointIntegrityError("this rank holds no matching save, and no rank "
+                                           "holds a copy of its shard", step=step,
+                                           rank=self.rank)
+        status, holder = await self._fetch(step, save_id, holders, limiter)
+        return await self._read_candidate(status, state, started, rejected, agreed,
+                                          limiter), holder
+
+    async def _fetch(self, step: int, save_id: str, holders: tuple[int, ...],
+                     limiter: anyio.CapacityLimiter) -> tuple[_recovery.StepStatus, int]:
+        """Fetch this rank's shard of ``step`` from the first holder whose copy checks out,
+        into this rank's root (its own files of the step moved aside first)."""
+        replication = self.replication
+        if replication is None:
+            raise CheckpointIntegrityError("copies exist but this pipeline cannot fetch them",
+                                           step=step, rank=self.rank)
+        dir_name = step_dir_name(step)
+        dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
+        if step in dirs:
+            moved = await in_thread(limiter, functools.partial(
+                _recovery.quarantine, self.storage, step, dirs[step], self.rank,
+                own_only=True))
+            if moved is not None:
+                _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
+                             path=moved)
+        errors: list[str] = []
+        for holder in holders:
+            try:
+                size, seconds = await in_thread(limiter, replication.fetch, holder, step,
+                                                save_id)
+            except CheckpointError as exc:
+                errors.append(exc.message)
+                _log.warning("ckpt.recovery.fetch_failed", step=step, rank=self.rank,
+                             peer=holder, error=exc.message)
+                continue
+            status = await in_thread(limiter, _recovery.scan_files, self.storage,
+                                     _recovery.FileSet(self.rank), step, dir_name)
+            if not status.valid:
+                errors.append(f"the copy from rank {holder}: {status.reason}")
+                continue
+            self._emit(ShardFetched(step=step, rank=self.rank, save_id=save_id, peer=holder,
+                                    path=status.path, bytes=size, seconds=seconds))
+            return status, holder
+        raise CheckpointIntegrityError(
+            f"no copy of this rank's shard could be fetched ({'; '.join(errors)})",
+            step=step, rank=self.rank, path=str(self.storage.root))
 
     def _check_world_size(self, agreed: Candidates) -> None:
         """Refuse when the newest step any rank holds was saved by another world size."""
@@ -229,7 +338,8 @@ class Recovery:
         return RestoreResult(step=loaded.step, save_id=loaded.save_id, path=loaded.path,
                              train_state=loaded.train_state, bytes=loaded.bytes,
                              seconds=seconds, rejected=loaded.rejected,
-                             valid_by_rank=loaded.valid_by_rank)
+                             valid_by_rank=loaded.valid_by_rank,
+                             fetched=dict(loaded.fetched or {}))
 
     def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
         self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))

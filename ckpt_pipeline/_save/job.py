@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._format.shard import DistLayout
+from .._replicate.push import Push
 from ..errors import CheckpointError
 from ..handle import SaveHandle
 from .buffers import Slot
@@ -30,6 +31,8 @@ class Sealed:
     """What ``seal`` produced: the shard and the manifest durable under their final names."""
 
     shard_size: int
+    preamble: bytes = b""
+    manifest: bytes = b""
 
 
 @dataclass(slots=True)
@@ -54,6 +57,9 @@ class SaveJob:
     requested_at: float
     # the files the save owns (created by write_data, published by seal and commit)
     files: SaveFiles = field(default_factory=SaveFiles)
+    push: Push | None = None
+    """The copies of the shard on their way to other ranks (``replicas``), from write_data
+    until commit."""
     # each stage's result, set when it succeeded
     written: DataWritten | None = None
     sealed: Sealed | None = None

@@ -57,7 +57,7 @@ async def write_shard(job: SaveJob, storage: Storage, *,
         data_bytes=job.data_bytes))
     await publish_small(job, storage, manifest_name(job.rank), manifest, limiter=limiter)
     crash_point("write.done")
-    return Sealed(shard_size)
+    return Sealed(shard_size, bytes(preamble), manifest)
 
 
 async def publish_small(job: SaveJob, storage: Storage, final: str, data: bytes, *,

@@ -14,7 +14,7 @@ import torch
 
 from .._crash import crash_point
 from .._format.documents import encode_tree
-from .._format.limits import ALIGN, MIN_CHUNK_BYTES
+from .._format.limits import ALIGN, MAX_HEADER_BYTES, MIN_CHUNK_BYTES
 from .._format.names import shard_name, step_dir_name
 from .._format.shard import (
     PREAMBLE_SIZE,
@@ -27,6 +27,7 @@ from .._format.shard import (
 )
 from .._hostmem import byte_view
 from .._parallel import first_leaf, run_groups, split_balanced
+from .._replicate.push import Push
 from ..errors import StorageError
 from ..storage import Storage
 from .copy import Snapshot, copy_piece
@@ -81,6 +82,9 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
                                               shard_name(job.rank), limiter=limiter)
     job.files.created(temp)
     job.files.fd = fd
+    if job.push is not None:  # connect to the holders of the copies before the first chunk
+        await anyio.to_thread.run_sync(job.push.open, layout.data_end + MAX_HEADER_BYTES,
+                                       limiter=limiter)
     assert job.slot is not None and job.snapshot is not None
     buffer = job.slot.buffer
     chunks = [(a, b, k) for k, (a, b) in enumerate(region_chunks(PREAMBLE_SIZE,
@@ -92,7 +96,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
                                                 limiter=limiter)
     snap = job.snapshot
     writer = _ChunkWriter(storage, fd, direct, buffer, sums, snap.copied,
-                          [item.offset for item in layout.items])
+                          [item.offset for item in layout.items], job.push)
     copied: float | None = None
     try:
         if snap.streaming:
@@ -134,7 +138,8 @@ class _ChunkWriter:
 
     def __init__(self, storage: Storage, fd: int, direct: int | None, buffer: torch.Tensor,
                  sums: list[int], copied: dict[int, torch.cuda.Event],
-                 item_offsets: list[int]) -> None:
+                 item_offsets: list[int], push: Push | None = None) -> None:
+        self.push = push  # the copies for other ranks: each chunk is sent once written
         self.copied = copied  # device copies still running into the buffer, per stored item
         self.storage = storage
         self.fd = fd
@@ -145,6 +150,14 @@ class _ChunkWriter:
         self.refused = False  # a direct write was refused: buffered writes from then on
 
     def chunk(self, chunk: Chunk, at: int) -> None:
+        """Hash and write one chunk whose bytes are at ``buffer[at:]``; then send it to the
+        holders of the copies (if any), from the same memory."""
+        self._write(chunk, at)
+        if self.push is not None:
+            start, end, k = chunk
+            self.push.send(start, byte_view(self.buffer, at, at + end - start), self.sums[k])
+
+    def _write(self, chunk: Chunk, at: int) -> None:
         """Hash and write one chunk whose bytes are at ``buffer[at:]``.
 
         The buffer holds the file's bytes around the chunk at the same alignment, so the

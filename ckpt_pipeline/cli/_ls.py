@@ -3,7 +3,10 @@
 A cheap look: names, sizes, commit records, manifests and shard headers (``scan``), never the
 tensor data. Each step is complete, incomplete (no commit record of this rank), corrupt (its
 files do not check out) or rejected (moved aside by recovery); a step that a running job's
-retention could not remove says so. Nothing under the root is created, changed or removed.
+retention could not remove says so. The copies of other ranks' shards that the rank holds in a
+step directory (replication, ``replica-S-on-H.*``) are listed with the step, each complete,
+incomplete or corrupt by the same cheap checks (``scan_replicas``). Nothing under the root is
+created, changed or removed.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .._format.documents import CommitRecord, decode_commit
@@ -28,9 +32,27 @@ from ..storage import Storage
 from ._output import _human_age, _human_bytes, _print_json, _ranks_text, _rounded, _table
 from ._status import EXIT_OK
 
-__all__ = ("_cmd_ls", "_commit_record")
+__all__ = ("_cmd_ls", "_commit_record", "_copies_by_dir")
 
 _SMALL_FILE_MAX = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """A copy of another rank's shard that the listed rank holds in a step directory."""
+
+    source: int
+    """The rank whose shard it is."""
+    holder: int
+    """The rank that holds (owns) the copy: the rank listed."""
+    status: str
+    """complete, incomplete or corrupt, as for the rank's own files."""
+    reason: str | None
+    bytes: int
+    """Size of the copy's files in the directory."""
+    save_id: str | None
+    shard: str
+    """Path of the copy's shard file."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +75,8 @@ class _Listing:
     ranks_present: tuple[int, ...]
     retention_failed: str | None = None
     """Why a running job's retention could not remove this step (its marker in the root)."""
+    copies: tuple[_Copy, ...] = ()
+    """The copies of other ranks' shards this rank holds in the directory, by source rank."""
 
     def age_seconds(self, now: float) -> float | None:
         when = self.committed_unix if self.committed_unix is not None else self.mtime_unix
@@ -61,7 +85,9 @@ class _Listing:
 
 def _list_steps(storage: Storage, rank: int) -> list[_Listing]:
     """Every step directory, and every one that recovery moved aside, newest first."""
-    rows = [_listing(storage, rank, s.step, s.dir_name, s) for s in _recovery.scan(storage, rank)]
+    held = _copies_by_dir(storage, rank)
+    rows = [_listing(storage, rank, s.step, s.dir_name, s, held.get(s.dir_name, ()))
+            for s in _recovery.scan(storage, rank)]
     for entry in storage.list_dir(""):
         parsed = parse_rejected_dir(entry.name)
         step = None if parsed is None else parsed[0]
@@ -75,12 +101,24 @@ def _list_steps(storage: Storage, rank: int) -> list[_Listing]:
     return rows
 
 
+def _copies_by_dir(storage: Storage, rank: int) -> dict[str, list[_recovery.StepStatus]]:
+    """The cheap look at every copy this rank holds, by step directory (by source rank)."""
+    out: dict[str, list[_recovery.StepStatus]] = {}
+    for status in _recovery.scan_replicas(storage, rank):
+        out.setdefault(status.dir_name, []).append(status)
+    return out
+
+
 def _listing(storage: Storage, rank: int, step: int, dir_name: str,
-             status: _recovery.StepStatus | None) -> _Listing:
-    """Describe one directory; ``status`` is None for a directory that recovery moved aside."""
+             status: _recovery.StepStatus | None,
+             copies: Sequence[_recovery.StepStatus] = ()) -> _Listing:
+    """Describe one directory; ``status`` is None for a directory that recovery moved aside;
+    ``copies``: the cheap look at the copies this rank holds in it."""
     entries = storage.list_dir(dir_name)
     own = {shard_name(rank), manifest_name(rank), commit_name(rank)}
     size = sum(e.size for e in entries if e.is_file and e.name in own)
+    sizes = {e.name: e.size for e in entries if e.is_file}
+    held = tuple(_copy(storage, c, sizes) for c in copies)
     committed: set[int] = set()
     present: set[int] = set()
     for entry in entries:
@@ -98,7 +136,7 @@ def _listing(storage: Storage, rank: int, step: int, dir_name: str,
     if status is not None and status.valid:
         return _Listing(step, dir_name, path, "complete", None, size, status.committed_unix,
                         mtime, status.save_id, status.world_size, tuple(sorted(committed)),
-                        tuple(sorted(present)))
+                        tuple(sorted(present)), copies=held)
     reason: str | None
     if status is None:
         state, reason = "rejected", "moved aside by recovery"
@@ -116,12 +154,35 @@ def _listing(storage: Storage, rank: int, step: int, dir_name: str,
                     None if record is None else record.committed_unix, mtime,
                     None if record is None else record.save_id,
                     None if record is None else record.world_size,
-                    tuple(sorted(committed)), tuple(sorted(present)))
+                    tuple(sorted(committed)), tuple(sorted(present)), copies=held)
 
 
-def _commit_record(storage: Storage, dir_name: str, step: int, rank: int) -> CommitRecord | None:
-    """This rank's commit record of the step, or None where it is missing or unreadable."""
-    rel = os.path.join(dir_name, commit_name(rank))
+def _copy(storage: Storage, status: _recovery.StepStatus, sizes: dict[str, int]) -> _Copy:
+    """Describe one copy; ``sizes``: the files of its directory, listed after it was scanned."""
+    files = status.files
+    assert files is not None and files.holder is not None
+    size = sum(sizes.get(name, 0) for name in files.names())
+    shard = os.path.join(storage.root, status.dir_name, files.shard)
+    if status.valid:
+        return _Copy(files.source, files.holder, "complete", None, size, status.save_id, shard)
+    if not status.complete:
+        state, reason = "incomplete", status.reason
+    elif files.commit not in sizes:
+        # As for the rank's own files: pruned between the scan's reads, not corruption.
+        state, reason = "incomplete", ("its commit record was removed while it was being "
+                                       "listed (pruned by a running job?)")
+    else:
+        state, reason = "corrupt", status.reason
+    record = _commit_record(storage, status.dir_name, status.step, files.source, files)
+    return _Copy(files.source, files.holder, state, reason, size,
+                 None if record is None else record.save_id, shard)
+
+
+def _commit_record(storage: Storage, dir_name: str, step: int, rank: int,
+                   files: _recovery.FileSet | None = None) -> CommitRecord | None:
+    """This rank's commit record of the step (``files``: the one of those files, a copy of
+    rank ``rank``'s), or None where it is missing or unreadable."""
+    rel = os.path.join(dir_name, commit_name(rank) if files is None else files.commit)
     try:
         fd, size = storage.open_read(rel)
         try:
@@ -161,6 +222,16 @@ def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
                 "ranks_committed": list(r.ranks_committed),
                 "ranks_present": list(r.ranks_present),
                 "retention_failed": r.retention_failed,
+                "copies": [{
+                    "source": c.source,
+                    "holder": c.holder,
+                    "status": c.status,
+                    "valid": c.status == "complete",
+                    "reason": c.reason,
+                    "bytes": c.bytes,
+                    "save_id": c.save_id,
+                    "shard": c.shard,
+                } for c in r.copies],
             } for r in rows],
         })
         return EXIT_OK
@@ -170,10 +241,22 @@ def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     headers = ["STEP", "STATUS", "SIZE", "AGE", "RANKS", "SAVE ID"]
     table = [[str(r.step), r.status, _human_bytes(r.bytes), _human_age(r.age_seconds(now)),
               _ranks_text(r.ranks_committed, r.world_size), r.save_id or "-"] for r in rows]
-    if any(r.reason for r in rows):
-        headers.append("REASON")
+    if any(r.copies for r in rows):
+        headers.append("COPIES")
         for cells, r in zip(table, rows):
-            cells.append(r.reason or "")
+            cells.append(", ".join(f"{c.source} {c.status}" for c in r.copies) or "-")
+    reasons = [_reason_text(r) for r in rows]
+    if any(reasons):
+        headers.append("REASON")
+        for cells, reason in zip(table, reasons):
+            cells.append(reason)
     for line in _table(headers, table, right={0, 2, 3}):
         print(line)
     return EXIT_OK
+
+
+def _reason_text(row: _Listing) -> str:
+    """The REASON cell: why the step is not complete, then why each copy is not."""
+    parts = [row.reason] if row.reason else []
+    parts += [f"copy of rank {c.source}: {c.reason}" for c in row.copies if c.reason]
+    return "; ".join(parts)

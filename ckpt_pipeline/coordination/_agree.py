@@ -7,15 +7,16 @@ on every rank, so that no rank can take a path the others do not take.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._format.documents import decode_message, encode_message
 from ..errors import CheckpointIntegrityError, CoordinationError
 from ._control_plane import Coordinator
 
-__all__ = ("Candidates", "agree_barrier", "agree_candidates", "agree_outcome", "agree_run_id")
+__all__ = ("Candidates", "Opening", "agree_barrier", "agree_candidates", "agree_open",
+           "agree_outcome", "gather_outcome")
 
 
 async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: str,
@@ -38,13 +39,40 @@ async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: 
     return out
 
 
-async def agree_run_id(coordinator: Coordinator) -> str:
-    """Rank 0's random run id, known to every rank."""
-    answers = await _exchange(coordinator, {"run_id": secrets.token_hex(8)}, what="start")
-    run_id = answers[0].get("run_id")
-    if not isinstance(run_id, str) or not run_id:
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """What the ranks agreed at open: rank 0's run id and token, every rank's node name and
+    copy-server address (None where a rank runs none)."""
+
+    run_id: str
+    token: str
+    nodes: tuple[str, ...]
+    addresses: tuple[tuple[str, int] | None, ...]
+
+
+async def agree_open(coordinator: Coordinator, node: str,
+                     address: tuple[str, int] | None) -> Opening:
+    """At open: rank 0's run id and copy token; every rank's node and copy-server address."""
+    answers = await _exchange(coordinator, {
+        "run_id": secrets.token_hex(8), "token": secrets.token_hex(16), "node": node,
+        "address": None if address is None else [address[0], address[1]]}, what="start")
+    run_id, token = answers[0].get("run_id"), answers[0].get("token")
+    if not isinstance(run_id, str) or not run_id or not isinstance(token, str):
         raise CoordinationError("start: rank 0 sent no run id", rank=coordinator.rank)
-    return run_id
+    nodes: list[str] = []
+    addresses: list[tuple[str, int] | None] = []
+    for rank, answer in enumerate(answers):
+        name, addr = answer.get("node"), answer.get("address")
+        if not isinstance(name, str) or not (addr is None or (
+            isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)
+            and isinstance(addr[1], int)
+        )):
+            raise CoordinationError(f"start: rank {rank} sent a malformed node or address",
+                                    rank=coordinator.rank, ranks=(rank,),
+                                    hint="ranks running different versions of ckpt_pipeline?")
+        nodes.append(name)
+        addresses.append(None if addr is None else (addr[0], addr[1]))
+    return Opening(run_id, token, tuple(nodes), tuple(addresses))
 
 
 async def agree_outcome(coordinator: Coordinator, step: int, save_id: str,
@@ -54,24 +82,39 @@ async def agree_outcome(coordinator: Coordinator, step: int, save_id: str,
 
     A rank that answers for another step or save id counts as failed too.
     """
+    failures, any_fatal, _ = await gather_outcome(coordinator, step, save_id, error,
+                                                  what=what, fatal=fatal)
+    return failures, any_fatal
+
+
+async def gather_outcome(coordinator: Coordinator, step: int, save_id: str,
+                         error: str | None, *, what: str, fatal: bool = False,
+                         extra: Any = None) -> tuple[dict[int, str], bool, list[Any]]:
+    """``agree_outcome``, and every rank's ``extra`` (None for a rank that answered for
+    another step or save id)."""
     answers = await _exchange(coordinator, {"step": step, "save_id": save_id, "error": error,
-                                            "fatal": fatal}, what=what, step=step)
+                                            "fatal": fatal, "extra": extra},
+                              what=what, step=step)
+    extras: list[Any] = []
     failures: dict[int, str] = {}
     any_fatal = False
     for rank, answer in enumerate(answers):
         err = answer.get("error")
-        if answer.get("step") != step or answer.get("save_id") != save_id:
+        same = answer.get("step") == step and answer.get("save_id") == save_id
+        extras.append(answer.get("extra") if same else None)
+        if not same:
             failures[rank] = (f"was at step {answer.get('step')} (save {answer.get('save_id')})"
                               f", not step {step}")
         elif err is not None:
             failures[rank] = str(err)
         any_fatal = any_fatal or bool(answer.get("fatal"))
-    return failures, any_fatal
+    return failures, any_fatal, extras
 
 
 @dataclass(frozen=True, slots=True)
 class Candidates:
-    """What the ranks hold: steps every rank holds with the same save id, newest first."""
+    """What the ranks hold: steps whose every rank's shard is held somewhere (its own root, or
+    a copy on another rank) with the same save id, newest first."""
 
     steps: tuple[tuple[int, str], ...]
     valid_by_rank: Mapping[int, tuple[int, ...]]
@@ -79,40 +122,89 @@ class Candidates:
     """World sizes recorded in the valid steps of any rank, by step (only those != this job's)."""
     held_any: bool
     """Some rank holds a complete step (valid or not): starting from scratch would lose it."""
+    holders: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    """{(step, source rank): ranks holding a valid copy of that shard with the step's save
+    id}, for the steps in ``steps``."""
+    copied: frozenset[tuple[int, int]] = frozenset()
+    """(step, source) of every valid copy any rank holds, of any step."""
+
+    def copies_of(self, step: int, source: int) -> bool:
+        return (step, source) in self.copied
 
 
 async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[str, int]],
-                           *, held_any: bool) -> Candidates:
-    """Exchange {step: (save_id, world_size)} of every rank's valid steps."""
+                           *, held_any: bool,
+                           copies: Sequence[tuple[int, int, str, int]] = ()) -> Candidates:
+    """Exchange {step: (save_id, world_size)} of every rank's valid steps, and the valid
+    copies it holds for other ranks as (step, source, save_id, world_size)."""
     answers = await _exchange(
         coordinator, {"valid": [[s, sid, ws] for s, (sid, ws) in sorted(valid.items())],
+                      "copies": [list(c) for c in copies],
                       "held_any": held_any}, what="restore candidates")
+    world = coordinator.world_size
     held: list[dict[int, str]] = []
+    held_copies: dict[tuple[int, int], dict[int, str]] = {}  # (step, source) -> {holder: id}
     other_sizes: dict[int, int] = {}
     for rank, answer in enumerate(answers):
-        entries = answer.get("valid")
-        if not isinstance(entries, list):
-            raise CoordinationError(f"restore candidates: rank {rank} sent a malformed list",
-                                    rank=coordinator.rank)
         steps: dict[int, str] = {}
-        for entry in entries:
-            if (not isinstance(entry, list) or len(entry) != 3
-                    or not isinstance(entry[0], int) or not isinstance(entry[1], str)
-                    or not isinstance(entry[2], int)):
-                raise CoordinationError(
-                    f"restore candidates: rank {rank} sent a malformed entry",
-                    rank=coordinator.rank)
+        for entry in _entries(answer, "valid", 3, coordinator.rank, rank):
             steps[entry[0]] = entry[1]
-            if entry[2] != coordinator.world_size:
+            if entry[2] != world:
                 other_sizes[entry[0]] = entry[2]
         held.append(steps)
-    common = {s for s in held[0] if s not in other_sizes}
-    for steps in held[1:]:
-        common &= set(steps)
-    agreed = tuple(sorted(((s, held[0][s]) for s in common
-                           if all(h[s] == held[0][s] for h in held)), reverse=True))
-    return Candidates(agreed, {r: tuple(sorted(h, reverse=True)) for r, h in enumerate(held)},
-                      other_sizes, any(bool(a.get("held_any")) for a in answers))
+        for step, source, save_id, size in _entries(answer, "copies", 4, coordinator.rank,
+                                                    rank):
+            if size != world:
+                other_sizes.setdefault(step, size)
+            elif 0 <= source < world and source != rank:
+                held_copies.setdefault((step, source), {})[rank] = save_id
+    agreed: list[tuple[int, str]] = []
+    holders: dict[tuple[int, int], tuple[int, ...]] = {}
+    every = set().union(*held) | {step for step, _ in held_copies}
+    for step in sorted(every, reverse=True):
+        if step in other_sizes:
+            continue
+        ids = {h[step] for h in held if step in h}
+        if len(ids) > 1:
+            continue  # the ranks' own shards are of different saves
+        if not ids:  # held as copies only: their save id must be unique
+            ids = {sid for (s, _src), by in held_copies.items() if s == step
+                   for sid in by.values()}
+            if len(ids) != 1:
+                continue
+        save_id = next(iter(ids))
+        found: dict[tuple[int, int], tuple[int, ...]] = {}
+        for source in range(world):
+            copies_of = tuple(sorted(h for h, sid in held_copies.get((step, source), {}).items()
+                                     if sid == save_id))
+            if copies_of:
+                found[(step, source)] = copies_of
+            if held[source].get(step) != save_id and not copies_of:
+                break
+        else:
+            agreed.append((step, save_id))
+            holders.update(found)
+    return Candidates(tuple(agreed),
+                      {r: tuple(sorted(h, reverse=True)) for r, h in enumerate(held)},
+                      other_sizes, any(bool(a.get("held_any")) for a in answers), holders,
+                      frozenset(held_copies))
+
+
+def _entries(answer: dict[str, Any], key: str, width: int, me: int, rank: int
+             ) -> list[tuple[Any, ...]]:
+    entries = answer.get(key, [])
+    if not isinstance(entries, list):
+        raise CoordinationError(f"restore candidates: rank {rank} sent a malformed list",
+                                rank=me)
+    out = []
+    for entry in entries:
+        if (not isinstance(entry, list) or len(entry) != width
+                or not all(isinstance(v, str if i == width - 2 else int)
+                           for i, v in enumerate(entry))):
+            raise CoordinationError(f"restore candidates: rank {rank} sent a malformed entry",
+                                    rank=me)
+        out.append(tuple(entry))
+    return out
 
 
 async def agree_barrier(coordinator: Coordinator, *, what: str, step: int | None = None

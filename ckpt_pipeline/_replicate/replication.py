@@ -1,0 +1,198 @@
+"""Replication for one pipeline: the copy server, the placement, the peers, and what the
+stages and the restore ask of them.
+
+Every pipeline has one (``replicas=0`` too): opening always exchanges each rank's node name and
+copy-server address with the run id, so that any rank can fetch a copy at restore. A rank runs
+a copy server when the job asks for copies (``replicas > 0``) or when its root holds copies of
+other ranks' shards (they may be needed at restore); a single process never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+
+from .._format.documents import CommitRecord, encode_commit
+from .._logging import log
+from .._restore.scan import scan_replicas
+from .._threads import in_thread
+from ..config import PipelineConfig
+from ..coordination import Coordinator
+from ..coordination._agree import Opening, agree_open
+from ..errors import CheckpointError, ConfigError
+from ..events import Event
+from ..storage import Storage
+from .fetch import fetch_shard
+from .placement import Placement, place_replicas
+from .push import Peer, Push
+from .server import CopyServer
+
+__all__ = ("Replication", "local_addresses")
+
+
+class Replication:
+    """See the module docstring. Created by the pipeline; ``start`` at open, ``close`` at
+    close."""
+
+    def __init__(self, storage: Storage, config: PipelineConfig,
+                 emit: Callable[[Event], None]) -> None:
+        self.storage = storage
+        self.config = config
+        self.rank = config.rank
+        self.node = config.node_name or socket.gethostname()
+        self._emit = emit
+        self.server: CopyServer | None = None
+        self.opening: Opening | None = None
+        self.placement: Placement | None = None
+        self.peers: dict[int, Peer] = {}
+
+    async def start(self, coordinator: Coordinator, limiter: anyio.CapacityLimiter) -> str:
+        """Agree on the run id, the token and the peers with the other ranks; place the
+        copies. Returns the run id. A ConfigError (too few nodes) is raised on every rank."""
+        config = self.config
+        serve = config.world_size > 1 and (
+            config.replicas > 0 or bool(await in_thread(limiter, scan_replicas, self.storage,
+                                                        self.rank)))
+        if serve:
+            bind, advertise = local_addresses(config.replication_host)
+            self.server = CopyServer(self.storage, self.rank, bind_host=bind,
+                                     advertise_host=advertise,
+                                     timeout_s=config.replication_timeout_s, emit=self._emit)
+        try:
+            opening = await agree_open(coordinator, self.node,
+                                       None if self.server is None else self.server.address)
+            self.opening = opening
+            self.peers = {rank: Peer(rank, opening.nodes[rank], addr[0], addr[1])
+                          for rank, addr in enumerate(opening.addresses) if addr is not None}
+            if config.replicas > 0:
+                self.placement = place_replicas(opening.nodes, config.replicas)
+                missing = [h for h in self.placement.held_by_any() if h not in self.peers]
+                if missing:
+                    raise ConfigError(f"rank(s) {missing} run no copy server, though the job "
+                                      f"asks for replicas={config.replicas}",
+                                      rank=self.rank,
+                                      hint="pass the same replicas= on every rank")
+            if self.server is not None:
+                self.server.world_size = config.world_size
+                self.server.sources = frozenset(
+                    range(config.world_size) if self.placement is None
+                    else self.placement.held_by(self.rank))
+                self.server.token = opening.token
+        except BaseException:
+            self.close()
+            raise
+        if self.placement is not None:
+            log.info("ckpt.replicate.placement", rank=self.rank, node=self.node,
+                     holders=list(self.placement.holders[self.rank]),
+                     holds=list(self.placement.held_by(self.rank)))
+        return opening.run_id
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    # ------------------------------------------------------------------ saving
+
+    def push_for(self, step: int, save_id: str) -> Push | None:
+        """The copies of this rank's shard of a save, or None without replication."""
+        if self.placement is None or self.opening is None:
+            return None
+        holders = self.placement.holders[self.rank]
+        if not holders:
+            return None
+        return Push([self.peers[h] for h in holders], token=self.opening.token, step=step,
+                    save_id=save_id, rank=self.rank,
+                    timeout_s=self.config.replication_timeout_s)
+
+    def settle(self, step: int, save_id: str, commit: Sequence[int]) -> dict[int, str]:
+        """Commit the copies this rank holds of the sources in ``commit``, remove the others
+        (worker thread; see ``Receptions.settle``)."""
+        if self.server is None:
+            return {src: f"rank {self.rank} runs no copy server" for src in commit}
+        world = self.config.world_size
+
+        def record(source: int) -> bytes:
+            import time
+
+            return encode_commit(CommitRecord(step, source, world, save_id, time.time()))
+
+        return self.server.receptions.settle(step, save_id, commit, record)
+
+    def drop(self, step: int, save_id: str) -> None:
+        if self.server is not None:
+            self.server.receptions.drop(step, save_id)
+
+    def forget(self, step: int, save_id: str) -> None:
+        if self.server is not None:
+            self.server.receptions.forget(step, save_id)
+
+    def missing(self, acked: Sequence[Any], copy_failed: Sequence[Any]
+                ) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...], tuple[int, ...]]:
+        """From the two commit votes' extras: the copies that are not durable (source,
+        holder), why, and the holders of this rank's copies that are."""
+        if self.placement is None:
+            return (), (), ()
+        missing: list[tuple[int, int]] = []
+        reasons: list[str] = []
+        for source, holders in enumerate(self.placement.holders):
+            sent = acked[source] if isinstance(acked[source], Mapping) else {}
+            ok = set(sent.get("acked") or ())
+            errors = sent.get("errors") or {}
+            for holder in holders:
+                failed = copy_failed[holder] if isinstance(copy_failed[holder], Mapping) else {}
+                why = None
+                if holder not in ok:
+                    why = errors.get(str(holder)) or f"rank {holder} did not acknowledge it"
+                elif str(source) in failed:
+                    why = failed[str(source)]
+                if why is not None:
+                    missing.append((source, holder))
+                    reasons.append(str(why))
+        lost = {h for s, h in missing if s == self.rank}
+        mine = tuple(h for h in self.placement.holders[self.rank] if h not in lost)
+        return tuple(missing), tuple(reasons), mine
+
+    # ------------------------------------------------------------------ restoring
+
+    def fetch(self, holder: int, step: int, save_id: str) -> tuple[int, float]:
+        """Fetch this rank's shard of ``step`` from ``holder``'s copy (worker thread)."""
+        peer = self.peers.get(holder)
+        if peer is None or self.opening is None:
+            raise CheckpointError(f"rank {holder} holds a copy but runs no copy server",
+                                  step=step, rank=self.rank)
+        return fetch_shard(self.storage, peer, token=self.opening.token, step=step,
+                           save_id=save_id, rank=self.rank,
+                           world_size=self.config.world_size,
+                           timeout_s=self.config.replication_timeout_s)
+
+
+def local_addresses(configured: str | None) -> tuple[str, str]:
+    """(address to listen on, address to advertise) of this rank's copy server.
+
+    ``configured`` wins. Else the address of the interface this host uses to reach
+    ``MASTER_ADDR`` (the address the job's rendezvous already uses), else the address of the
+    host name, else the loopback address.
+    """
+    if configured:
+        return configured, configured
+    master = os.environ.get("MASTER_ADDR")
+    candidates: list[str] = []
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, 9))  # no packet is sent: only the route is looked up
+                candidates.append(probe.getsockname()[0])
+        except OSError:
+            pass
+    with contextlib.suppress(OSError):
+        candidates.append(socket.gethostbyname(socket.gethostname()))
+    for address in candidates:
+        if address and address != "0.0.0.0":
+            return address, address
+    return "127.0.0.1", "127.0.0.1"

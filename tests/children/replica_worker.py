@@ -1,0 +1,238 @@
+"""One rank of the replication tests in ``tests/replicate/test_replication.py``.
+
+Usage (one process per rank, the environment set as ``torchrun`` would set it)::
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
+        python tests/children/replica_worker.py --phase PHASE --root ROOT --nodes N \\
+            --replicas K --steps 10,20 --out OUT.json [--scenario S]
+
+It joins a gloo process group and opens a ``cp.CheckpointPipeline`` on ``ROOT/rank-r`` with
+``node_name=f"node{r // (n // N)}"`` (ranks 0 .. n/N-1 on node0, and so on) and
+``replicas=K``. Phases:
+
+- ``save``: saves each of ``--steps`` and waits for its result; records per step the
+  ``CommitInfo`` (or the error), and the replication events;
+- ``restore``: restores into a state of zeros; records the result (step, ``fetched``,
+  TrainState) and which values differ from those saved at that step by this rank, or the error;
+- ``save-restore``: ``restore``, then ``save`` of ``--steps`` (the next save after a restore).
+
+Scenarios (``--scenario``, default ``plain``) inject what a test needs:
+
+- ``slow-holder``: in ``save``, every rank's copy server takes ``--delay`` seconds per data
+  frame it receives (a slow network or disk at the holder);
+- ``refuse-copies``: rank ``--target`` runs a copy server that drops every push (its disk
+  refuses the copies); its own saves work.
+
+Every value saved is a function of (step, rank), so the test can check restores exactly. After
+the phase, the results are written to ``OUT`` as JSON (atomically); errors as type, message,
+step, rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ckpt_pipeline as cp
+
+W_NUMEL = 300_000  # 1.2 MB of float32: several checksum chunks, so copies go in many frames
+SAMPLES_PER_STEP = 16
+
+
+def make_state() -> dict[str, Any]:
+    model = nn.Linear(8, 4)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()
+    return {"w": torch.zeros(W_NUMEL), "model": model, "meta": {"step": -1, "rank": -1}}
+
+
+def expected(step: int, rank: int) -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.arange(W_NUMEL, dtype=torch.float32).add_(step * 16 + rank),
+        "model.weight": torch.arange(32, dtype=torch.float32).add_(step - rank).view(4, 8),
+        "model.bias": torch.full((4,), float(step * 100 + rank)),
+    }
+
+
+def _live(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {"w": state["w"], "model.weight": state["model"].weight,
+            "model.bias": state["model"].bias}
+
+
+def set_step(state: dict[str, Any], step: int, rank: int) -> None:
+    with torch.no_grad():
+        for name, value in expected(step, rank).items():
+            _live(state)[name].copy_(value)
+    state["meta"] = {"step": step, "rank": rank}
+
+
+def mismatches(state: dict[str, Any], step: int, rank: int) -> list[str]:
+    out = [name for name, value in expected(step, rank).items()
+           if not torch.equal(_live(state)[name], value)]
+    if state["meta"] != {"step": step, "rank": rank}:
+        out.append(f"meta is {state['meta']!r}")
+    return out
+
+
+def train_state(step: int) -> cp.TrainState:
+    return cp.TrainState(step=step, consumed_train_samples=step * SAMPLES_PER_STEP,
+                         extra={"tag": f"s{step}"})
+
+
+def rng_digest() -> str:
+    """The CPU generator's state, as a short digest (restored RNG must equal the saved one)."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    return {"type": type(exc).__name__, "message": str(exc),
+            "step": getattr(exc, "step", None), "rank": getattr(exc, "rank", None),
+            "traceback": traceback.format_exc()}
+
+
+def _patch_scenario(args: argparse.Namespace, rank: int) -> None:
+    """Install the scenario's fault in this process's copy server."""
+    from ckpt_pipeline._replicate import server as copy_server
+    from ckpt_pipeline._replicate import wire
+
+    if args.scenario == "slow-holder":
+        original = wire.recv_data
+
+        def slow(*a: Any, **k: Any) -> None:
+            time.sleep(args.delay)
+            original(*a, **k)
+
+        copy_server.recv_data = slow  # type: ignore[assignment]
+    elif args.scenario == "refuse-copies" and rank == args.target:
+        def refuse(self: Any, conn: Any, hello: dict[str, Any]) -> None:
+            raise wire.ProtocolError(f"rank {rank} refuses copies (injected)")
+
+        copy_server.CopyServer._receive = refuse  # type: ignore[method-assign]
+
+
+def run_save(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> None:
+    events: list[dict[str, Any]] = []
+    saves: dict[str, Any] = {}
+    with cp.CheckpointPipeline(args.root_of_rank, **_options(args, rank)) as pipe:
+        pipe.subscribe(lambda e: events.append({"type": type(e).__name__, **_plain(e)})
+                       if isinstance(e, (cp.ShardReplicated, cp.ReplicaStored,
+                                         cp.ReplicationDegraded)) else None)
+        state = make_state()
+        for step in args.steps:
+            set_step(state, step, rank)
+            torch.rand(7)  # the RNG moves on between saves: each save captures another state
+            rng = rng_digest()
+            started = time.monotonic()
+            try:
+                info = pipe.save(step, state, train_state(step)).result(args.max_seconds)
+                saves[str(step)] = {"ok": True, "replica_holders": list(info.replica_holders),
+                                    "missing": [list(m) for m in info.missing_replicas],
+                                    "seconds": time.monotonic() - started, "rng": rng}
+            except cp.CheckpointError as exc:
+                saves[str(step)] = {"ok": False, "error": _error(exc)}
+            if args.pause:
+                time.sleep(args.pause)
+        out["host_memory_bytes"] = pipe.host_memory_bytes
+    out["saves"] = saves
+    out["events"] = events
+
+
+def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> None:
+    state = make_state()
+    events: list[dict[str, Any]] = []
+    with cp.CheckpointPipeline(args.root_of_rank, **_options(args, rank)) as pipe:
+        pipe.subscribe(lambda e: events.append({"type": type(e).__name__, **_plain(e)})
+                       if isinstance(e, (cp.ShardFetched, cp.CheckpointRejected)) else None)
+        try:
+            result = pipe.restore_latest(state)
+        except cp.CheckpointError as exc:
+            out["restore"] = {"ok": False, "error": _error(exc)}
+        else:
+            if result is None:
+                out["restore"] = {"ok": True, "step": None}
+            else:
+                out["restore"] = {
+                    "ok": True, "step": result.step,
+                    "fetched": {str(k): v for k, v in result.fetched.items()},
+                    "train_state": {"step": result.train_state.step,
+                                    "consumed": result.train_state.consumed_train_samples,
+                                    "extra": dict(result.train_state.extra)},
+                    "mismatches": mismatches(state, result.step, rank),
+                    "rng": rng_digest(),
+                }
+    out["restore_events"] = events
+
+
+def _plain(event: cp.Event) -> dict[str, Any]:
+    return json.loads(json.dumps(event.fields(), default=str))
+
+
+def _options(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    per_node = max(1, args.world_size // args.nodes)
+    return {"replicas": args.replicas, "node_name": f"node{rank // per_node}",
+            "keep_last": args.keep_last, "coordination_timeout_s": args.coordination_timeout,
+            "replication_timeout_s": args.replication_timeout, "io_threads": 2,
+            "direct_io": False}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", required=True,
+                        choices=("save", "restore", "save-restore"))
+    parser.add_argument("--root", required=True, type=Path)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--steps", default="10,20")
+    parser.add_argument("--keep-last", type=int, default=3)
+    parser.add_argument("--scenario", default="plain",
+                        choices=("plain", "slow-holder", "refuse-copies"))
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--target", type=int, default=1)
+    parser.add_argument("--coordination-timeout", type=float, default=60.0)
+    parser.add_argument("--replication-timeout", type=float, default=20.0)
+    parser.add_argument("--max-seconds", type=float, default=120.0)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    args.steps = [int(s) for s in args.steps.split(",") if s]
+    faulthandler.dump_traceback_later(args.max_seconds + 30, exit=True)
+    rank = int(os.environ["RANK"])
+    args.world_size = int(os.environ["WORLD_SIZE"])
+    args.root_of_rank = args.root / f"rank-{rank}"
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(1234 + rank)
+    _patch_scenario(args, rank)
+    out: dict[str, Any] = {"rank": rank}
+    try:
+        if args.phase == "save":
+            run_save(args, rank, out)
+        elif args.phase == "restore":
+            run_restore(args, rank, out)
+        else:
+            run_restore(args, rank, out)
+            run_save(args, rank, out)
+    except BaseException as exc:
+        out["fatal"] = _error(exc)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1, default=str))
+    tmp.replace(args.out)
+    dist.destroy_process_group()
+    sys.exit(1 if "fatal" in out else 0)
+
+
+if __name__ == "__main__":
+    main()
