@@ -415,6 +415,15 @@ def main(argv: list[str] | None = None) -> int:
             report["total_wall_s"] = time.monotonic() - started
             report["machine"]["loadavg_at_end"] = os.getloadavg()
             args.out.write_text(json.dumps(report, indent=1) + "\n")  # after every config
+    libraries = sorted({lib for c in report["configs"] for lib in c.get("library", [])})
+    repo = HERE.parent
+    foreign = [lib for lib in libraries if not Path(lib).resolve().is_relative_to(repo)]
+    if foreign:  # machine.git_commit is the checkout's, not that of the library that ran
+        note = (f"ckpt_pipeline imported from {', '.join(foreign)}, not from this checkout "
+                f"({repo}): machine.git_commit does not describe it")
+        report["notes"].append(note)
+        _log(f"note: {note}")
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
     _log(f"wrote {args.out} ({report['total_wall_s']:.0f} s)")
     print(table(report))
     return 0 if all(c["status"] in ("ok", "skipped") for c in report["configs"]) else 1

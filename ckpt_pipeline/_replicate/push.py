@@ -84,8 +84,9 @@ class Push:
                 send_message(link.sock, {"op": "push", "token": self.token, "step": self.step,
                                          "save_id": self.save_id, "source": self.rank,
                                          "limit": limit})
-            except OSError as exc:
-                self._fail(link, f"cannot connect: {type(exc).__name__}: {exc}")
+                recv_message(link.sock, expect="ready")  # or the reason it refuses
+            except (OSError, CheckpointError) as exc:
+                self._fail(link, _why(exc, "opening", self.timeout_s))
 
     def send(self, offset: int, data: memoryview, digest: int) -> None:
         """Send one chunk of the file to every holder still in the save (worker threads)."""
@@ -97,7 +98,8 @@ class Push:
                     send_data(link.sock, offset, data, digest)
                     link.bytes += len(data)
                 except OSError as exc:
-                    self._fail(link, _why(exc, "sending", self.timeout_s))
+                    self._fail(link, _peer_reason(link.sock) or _why(exc, "sending",
+                                                                      self.timeout_s))
                     continue
             crash_point("replicate.sending")
 
@@ -115,7 +117,8 @@ class Push:
                                              "size": header_offset + len(header)})
                     link.bytes += len(header) + len(preamble)
                 except OSError as exc:
-                    self._fail(link, _why(exc, "sending", self.timeout_s))
+                    self._fail(link, _peer_reason(link.sock) or _why(exc, "sending",
+                                                                      self.timeout_s))
 
     def collect(self) -> PushOutcome:
         """Wait for each holder's acknowledgement (bounded by the timeout); close."""
@@ -164,6 +167,20 @@ class Push:
         if log_it:
             log.warning("ckpt.replicate.peer_failed", step=self.step, rank=self.rank,
                         peer=link.peer.rank, node=link.peer.node, error=link.error)
+
+
+def _peer_reason(sock: socket.socket | None) -> str | None:
+    """The error message a holder sent before it closed the connection, if it can be read."""
+    if sock is None:
+        return None
+    try:
+        sock.settimeout(1.0)
+        recv_message(sock)
+    except ProtocolError as exc:
+        return exc.message
+    except (OSError, CheckpointError):
+        return None
+    return None
 
 
 def _why(exc: BaseException, doing: str, timeout_s: float) -> str:

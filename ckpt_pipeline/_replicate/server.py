@@ -277,6 +277,7 @@ class CopyServer:
             reception.incoming = Incoming(self.storage, step_dir_name(step),
                                           FileSet(source, self.rank), limit)
             piece = bytearray(PIECE_BYTES)
+            send_message(conn, {"op": "ready"})
             while True:
                 message = recv_message(conn)
                 if message["op"] == "end":
@@ -335,8 +336,13 @@ class CopyServer:
             for start, end, digest in _frames(header.checks(), size):
                 buf = bytearray(end - start)
                 self.storage.pread_into(fd, memoryview(buf), start)
-                send_data(conn, start, memoryview(buf),
-                          digest if digest is not None else checksum(bytes(buf)))
+                actual = checksum(memoryview(buf))
+                if digest is not None and actual != digest:
+                    raise ProtocolError(
+                        f"rank {self.rank}'s copy of rank {source}'s shard of step {step} is "
+                        f"corrupt on its disk: bytes [{start}, {end}) do not match the "
+                        "shard's checksum")
+                send_data(conn, start, memoryview(buf), actual)
         finally:
             self.storage.close(fd)
         send_message(conn, {"op": "end"})

@@ -49,10 +49,14 @@ from torch import nn
 import ckpt_pipeline as cp
 
 W_NUMEL = 300_000  # 1.2 MB of float32: several checksum chunks, so copies go in many frames
+"""Elements of the large tensor (``--numel`` sets another number)."""
 SAMPLES_PER_STEP = 16
+ARGS: argparse.Namespace | None = None
 
 
 def make_state() -> dict[str, Any]:
+    global W_NUMEL
+    W_NUMEL = ARGS.numel if ARGS is not None else W_NUMEL
     model = nn.Linear(8, 4)
     with torch.no_grad():
         model.weight.zero_()
@@ -132,23 +136,46 @@ def run_save(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> None:
                        if isinstance(e, (cp.ShardReplicated, cp.ReplicaStored,
                                          cp.ReplicationDegraded)) else None)
         state = make_state()
+        handles: dict[int, tuple[cp.SaveHandle, float, str]] = {}
+        memory: list[int] = []
+        rss: list[int] = []
         for step in args.steps:
             set_step(state, step, rank)
             torch.rand(7)  # the RNG moves on between saves: each save captures another state
             rng = rng_digest()
             started = time.monotonic()
-            try:
-                info = pipe.save(step, state, train_state(step)).result(args.max_seconds)
-                saves[str(step)] = {"ok": True, "replica_holders": list(info.replica_holders),
-                                    "missing": [list(m) for m in info.missing_replicas],
-                                    "seconds": time.monotonic() - started, "rng": rng}
-            except cp.CheckpointError as exc:
-                saves[str(step)] = {"ok": False, "error": _error(exc)}
-            if args.pause:
-                time.sleep(args.pause)
-        out["host_memory_bytes"] = pipe.host_memory_bytes
+            handle = pipe.save(step, state, train_state(step))
+            blocking = time.monotonic() - started
+            pipe.wait_snapshot()
+            handles[step] = (handle, blocking, rng)
+            if not args.no_wait:
+                _settle(handle, step, blocking, rng, started, saves, args)
+            memory.append(pipe.host_memory_bytes)
+            rss.append(_rss_bytes())
+        for step, (handle, blocking, rng) in handles.items():
+            if str(step) not in saves:
+                _settle(handle, step, blocking, rng, time.monotonic(), saves, args)
+        out["host_memory_bytes"] = memory
+        out["rss_bytes"] = rss
     out["saves"] = saves
     out["events"] = events
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _settle(handle: cp.SaveHandle, step: int, blocking: float, rng: str, started: float,
+            saves: dict[str, Any], args: argparse.Namespace) -> None:
+    try:
+        info = handle.result(args.max_seconds)
+        saves[str(step)] = {"ok": True, "replica_holders": list(info.replica_holders),
+                            "missing": [list(m) for m in info.missing_replicas],
+                            "seconds": time.monotonic() - started, "blocking": blocking,
+                            "rng": rng}
+    except cp.CheckpointError as exc:
+        saves[str(step)] = {"ok": False, "error": _error(exc), "blocking": blocking}
 
 
 def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> None:
@@ -201,7 +228,9 @@ def main() -> None:
     parser.add_argument("--scenario", default="plain",
                         choices=("plain", "slow-holder", "refuse-copies"))
     parser.add_argument("--delay", type=float, default=0.0)
-    parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--numel", type=int, default=W_NUMEL)
+    parser.add_argument("--no-wait", action="store_true",
+                        help="save every step without waiting for the previous one's result")
     parser.add_argument("--target", type=int, default=1)
     parser.add_argument("--coordination-timeout", type=float, default=60.0)
     parser.add_argument("--replication-timeout", type=float, default=20.0)
@@ -209,6 +238,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",") if s]
+    global ARGS
+    ARGS = args
     faulthandler.dump_traceback_later(args.max_seconds + 30, exit=True)
     rank = int(os.environ["RANK"])
     args.world_size = int(os.environ["WORLD_SIZE"])

@@ -1,0 +1,335 @@
+"""Replication across nodes, with real gloo process groups: one process per rank, one root per
+rank, nodes given by ``node_name`` (``tests/children/replica_worker.py``).
+
+Every value a rank saves is a function of (step, rank), so a restore is checked exactly, and so
+are the TrainState and the RNG state the save captured.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import spawn_child
+
+WORKER = "replica_worker.py"
+DEADLINE_S = 150.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def launch(phase: str, root: Path, logs: Path, *, world: int = 4, nodes: int = 2,
+           replicas: int = 1, steps: str = "10,20", args: Sequence[str] = (),
+           env: Mapping[int, Mapping[str, str]] | None = None,
+           codes: Mapping[int, int] | None = None) -> dict[int, dict[str, Any]]:
+    """Run one phase on every rank; each must exit with ``codes`` (default 0); return each
+    rank's JSON (ranks that wrote none are missing)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(world)}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(world):
+            procs.append(spawn_child(
+                WORKER, "--phase", phase, "--root", root, "--nodes", nodes, "--replicas",
+                replicas, "--steps", steps, *args, "--out", logs / f"rank-{rank}.json",
+                stdout=logs / f"rank-{rank}.log", stderr=subprocess.STDOUT,
+                env={**base, "RANK": str(rank), **((env or {}).get(rank, {}))}))
+        started = time.monotonic()
+        got = {}
+        for rank, proc in enumerate(procs):
+            try:
+                got[rank] = proc.wait(max(1.0, started + DEADLINE_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} still runs after {DEADLINE_S} s\n"
+                            + _describe(logs, world))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    expected = {r: (codes or {}).get(r, 0) for r in range(world)}
+    assert got == expected, _describe(logs, world)
+    return {r: json.loads((logs / f"rank-{r}.json").read_text())
+            for r in range(world) if (logs / f"rank-{r}.json").exists()}
+
+
+def _describe(logs: Path, world: int) -> str:
+    return "\n".join(f"--- rank {r}:\n"
+                     + (logs / f"rank-{r}.log").read_text(errors="replace")[-3000:]
+                     for r in range(world) if (logs / f"rank-{r}.log").exists())
+
+
+def step_dir(root: Path, rank: int, step: int) -> Path:
+    return root / f"rank-{rank}" / f"step-{step:010d}"
+
+
+def assert_restored(results: dict[int, dict[str, Any]], saved: dict[int, dict[str, Any]],
+                    step: int, fetched: Mapping[int, int]) -> None:
+    """Every rank restored ``step`` exactly: values, TrainState, RNG; shards fetched as
+    listed (the same list on every rank)."""
+    for rank, out in sorted(results.items()):
+        restore = out["restore"]
+        assert restore["ok"], (rank, restore)
+        assert restore["step"] == step, (rank, restore)
+        assert restore["mismatches"] == [], (rank, restore)
+        assert restore["train_state"] == {"step": step, "consumed": step * 16,
+                                          "extra": {"tag": f"s{step}"}}
+        assert restore["rng"] == saved[rank]["saves"][str(step)]["rng"], rank
+        assert restore["fetched"] == {str(k): v for k, v in fetched.items()}, (rank, restore)
+
+
+@pytest.fixture(scope="module")
+def saved_4x2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
+    """4 ranks on 2 nodes (0, 1 on node0; 2, 3 on node1), replicas=1, steps 10 and 20."""
+    base = tmp_path_factory.mktemp("saved-4x2")
+    results = launch("save", base / "root", base / "logs")
+    for rank, out in results.items():
+        for step in ("10", "20"):
+            assert out["saves"][step]["ok"], (rank, out["saves"][step])
+    return base / "root", results
+
+
+def fresh(saved: tuple[Path, dict[int, Any]], tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root, symlinks=True)
+    for lock in root.glob("rank-*/.lock-*"):
+        lock.unlink()
+    return root
+
+
+def flip_data_byte(shard: Path, offset: int = 4096 + 17) -> None:
+    with shard.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+# ---------------------------------------------------------------- saving with copies
+
+@pytest.mark.timeout(200)
+def test_every_shard_is_copied_to_the_other_node_as_placed(
+        saved_4x2: tuple[Path, dict[int, Any]]) -> None:
+    root, results = saved_4x2
+    holder_of = {0: 2, 1: 3, 2: 0, 3: 1}  # k-th copy: node (i+1) mod 2, same position
+    for rank, out in results.items():
+        for step in ("10", "20"):
+            assert out["saves"][step]["replica_holders"] == [holder_of[rank]]
+            assert out["saves"][step]["missing"] == []
+        sent = [e for e in out["events"] if e["type"] == "ShardReplicated"]
+        assert [(e["step"], e["peer"], e["node"]) for e in sent] == [
+            (10, holder_of[rank], f"node{holder_of[rank] // 2}"),
+            (20, holder_of[rank], f"node{holder_of[rank] // 2}")]
+        assert all(e["bytes"] > 1_200_000 and e["seconds"] > 0 for e in sent)
+    for source, holder in holder_of.items():
+        for step in (10, 20):
+            own = step_dir(root, source, step)
+            copy = step_dir(root, holder, step)
+            for kind in ("shard", "manifest", "commit"):
+                mine = (own / f"rank-{source:05d}.{kind}").read_bytes()
+                theirs = (copy / f"replica-{source:05d}-on-{holder:05d}.{kind}").read_bytes()
+                if kind == "commit":  # same save, written at another moment
+                    assert len(theirs) > 0
+                else:
+                    assert mine == theirs, (source, holder, step, kind)
+    leftovers = [p for p in root.rglob(".*tmp-*")]
+    assert leftovers == []
+
+
+@pytest.mark.timeout(200)
+def test_a_lost_node_is_restored_from_the_copies_and_gets_its_shards_back(
+        saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
+    root = fresh(saved_4x2, tmp_path)
+    shutil.rmtree(root / "rank-2")
+    shutil.rmtree(root / "rank-3")  # node1's disks are gone: a replaced node
+    results = launch("restore", root, tmp_path / "logs")
+    assert_restored(results, saved_4x2[1], 20, fetched={2: 0, 3: 1})
+    for rank in (2, 3):
+        fetched = [e for e in results[rank]["restore_events"] if e["type"] == "ShardFetched"]
+        assert [(e["step"], e["peer"]) for e in fetched] == [(20, rank - 2)]
+        # Redundancy is back: the fetched shard is the rank's own again, byte for byte.
+        own = step_dir(root, rank, 20) / f"rank-{rank:05d}.shard"
+        copy = step_dir(root, rank - 2, 20) / f"replica-{rank:05d}-on-{rank - 2:05d}.shard"
+        assert own.read_bytes() == copy.read_bytes()
+    # A second restart needs no fetch: every rank holds its own shard again.
+    again = launch("restore", root, tmp_path / "logs-again")
+    assert_restored(again, saved_4x2[1], 20, fetched={})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_shard_lost_with_its_copy_falls_back_to_the_newest_step_still_whole(
+        saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
+    root = fresh(saved_4x2, tmp_path)
+    shutil.rmtree(step_dir(root, 2, 20))  # rank 2's step 20, and its only copy (on rank 0)
+    for name in ("shard", "manifest", "commit"):
+        (step_dir(root, 0, 20) / f"replica-00002-on-00000.{name}").unlink()
+    results = launch("restore", root, tmp_path / "logs")
+    assert_restored(results, saved_4x2[1], 10, fetched={})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_shard_held_nowhere_is_a_restore_error_naming_it(
+        saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
+    root = fresh(saved_4x2, tmp_path)
+    shutil.rmtree(root / "rank-2")  # rank 2 and the holder of its copy, rank 0: both gone
+    shutil.rmtree(root / "rank-0")
+    results = launch("restore", root, tmp_path / "logs")
+    for rank, out in results.items():
+        restore = out["restore"]
+        assert not restore["ok"], (rank, restore)
+        assert restore["error"]["type"] == "RestoreError"
+        assert "the shard of rank(s) [0, 2]" in restore["error"]["message"], restore
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_corrupt_copy_does_not_matter_while_the_original_is_good(
+        saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
+    root = fresh(saved_4x2, tmp_path)
+    flip_data_byte(step_dir(root, 0, 20) / "replica-00002-on-00000.shard")
+    results = launch("restore", root, tmp_path / "logs")
+    assert_restored(results, saved_4x2[1], 20, fetched={})
+
+
+@pytest.mark.timeout(200)
+def test_a_corrupt_original_is_replaced_by_its_good_copy(
+        saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
+    root = fresh(saved_4x2, tmp_path)
+    flip_data_byte(step_dir(root, 2, 20) / "rank-00002.shard")
+    results = launch("restore", root, tmp_path / "logs")
+    assert_restored(results, saved_4x2[1], 20, fetched={2: 0})
+    moved = list((root / "rank-2").glob("step-0000000020.rejected-r00002-*/rank-00002.shard"))
+    assert len(moved) == 1  # the corrupt one, kept aside for inspection
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_corrupt_original_and_corrupt_copy_fall_back_together(
+        saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
+    root = fresh(saved_4x2, tmp_path)
+    flip_data_byte(step_dir(root, 2, 20) / "rank-00002.shard")
+    flip_data_byte(step_dir(root, 0, 20) / "replica-00002-on-00000.shard")
+    results = launch("restore", root, tmp_path / "logs")
+    assert_restored(results, saved_4x2[1], 10, fetched={})
+
+
+# ---------------------------------------------------------------- faults while copying
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_holder_killed_mid_transfer_publishes_no_torn_copy_and_the_next_save_works(
+        tmp_path: Path) -> None:
+    """Rank 0 (the holder of rank 2's copy) is SIGKILLed after the first frame of step 20's
+    copy arrived (two frames of data, header and preamble make 4 frames per copy): step 20
+    fails on every other rank (the dead rank never votes: CoordinationError after the
+    timeout); nothing of rank 2's copy of step 20 is published on rank 0. A new job restores
+    step 10 and saves again, with its copies."""
+    root = tmp_path / "root"
+    results = launch("save", root, tmp_path / "logs", args=("--coordination-timeout", "8"),
+                     env={0: {"CKPT_PIPELINE_CRASH_AT": "replicate.receiving:5"}},
+                     codes={0: -9})
+    assert 0 not in results
+    for rank in (1, 2, 3):
+        saves = results[rank]["saves"]
+        assert saves["10"]["ok"] and not saves["20"]["ok"], (rank, saves)
+        assert saves["20"]["error"]["type"] in ("CoordinationError", "SaveError"), saves["20"]
+    published = sorted(p.name for p in step_dir(root, 0, 20).glob("replica-*")) if (
+        step_dir(root, 0, 20).exists()) else []
+    assert published == []
+    after = launch("save-restore", root, tmp_path / "logs-2", steps="30")
+    for rank, out in after.items():
+        assert out["restore"]["step"] == 10, (rank, out["restore"])
+        assert out["restore"]["mismatches"] == []
+        assert out["saves"]["30"]["ok"] and out["saves"]["30"]["missing"] == [], out["saves"]
+    assert not list(root.rglob(".*tmp-*"))  # the killed rank's temporaries were scrubbed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_holder_that_refuses_copies_makes_the_step_commit_degraded_on_every_rank(
+        tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    results = launch("save", root, tmp_path / "logs",
+                     args=("--scenario", "refuse-copies", "--target", "1"))
+    for rank, out in results.items():
+        for step in ("10", "20"):
+            save = out["saves"][step]
+            assert save["ok"], (rank, save)
+            assert save["missing"] == [[3, 1]], (rank, save)  # rank 3's copy lives on rank 1
+        degraded = [e for e in out["events"] if e["type"] == "ReplicationDegraded"]
+        assert [e["step"] for e in degraded] == [10, 20]
+        assert "rank 1 refuses copies (injected)" in degraded[0]["reasons"][0], degraded
+    assert results[3]["saves"]["20"]["replica_holders"] == []
+    assert results[0]["saves"]["20"]["replica_holders"] == [2]
+    assert not list(step_dir(root, 1, 20).glob("replica-*"))
+    # Still restorable (every own shard is there).
+    restored = launch("restore", root, tmp_path / "logs-restore")
+    assert_restored(restored, results, 20, fetched={})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_transfers_slower_than_saves_apply_backpressure_with_flat_memory(
+        tmp_path: Path) -> None:
+    """Every holder takes 0.25 s per frame it receives (a 24 MB shard goes in 6 frames), and
+    the saves are requested back to back. A save's host buffer is busy until its bytes are
+    written and handed to the connections; once the connections' socket buffers are full the
+    sender waits for the holder, so with one buffer slot the next save() waits too
+    (when_busy="block"). Nothing is dropped or missing, the pool stays one slot, and the
+    process's memory stops growing once the pipeline is warm."""
+    steps = "10,20,30,40,50,60"
+    results = launch("save", tmp_path / "root", tmp_path / "logs", steps=steps,
+                     args=("--scenario", "slow-holder", "--delay", "0.25", "--no-wait",
+                           "--numel", "6000000"))
+    for rank, out in results.items():
+        saves = [out["saves"][s] for s in steps.split(",")]
+        assert all(s["ok"] and s["missing"] == [] for s in saves), (rank, saves)
+        # Each later save() waited for the buffer that the previous copy still sent from.
+        assert all(s["blocking"] > 0.2 for s in saves[1:]), (rank, saves)
+        memory = out["host_memory_bytes"]
+        assert len(set(memory)) == 1 and memory[0] < 25_000_000, memory  # one slot
+        rss = out["rss_bytes"]
+        assert max(rss[2:]) - min(rss[2:]) < 48 * 2**20, rss  # flat once warm
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_eight_ranks_on_four_nodes_with_two_copies_survive_two_lost_nodes(
+        tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    saved = launch("save", root, tmp_path / "logs", world=8, nodes=4, replicas=2)
+    for out in saved.values():
+        assert out["saves"]["20"]["ok"] and out["saves"]["20"]["missing"] == [], out
+        assert len(out["saves"]["20"]["replica_holders"]) == 2
+    for rank in (2, 3, 4, 5):  # node1 and node2
+        shutil.rmtree(root / f"rank-{rank}")
+    results = launch("restore", root, tmp_path / "logs-restore", world=8, nodes=4,
+                     replicas=2)
+    # rank 2, 3 (node1): copies on node2 (lost) and node3 (ranks 6, 7); rank 4, 5 (node2):
+    # copies on node3 (6, 7) and node0 (0, 1), the lowest holder asked first.
+    assert_restored(results, saved, 20, fetched={2: 6, 3: 7, 4: 0, 5: 1})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_more_copies_than_other_nodes_is_a_config_error_at_open(tmp_path: Path) -> None:
+    results = launch("save", tmp_path / "root", tmp_path / "logs", world=2, nodes=1,
+                     codes={0: 1, 1: 1})
+    for out in results.values():
+        assert out["fatal"]["type"] == "ConfigError"
+        assert "replicas=1 needs 2 nodes, this job runs on 1" in out["fatal"]["message"]
