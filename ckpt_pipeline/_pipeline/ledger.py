@@ -33,6 +33,8 @@ class Ledger:
         self._latest_committed: int | None = None
         self._failures_in_row = 0
         self._unreported: CheckpointError | None = None
+        self._degraded_in_row = 0
+        """Of the failures in a row, the saves that committed without some of their copies."""
         self._restoring = False
 
     # ------------------------------------------------------------------ steps
@@ -98,9 +100,11 @@ class Ledger:
         with self.lock:
             if degraded is not None:
                 self._failures_in_row += 1
+                self._degraded_in_row += 1
                 self._unreported = degraded
             else:
                 self._failures_in_row = 0
+                self._degraded_in_row = 0
                 if not self.config.strict:
                     self._unreported = None
             if self._latest_committed is None or step > self._latest_committed:
@@ -121,15 +125,22 @@ class Ledger:
         with self.lock:
             error = self._unreported
             count = self._failures_in_row
+            degraded = self._degraded_in_row
             due = error is not None and (self.config.strict
                                          or count >= self.config.max_failures_in_row)
             if due:
                 self._unreported = None
                 self._failures_in_row = 0
+                self._degraded_in_row = 0
         if not due:
             return
-        what = (f"{count} saves in a row failed" if count >= self.config.max_failures_in_row
-                else "a previous save failed")
+        if count >= self.config.max_failures_in_row:
+            what = (f"{count} saves in a row failed" if not degraded else
+                    f"{count} saves in a row failed or committed without all their copies "
+                    f"({degraded} of them without copies)")
+        else:
+            what = ("a previous save committed without all its copies" if degraded
+                    else "a previous save failed")
         raise SaveError(f"{what}; the last one: {error}", step=step, rank=self.rank,
                         path=self.root,
                         hint="fix the cause (disk, permissions, state); the newest committed "

@@ -144,7 +144,11 @@ def run_save(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> None:
             torch.rand(7)  # the RNG moves on between saves: each save captures another state
             rng = rng_digest()
             started = time.monotonic()
-            handle = pipe.save(step, state, train_state(step))
+            try:
+                handle = pipe.save(step, state, train_state(step))
+            except cp.CheckpointError as exc:  # the failure policy raising in save()
+                saves[str(step)] = {"ok": False, "raised_in_save": True, "error": _error(exc)}
+                continue
             blocking = time.monotonic() - started
             pipe.wait_snapshot()
             handles[step] = (handle, blocking, rng)
@@ -213,7 +217,7 @@ def _options(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     return {"replicas": args.replicas, "node_name": f"node{rank // per_node}",
             "keep_last": args.keep_last, "coordination_timeout_s": args.coordination_timeout,
             "replication_timeout_s": args.replication_timeout, "io_threads": 2,
-            "direct_io": False}
+            "direct_io": False, "max_failures_in_row": args.max_failures}
 
 
 def main() -> None:
@@ -229,6 +233,7 @@ def main() -> None:
                         choices=("plain", "slow-holder", "refuse-copies"))
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--numel", type=int, default=W_NUMEL)
+    parser.add_argument("--max-failures", type=int, default=3)
     parser.add_argument("--no-wait", action="store_true",
                         help="save every step without waiting for the previous one's result")
     parser.add_argument("--target", type=int, default=1)

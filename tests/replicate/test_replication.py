@@ -264,9 +264,17 @@ def test_a_holder_killed_mid_transfer_publishes_no_torn_copy_and_the_next_save_w
 def test_a_holder_that_refuses_copies_makes_the_step_commit_degraded_on_every_rank(
         tmp_path: Path) -> None:
     root = tmp_path / "root"
-    results = launch("save", root, tmp_path / "logs",
-                     args=("--scenario", "refuse-copies", "--target", "1"))
+    results = launch("save", root, tmp_path / "logs", steps="10,20,30",
+                     args=("--scenario", "refuse-copies", "--target", "1",
+                           "--max-failures", "2"))
     for rank, out in results.items():
+        # The failure policy counts a degraded save: after two in a row, the next save()
+        # raises once, naming what happened.
+        third = out["saves"]["30"]
+        assert third["raised_in_save"] and third["error"]["type"] == "SaveError", third
+        assert ("2 saves in a row failed or committed without all their copies"
+                in third["error"]["message"]), third
+        assert "rank 3's copy on rank 1" in third["error"]["message"], third
         for step in ("10", "20"):
             save = out["saves"][step]
             assert save["ok"], (rank, save)
