@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crash_point
@@ -60,10 +60,7 @@ class _Reception:
     incoming: Incoming | None = None
     stored: bool = False
     abandoned: bool = False
-    error: str | None = None
     committed: bool = False
-    commit_raw: bytes = b""
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class Receptions:
@@ -95,7 +92,6 @@ class Receptions:
             if error is None and not reception.abandoned:
                 reception.stored = True
                 return True
-            reception.error = reception.error or error or "abandoned: the step was settled"
             reception.abandoned = True
             self._open.pop((reception.step, reception.save_id, reception.source), None)
         if reception.incoming is not None:

@@ -89,6 +89,7 @@ class Recovery:
     def __init__(self, storage: Storage, coordinator: Coordinator, config: PipelineConfig,
                  emit: Callable[[Event], None], replication: Replication | None = None) -> None:
         self.replication = replication
+        self._fetched_dirs: frozenset[tuple[int, str]] = frozenset()
         self.storage = storage
         self.coordinator = coordinator
         self.config = config
@@ -103,6 +104,7 @@ class Recovery:
         does not fit the checkpoint (a usage error: nothing is rejected then).
         """
         started = time.perf_counter()
+        self._fetched_dirs = frozenset()
         statuses = await in_thread(limiter, _recovery.scan, self.storage, self.rank)
         copies = await in_thread(limiter, _recovery.scan_replicas, self.storage, self.rank)
         rejected: list[RejectedStep] = []
@@ -133,6 +135,9 @@ class Recovery:
                     step, save_id, status, agreed.holders.get((step, self.rank), ()), state,
                     started, rejected, agreed, limiter)
                 loaded.scanned = frozenset((st.step, st.dir_name) for st in statuses)
+                # Steps fetched for an earlier candidate that then failed elsewhere are newer
+                # than this one: they are moved aside with the others.
+                loaded.scanned |= self._fetched_dirs
             except CheckpointError as exc:
                 error = exc
             fatal = isinstance(error, StateError)
@@ -235,6 +240,7 @@ class Recovery:
             if not status.valid:
                 errors.append(f"the copy from rank {holder}: {status.reason}")
                 continue
+            self._fetched_dirs |= {(step, dir_name)}
             self._emit(ShardFetched(step=step, rank=self.rank, save_id=save_id, peer=holder,
                                     path=status.path, bytes=size, seconds=seconds))
             return status, holder

@@ -228,6 +228,26 @@ def test_corrupt_original_and_corrupt_copy_fall_back_together(
     assert_restored(results, saved_4x2[1], 10, fetched={})
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fetched_step_that_fails_elsewhere_is_moved_aside_and_saved_again(
+        saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
+    """Rank 2's root is gone: it fetches step 20, but rank 1's step 20 is corrupt everywhere
+    (its own shard and its copy), so every rank falls back to step 10, which rank 2 fetches
+    too. The step 20 it fetched must not stay complete in its root: training saves step 20
+    again after the restore, and that save must work on every rank."""
+    root = fresh(saved_4x2, tmp_path)
+    shutil.rmtree(root / "rank-2")
+    flip_data_byte(step_dir(root, 1, 20) / "rank-00001.shard")
+    flip_data_byte(step_dir(root, 3, 20) / "replica-00001-on-00003.shard")
+    results = launch("save-restore", root, tmp_path / "logs", steps="20")
+    assert_restored(results, saved_4x2[1], 10, fetched={2: 0})
+    for rank, out in results.items():
+        save = out["saves"]["20"]
+        assert save["ok"] and save["missing"] == [], (rank, save)
+    assert list((root / "rank-2").glob("step-0000000020.rejected-r00002-*/rank-00002.shard"))
+
+
 # ---------------------------------------------------------------- faults while copying
 
 @pytest.mark.slow
