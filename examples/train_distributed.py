@@ -81,6 +81,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         metavar="SECONDS",
                         help="how long a rank waits for the others in the pipeline's "
                              "collectives before the save or restore fails (default: %(default)s)")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="extra copies of each rank's shard on other nodes (needs that "
+                             "many other nodes; default: %(default)s)")
+    parser.add_argument("--ranks-per-node", type=_positive_int, default=None,
+                        help="pretend every N consecutive ranks are one node (node_name), to "
+                             "try --replicas on one machine (default: the host name)")
     parser.add_argument("--parallel", choices=("fsdp2", "ddp"), default="fsdp2",
                         help="shard the model with FSDP2 (DTensor state) or replicate it with "
                              "DDP (plain tensors, a full copy per rank) (default: %(default)s)")
@@ -330,8 +336,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     layout = "shared root" if args.shared_root else "per-rank roots"
     timings = Timings()
 
+    node = None if args.ranks_per_node is None else f"node{rank // args.ranks_per_node}"
     with cp.CheckpointPipeline(pipe_root, keep_last=args.keep_last,
-                               coordination_timeout_s=args.coordination_timeout) as pipe:
+                               coordination_timeout_s=args.coordination_timeout,
+                               replicas=args.replicas, node_name=node) as pipe:
         restored = pipe.restore_latest(state)
         resumed_step = 0 if restored is None else restored.step
         check_same_everywhere(resumed_step, device, "restored step")
@@ -346,11 +354,15 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             ts = restored.train_state
             report("resumed", f"resumed from step {restored.step} in {where}",
                    step=restored.step, save_id=restored.save_id, path=restored.path,
+                   fetched={str(r): h for r, h in restored.fetched.items()},
                    rejected=[r.step for r in restored.rejected], layout=layout,
                    world_size=world_size, device=device.type, parallel=args.parallel)
             for rejected in restored.rejected:
                 report("rejected", f"  rank 0 skipped step {rejected.step}: {rejected.reason}",
                        step=rejected.step, path=rejected.path, reason=rejected.reason)
+            for lost, holder in sorted(restored.fetched.items()):
+                report("fetched", f"  rank {lost}'s shard came from its copy on rank {holder}",
+                       rank=lost, holder=holder)
         if args.loss_log is not None and rank == 0:
             args.loss_log.parent.mkdir(parents=True, exist_ok=True)
             rewind_loss_log(args.loss_log, ts.step)

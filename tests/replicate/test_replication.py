@@ -248,6 +248,26 @@ def test_a_fetched_step_that_fails_elsewhere_is_moved_aside_and_saved_again(
     assert list((root / "rank-2").glob("step-0000000020.rejected-r00002-*/rank-00002.shard"))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_retention_prunes_the_copies_with_their_step(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    results = launch("save", root, tmp_path / "logs", steps="10,20,30",
+                     args=("--keep-last", "2"))
+    assert all(out["saves"]["30"]["ok"] for out in results.values())
+    for rank in range(4):
+        held = sorted(p.name for p in (root / f"rank-{rank}").iterdir()
+                      if p.name.startswith("step-"))
+        assert held == ["step-0000000020", "step-0000000030"], (rank, held)
+        for step in (20, 30):
+            names = sorted(p.name for p in step_dir(root, rank, step).iterdir())
+            source = (rank + 2) % 4  # the rank whose copy this one holds
+            assert names == sorted([f"rank-{rank:05d}.{k}" for k in ("commit", "manifest",
+                                                                      "shard")]
+                                   + [f"replica-{source:05d}-on-{rank:05d}.{k}"
+                                      for k in ("commit", "manifest", "shard")]), names
+
+
 # ---------------------------------------------------------------- faults while copying
 
 @pytest.mark.slow
