@@ -18,7 +18,15 @@ from ..errors import CheckpointError, CheckpointIntegrityError
 from ..storage import Storage
 from .incoming import Incoming
 from .push import Peer
-from .wire import PIECE_BYTES, ProtocolError, connect, recv_data, recv_message, send_message
+from .wire import (
+    PIECE_BYTES,
+    ProtocolError,
+    connect,
+    piece_buffer,
+    recv_data,
+    recv_message,
+    send_message,
+)
 
 __all__ = ("fetch_shard",)
 
@@ -47,11 +55,11 @@ def fetch_shard(storage: Storage, peer: Peer, *, token: str, step: int, save_id:
             ):
                 raise CheckpointIntegrityError("the copy's commit record is for another save")
             incoming = Incoming(storage, step_dir_name(step), FileSet(rank), size)
-            piece = bytearray(min(PIECE_BYTES, size))
-            while (message := recv_message(sock))["op"] != "end":
-                if message["op"] != "data":
-                    raise ProtocolError(f"unexpected {message['op']!r} in a fetch")
-                recv_data(sock, message, incoming.received, incoming.write, piece)
+            with piece_buffer(min(PIECE_BYTES, size)) as piece:
+                while (message := recv_message(sock))["op"] != "end":
+                    if message["op"] != "data":
+                        raise ProtocolError(f"unexpected {message['op']!r} in a fetch")
+                    recv_data(sock, message, incoming.received, incoming.write, piece)
         incoming.verify(manifest, step=step, source=rank, save_id=save_id,
                         world_size=world_size)
         incoming.publish(manifest, commit)

@@ -39,6 +39,7 @@ from .incoming import Incoming
 from .wire import (
     PIECE_BYTES,
     ProtocolError,
+    piece_buffer,
     recv_data,
     recv_message,
     send_data,
@@ -272,17 +273,17 @@ class CopyServer:
         try:
             reception.incoming = Incoming(self.storage, step_dir_name(step),
                                           FileSet(source, self.rank), limit)
-            piece = bytearray(PIECE_BYTES)
             send_message(conn, {"op": "ready"})
-            while True:
-                message = recv_message(conn)
-                if message["op"] == "end":
-                    break
-                if message["op"] != "data":
-                    raise ProtocolError(f"unexpected {message['op']!r} in a push")
-                recv_data(conn, message, reception.incoming.received,
-                          reception.incoming.write, piece)
-                crash_point("replicate.receiving")
+            with piece_buffer(PIECE_BYTES) as piece:
+                while True:
+                    message = recv_message(conn)
+                    if message["op"] == "end":
+                        break
+                    if message["op"] != "data":
+                        raise ProtocolError(f"unexpected {message['op']!r} in a push")
+                    recv_data(conn, message, reception.incoming.received,
+                              reception.incoming.write, piece)
+                    crash_point("replicate.receiving")
             manifest, size = message.get("manifest"), message.get("size")
             if not isinstance(manifest, bytes) or not isinstance(size, int) or not (
                 0 < size <= limit
@@ -328,20 +329,28 @@ class CopyServer:
         header = status.header
         fd, size = self.storage.open_read(os.path.join(dir_name, files.shard),
                                           status.shard_size)
+        frames = _frames(header.checks(), size)
         try:
-            for start, end, digest in _frames(header.checks(), size):
-                buf = bytearray(end - start)
-                self.storage.pread_into(fd, memoryview(buf), start)
-                actual = checksum(memoryview(buf))
-                if digest is not None and actual != digest:
-                    raise ProtocolError(
-                        f"rank {self.rank}'s copy of rank {source}'s shard of step {step} is "
-                        f"corrupt on its disk: bytes [{start}, {end}) do not match the "
-                        "shard's checksum")
-                send_data(conn, start, memoryview(buf), actual)
+            with piece_buffer(max((e - s for s, e, _ in frames), default=1)) as area:
+                self._send_frames(conn, fd, frames, area, source, step)
         finally:
             self.storage.close(fd)
         send_message(conn, {"op": "end"})
+
+    def _send_frames(self, conn: socket.socket, fd: int,
+                     frames: list[tuple[int, int, int | None]], area: memoryview,
+                     source: int, step: int) -> None:
+        """Each frame read into ``area``, checked against the shard's checksum, sent."""
+        for start, end, digest in frames:
+            buf = area[:end - start]
+            self.storage.pread_into(fd, buf, start)
+            actual = checksum(buf)
+            if digest is not None and actual != digest:
+                raise ProtocolError(
+                    f"rank {self.rank}'s copy of rank {source}'s shard of step {step} is "
+                    f"corrupt on its disk: bytes [{start}, {end}) do not match the "
+                    "shard's checksum")
+            send_data(conn, start, buf, actual)
 
     def _read_small(self, rel: str) -> bytes:
         fd, size = self.storage.open_read(rel)

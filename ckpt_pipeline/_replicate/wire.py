@@ -12,9 +12,10 @@ socket's timeout.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -22,8 +23,8 @@ import xxhash
 
 from ..errors import CheckpointError
 
-__all__ = ("PIECE_BYTES", "ProtocolError", "Received", "connect", "recv_data", "recv_message",
-           "send_data", "send_message")
+__all__ = ("PIECE_BYTES", "ProtocolError", "Received", "connect", "piece_buffer", "recv_data",
+           "recv_message", "send_data", "send_message")
 
 _PREFIX = struct.Struct("<4sI")
 _MAGIC = b"CKRP"
@@ -49,6 +50,25 @@ def tune(sock: socket.socket, timeout_s: float) -> None:
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, 4 * 1024 * 1024)
+
+
+@contextlib.contextmanager
+def piece_buffer(size: int) -> Iterator[memoryview]:
+    """A buffer for the pieces of frames, mapped for the connection and unmapped after it.
+
+    Not a bytearray: the allocator would keep the freed memory of each connection's thread
+    (its own arena), and a holder's memory would creep up with every copy it receives.
+    """
+    area = mmap.mmap(-1, max(size, 1))
+    view = memoryview(area)
+    try:
+        yield view
+    finally:
+        # A slice may outlive the block (in the traceback of an error raised while it was in
+        # use): the mapping then goes when the last reference does.
+        with contextlib.suppress(BufferError):
+            view.release()
+            area.close()
 
 
 def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -112,7 +132,7 @@ class Received:
 
 
 def recv_data(sock: socket.socket, message: dict[str, Any], received: Received,
-              write: Callable[[memoryview, int], None], piece: bytearray) -> None:
+              write: Callable[[memoryview, int], None], piece: memoryview) -> None:
     """Receive the bytes of the data frame ``message`` announced; write them at their offset
     with ``write(view, offset)``, a piece at a time, and check their xxh3."""
     offset, length, digest = message.get("offset"), message.get("length"), message.get("xxh3")
@@ -124,7 +144,7 @@ def recv_data(sock: socket.socket, message: dict[str, Any], received: Received,
     if offset in received.frames:
         raise ProtocolError(f"a second data frame at offset {offset}")
     hasher = xxhash.xxh3_64()
-    view = memoryview(piece)
+    view = piece
     at = offset
     while at < offset + length:
         n = min(len(piece), offset + length - at)

@@ -339,8 +339,9 @@ def test_transfers_slower_than_saves_apply_backpressure_with_flat_memory(
     written and handed to the connections; once the connections' socket buffers are full the
     sender waits for the holder, so with one buffer slot the next save() waits too
     (when_busy="block"). Nothing is dropped or missing, the pool stays one slot, and the
-    process's memory stops growing once the pipeline is warm."""
-    steps = "10,20,30,40,50,60"
+    process's memory stops growing once the pipeline is warm (a holder receives into a mapped
+    piece buffer per connection, unmapped after it)."""
+    steps = "10,20,30,40,50,60,70,80"
     results = launch("save", tmp_path / "root", tmp_path / "logs", steps=steps,
                      args=("--scenario", "slow-holder", "--delay", "0.25", "--no-wait",
                            "--numel", "6000000"))
@@ -351,8 +352,12 @@ def test_transfers_slower_than_saves_apply_backpressure_with_flat_memory(
         assert all(s["blocking"] > 0.2 for s in saves[1:]), (rank, saves)
         memory = out["host_memory_bytes"]
         assert len(set(memory)) == 1 and memory[0] < 25_000_000, memory  # one slot
+        # No growth with saves once warm (the pool, the threads and their buffers are made in
+        # the first saves). The allocator moves RSS by up to two states (48 MB) either way
+        # between saves, so the check compares peaks: keeping one state (24 MB) per save would
+        # lift the peak of the last four saves some 96 MB above the peak of the first four.
         rss = out["rss_bytes"]
-        assert max(rss[2:]) - min(rss[2:]) < 48 * 2**20, rss  # flat once warm
+        assert max(rss[4:]) - max(rss[:4]) < 48_000_000, rss
 
 
 @pytest.mark.slow

@@ -110,6 +110,23 @@ def test_invalid_configuration_fails_at_construction_with_a_hint(root: Path) -> 
         cp.CheckpointPipeline(root, keep_lats=2)
     with pytest.raises(cp.ConfigError, match="multiple of 4096"):
         cp.PipelineConfig(chunk_bytes=1000)
+    with pytest.raises(cp.ConfigError, match="replicas=-1 is not a number of copies"):
+        cp.PipelineConfig(replicas=-1)
+    with pytest.raises(cp.ConfigError, match="node_name=''"):
+        cp.PipelineConfig(node_name="")
+    with pytest.raises(cp.ConfigError, match="replication_timeout_s=0"):
+        cp.PipelineConfig(replication_timeout_s=0)
+
+
+def test_copies_in_a_single_process_job_fail_at_open_naming_the_nodes(root: Path) -> None:
+    pipe = cp.CheckpointPipeline(root, replicas=1, node_name="alone")
+    with pytest.raises(cp.ConfigError, match=r"replicas=1 needs 2 nodes, this job runs on 1: "
+                                             r"'alone' \(1 rank\(s\)\)"):
+        pipe.open()
+    # Nothing was written, and the root opens again without copies.
+    assert not [p for p in root.iterdir() if p.name.startswith("step-")]
+    with cp.CheckpointPipeline(root) as again:
+        again.save(1, {"w": torch.ones(2)}).result(30)
 
 
 def test_state_that_is_not_a_mapping_is_refused(root: Path) -> None:
