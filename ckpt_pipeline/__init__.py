@@ -29,17 +29,23 @@ from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
 from .events import Event as Event
+from .events import PersistFailed as PersistFailed
+from .events import PersistPruned as PersistPruned
+from .events import PersistSkipped as PersistSkipped
 from .events import ReplicaStored as ReplicaStored
 from .events import ReplicationDegraded as ReplicationDegraded
 from .events import RetentionFailed as RetentionFailed
 from .events import SaveFailed as SaveFailed
 from .events import SaveRequested as SaveRequested
 from .events import SaveSkipped as SaveSkipped
+from .events import ShardDownloaded as ShardDownloaded
 from .events import ShardFetched as ShardFetched
 from .events import ShardReplicated as ShardReplicated
 from .events import ShardSerialized as ShardSerialized
+from .events import ShardUploaded as ShardUploaded
 from .events import ShardWritten as ShardWritten
 from .events import SnapshotTaken as SnapshotTaken
+from .events import StepPersisted as StepPersisted
 from .events import TemporariesScrubbed as TemporariesScrubbed
 from .handle import CommitInfo as CommitInfo
 from .handle import RejectedStep as RejectedStep
@@ -75,6 +81,9 @@ __all__ = (
     "KeepLast",
     "LocalCoordinator",
     "LocalStorage",
+    "PersistFailed",
+    "PersistPruned",
+    "PersistSkipped",
     "PipelineBusyError",
     "PipelineClosedError",
     "PipelineConfig",
@@ -93,15 +102,18 @@ __all__ = (
     "SaveHandle",
     "SaveRequested",
     "SaveSkipped",
+    "ShardDownloaded",
     "ShardFetched",
     "ShardReplicated",
     "ShardSerialized",
+    "ShardUploaded",
     "ShardWritten",
     "SnapshotMode",
     "SnapshotTaken",
     "SnapshotTornError",
     "StateError",
     "StepOrderError",
+    "StepPersisted",
     "Storage",
     "StorageError",
     "TemporariesScrubbed",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, TypedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
 
 from .errors import ConfigError
 from .retention import KeepLast, RetentionPolicy
@@ -69,6 +70,22 @@ class PipelineConfig:
       peer that does not answer in time loses that copy (the save still commits).
     - ``replication_host``: the address other ranks reach this rank's copy server at (None:
       the address this host uses to reach ``MASTER_ADDR``, else its host name's).
+    - ``persistent``: where committed steps are promoted to: a directory on a shared file
+      system, or an fsspec URL (``s3://bucket/run``; ``pip install 'ckpt_pipeline[s3]'``).
+      Uploads run in the background from the committed local files, never from the
+      training's memory; a step is complete there once its commit object, written last by rank
+      0 after every rank's shard, exists. Recovery also considers it. None: no persistent tier.
+    - ``persist_every``: promote every M-th committed step (counted from the pipeline's open).
+      A promotion due while two are still uploading on some rank is skipped
+      (``PersistSkipped``): a slow upload delays only later uploads.
+    - ``persist_on_close``: at a clean close (and so after a SIGTERM that ends the block),
+      promote the newest committed step too, and wait up to ``persist_timeout_s`` for the
+      uploads in flight.
+    - ``persistent_keep``: complete steps kept in the persistent tier (None: all).
+    - ``persistent_options``: keyword arguments of the fsspec file system (endpoint,
+      credentials); never logged, never written into a checkpoint.
+    - ``persist_retries``: retries of each failed upload or download request, with exponential
+      backoff, before the promotion fails (``PersistFailed``; training goes on).
     """
 
     keep_last: int = 3
@@ -93,6 +110,13 @@ class PipelineConfig:
     node_name: str | None = None
     replication_timeout_s: float = 60.0
     replication_host: str | None = None
+    persistent: str | None = None
+    persist_every: int = 1
+    persist_on_close: bool = True
+    persist_timeout_s: float = 600.0
+    persistent_keep: int | None = 3
+    persistent_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    persist_retries: int = 5
 
     @property
     def retention_policy(self) -> RetentionPolicy:
@@ -158,9 +182,35 @@ class PipelineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"replication_timeout_s={timeout!r} must be a positive number",
                               hint="for example 60 (seconds)")
-        for name in ("capture_rng", "restore_rng", "strict", "direct_io", "device_staging"):
+        self._check_persistent()
+        for name in ("capture_rng", "restore_rng", "strict", "direct_io", "device_staging",
+                     "persist_on_close"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")
+
+
+    def _check_persistent(self) -> None:
+        url = self.persistent
+        if url is not None and (not isinstance(url, str) or not url.strip()):
+            raise ConfigError(f"persistent={url!r} must be a directory or a URL",
+                              hint="for example persistent='s3://bucket/run' or a path on a "
+                                   "shared file system")
+        _positive_int("persist_every", self.persist_every, "for example persist_every=10")
+        if self.persistent_keep is not None:
+            _positive_int("persistent_keep", self.persistent_keep,
+                          "keep at least one step, or None to keep all")
+        if isinstance(self.persist_retries, bool) or not isinstance(
+            self.persist_retries, int
+        ) or self.persist_retries < 0:
+            raise ConfigError(f"persist_retries={self.persist_retries!r} must be an int >= 0")
+        timeout = self.persist_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"persist_timeout_s={timeout!r} must be a positive number",
+                              hint="for example 600 (seconds)")
+        if self.persistent_options is not None and not isinstance(
+            self.persistent_options, Mapping
+        ):
+            raise ConfigError("persistent_options must be a mapping of keyword arguments")
 
 
 def _positive_int(name: str, value: object, hint: str) -> None:
@@ -197,3 +247,10 @@ class PipelineOptions(TypedDict, total=False):
     node_name: str | None
     replication_timeout_s: float
     replication_host: str | None
+    persistent: str | None
+    persist_every: int
+    persist_on_close: bool
+    persist_timeout_s: float
+    persistent_keep: int | None
+    persistent_options: Mapping[str, Any] | None
+    persist_retries: int

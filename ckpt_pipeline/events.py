@@ -17,17 +17,23 @@ __all__ = (
     "CheckpointRejected",
     "CheckpointRestored",
     "Event",
+    "PersistFailed",
+    "PersistPruned",
+    "PersistSkipped",
     "ReplicaStored",
     "ReplicationDegraded",
     "RetentionFailed",
     "SaveFailed",
     "SaveRequested",
     "SaveSkipped",
+    "ShardDownloaded",
     "ShardFetched",
     "ShardReplicated",
     "ShardSerialized",
+    "ShardUploaded",
     "ShardWritten",
     "SnapshotTaken",
+    "StepPersisted",
     "TemporariesScrubbed",
 )
 
@@ -233,6 +239,78 @@ class ShardFetched(Event):
     log_level: ClassVar[str] = "info"
     save_id: str
     peer: int
+    path: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ShardUploaded(Event):
+    """This rank's files of a committed step are in the persistent tier, each object checked
+    after upload; the step is complete there only once ``StepPersisted`` follows."""
+
+    log_name: ClassVar[str] = "ckpt.persist.uploaded"
+    log_level: ClassVar[str] = "info"
+    save_id: str
+    url: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepPersisted(Event):
+    """The step's commit object is written (by rank 0, after every rank's files): the step is
+    complete in the persistent tier. ``seconds``: from the step's commit to this."""
+
+    log_name: ClassVar[str] = "ckpt.persist.committed"
+    log_level: ClassVar[str] = "info"
+    save_id: str
+    url: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class PersistSkipped(Event):
+    """A promotion that was due was not made: earlier ones are still uploading (``reason``
+    names the rank), or the step was gone from the local tier."""
+
+    log_name: ClassVar[str] = "ckpt.persist.skipped"
+    log_level: ClassVar[str] = "warning"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PersistFailed(Event):
+    """A promotion failed after its retries (every rank emits it, naming the ranks and their
+    errors); the step stays in the local tier, the persistent tier keeps its older steps."""
+
+    log_name: ClassVar[str] = "ckpt.persist.failed"
+    log_level: ClassVar[str] = "warning"
+    save_id: str
+    url: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class PersistPruned(Event):
+    """Rank 0 removed a step from the persistent tier (``persistent_keep``), its commit
+    object first, or the leftovers of a promotion that never completed."""
+
+    log_name: ClassVar[str] = "ckpt.persist.pruned"
+    log_level: ClassVar[str] = "info"
+    url: str
+    complete: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ShardDownloaded(Event):
+    """At restore, this rank's shard came from the persistent tier, every part checked, and
+    was written to this rank's root."""
+
+    log_name: ClassVar[str] = "ckpt.recovery.downloaded"
+    log_level: ClassVar[str] = "info"
+    save_id: str
+    url: str
     path: str
     bytes: int
     seconds: float

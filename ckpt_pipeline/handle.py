@@ -66,6 +66,9 @@ class RestoreResult:
     fetched: Mapping[int, int] = field(default_factory=dict)
     """{rank: holder rank} for each rank whose shard was missing or corrupt in its own root and
     was fetched from a copy (replication); every other rank loaded its own shard."""
+    downloaded: tuple[int, ...] = ()
+    """The ranks whose shard came from the persistent tier (``persistent``), downloaded into
+    their roots; every other rank loaded its own shard or a copy."""
 
 
 class SaveHandle:

@@ -164,3 +164,42 @@ def run_child(script: str | Path, *args: object, timeout: float,
             proc.kill()
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# ---------------------------------------------------------------------- persistent tier
+# A real S3-speaking server (moto, started once per session in this process), a fresh bucket
+# per test, and a fault-injecting proxy in front of the server (tests/persist/s3_server.py).
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Any:
+    from persist.s3_server import S3Server
+
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server: Any) -> tuple[str, dict[str, Any]]:
+    """("s3://BUCKET/run", fsspec options) of an empty bucket of its own."""
+    bucket, options = s3_server.new_bucket()
+    return f"s3://{bucket}/run", options
+
+
+@pytest.fixture
+def fault_proxy(s3_server: Any) -> Any:
+    """``fault_proxy(options)``: a proxy to the server; its ``options`` point to it."""
+    from persist.s3_server import FaultProxy
+
+    proxies: list[FaultProxy] = []
+
+    def make(options: dict[str, Any]) -> FaultProxy:
+        proxies.append(FaultProxy(s3_server.port, options))
+        return proxies[-1]
+
+    yield make
+    for proxy in proxies:
+        proxy.close()

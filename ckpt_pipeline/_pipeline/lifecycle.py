@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._logging import log
+from .._persist.promote import Promoter
+from .._persist.remote import is_url
 from .._replicate.replication import Replication
 from .._restore import scan as _scan
 from .._restore.recovery import AppliedState, Loaded, Recovery
@@ -32,6 +34,7 @@ from .._save.job import SaveJob
 from .._threads import in_thread
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
+from ..coordination._agree import gather_shared
 from ..errors import CheckpointError, ConfigError, PipelineClosedError
 from ..events import TemporariesScrubbed
 from ..handle import RestoreResult, SaveHandle
@@ -94,6 +97,12 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                  storage: Storage | None = None, coordinator: Coordinator | None = None,
                  **options: Unpack[PipelineOptions]) -> None:
         self.config = make_config(config, options)
+        if storage is None and isinstance(root, str) and is_url(root):
+            raise ConfigError(
+                f"the checkpoint root {root.split('://', 1)[0]}://... is a URL; the root is a "
+                "local directory (node-local disk)",
+                hint="give a local directory as the root and the URL as the persistent tier: "
+                     "CheckpointPipeline('/local/ckpt', persistent='s3://bucket/run')")
         self.storage: Storage = storage if storage is not None else LocalStorage(root)
         self.coordinator: Coordinator = (
             coordinator if coordinator is not None else default_coordinator(self.config))
@@ -112,12 +121,14 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                                    self._staging, self.emitter.emit)
         self._limiter = anyio.CapacityLimiter(self.config.io_threads)
         self.replication = Replication(self.storage, self.config, self.emitter.emit)
+        self.promoter = (None if self.config.persistent is None
+                         else Promoter(self.storage, self.config, self.emitter.emit))
         self.runner = StageRunner(
             Stages(self.config, self.storage, self.coordinator, self.ledger, self._pool,
-                   self.emitter.emit, self._limiter, self.replication),
+                   self.emitter.emit, self._limiter, self.replication, self.promoter),
             self.ledger, self.emitter.emit, self.config.queue_depth)
         self._recovery = Recovery(self.storage, self.coordinator, self.config,
-                                  self.emitter.emit, self.replication)
+                                  self.emitter.emit, self.replication, self.promoter)
         self.state = PipelineState.NEW
 
     # ------------------------------------------------------------------ lifecycle
@@ -145,6 +156,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                     raise
                 finally:
                     self.state = PipelineState.CLOSING
+            if self.promoter is not None:
+                await self._persist_at_close()
         except Exception as error:  # the close itself failed
             if raised is None or error is raised:
                 raise
@@ -155,6 +168,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         else:
             return
         finally:
+            if self.promoter is not None:
+                self.promoter.close()
             self.replication.close()
             self._pool.close()
             if self._staging is not None:
@@ -163,6 +178,29 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             self.state = PipelineState.CLOSED
         assert raised is not None
         raise raised  # the block's own exception, after the close failed
+
+    async def _persist_at_close(self) -> None:
+        """After a clean close: promote the newest committed step (``persist_on_close``), wait
+        for the uploads (at most ``persist_timeout_s``), and let every rank report, so that
+        rank 0 commits what every rank finished. Failures are logged: the local tier holds
+        every committed step whatever happens here."""
+        promoter = self.promoter
+        assert promoter is not None
+        promoter.closing()
+        try:
+            timeout = self.config.persist_timeout_s
+            finished = await anyio.to_thread.run_sync(promoter.wait, timeout,
+                                                      abandon_on_cancel=True)
+            if not finished:
+                log.warning("ckpt.persist.close_timeout", rank=self.rank, url=promoter.url,
+                            timeout_s=timeout)
+            reports = await gather_shared(self.coordinator, promoter.report(),
+                                          what="persist at close")
+            promoter.on_reports(reports)
+            await anyio.to_thread.run_sync(promoter.wait, timeout, abandon_on_cancel=True)
+        except CheckpointError as exc:
+            log.error("ckpt.persist.close_failed", rank=self.rank, url=promoter.url,
+                      error=exc.message)
 
     async def _prepare(self) -> RootLock:
         """Check the root, take the root lock, scrub, agree on the run id; return the lock."""
@@ -177,6 +215,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             # After the scrub: the agreement is also a barrier, so that no rank's first save
             # can create a step directory that another rank's scrub (of a shared root) removes.
             # It also tells every rank where the others' copy servers are (replication).
+            if self.promoter is not None:
+                await in_thread(self._limiter, self.promoter.open)
             self.admission.run_id = await self.replication.start(self.coordinator,
                                                                  self._limiter)
             committed = await in_thread(self._limiter, _scan.committed_steps, self.storage,

@@ -9,7 +9,10 @@ in worker threads under the pipeline's limiter, and emits the stage's event:
    lands; give the host buffer back.
 3. ``seal``: the shard header, fsync, publish under the final name; the manifest.
 4. ``commit``: every rank's vote, then the commit record (this resolves the handle).
-5. ``retain``: prune older steps by the retention policy; report what could not be pruned.
+5. ``retain``: prune older steps by the retention policy (not those being uploaded to the
+   persistent tier); report what could not be pruned.
+
+A committed step that is due is handed to the persistent tier (``Promoter``) after commit.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Literal
 import anyio
 
 from .._logging import log
+from .._persist.promote import Promoter
 from .._replicate.replication import Replication
 from .._save.buffers import HostPool
 from .._save.commit import commit
@@ -58,8 +62,8 @@ class Stages:
 
     def __init__(self, config: PipelineConfig, storage: Storage, coordinator: Coordinator,
                  ledger: Ledger, pool: HostPool, emit: Callable[[Event], None],
-                 limiter: anyio.CapacityLimiter, replication: Replication | None = None
-                 ) -> None:
+                 limiter: anyio.CapacityLimiter, replication: Replication | None = None,
+                 promoter: Promoter | None = None) -> None:
         self.config = config
         self.rank = config.rank
         self.storage = storage
@@ -69,6 +73,7 @@ class Stages:
         self._emit = emit
         self.limiter = limiter
         self.replication = replication
+        self.promoter = promoter
 
     def release_slot(self, job: SaveJob) -> None:
         """Give the job's host buffer (and any device staging it holds) back."""
@@ -120,7 +125,7 @@ class Stages:
 
     async def commit(self, job: SaveJob) -> None:
         replicas = await commit(job, self.storage, self.coordinator, limiter=self.limiter,
-                                replication=self.replication)
+                                replication=self.replication, promoter=self.promoter)
         job.push = None
         if job.error is not None:
             return
@@ -155,6 +160,8 @@ class Stages:
         self._emit(CheckpointCommitted(step=job.step, rank=self.rank, save_id=job.save_id,
                                        path=path, bytes=job.shard_size, seconds=seconds))
         job.handle._resolve(info)
+        if self.promoter is not None:
+            self.promoter.committed(job.step, job.save_id)
 
     async def retain(self, job: SaveJob) -> None:
         """Prune older steps. Never fails the save: it is committed already.
@@ -167,8 +174,10 @@ class Stages:
         try:
             failed: list[PruneFailed] = []
             try:
+                protect = set() if self.promoter is None else self.promoter.protected()
                 pruned, failed = await in_thread(self.limiter, prune, self.storage, self.rank,
-                                                 self.config.retention_policy, job.step)
+                                                 self.config.retention_policy, job.step,
+                                                 protect)
             except Exception as exc:  # the root could not even be listed
                 failed = [PruneFailed(-1, str(self.storage.root),
                                       f"{type(exc).__name__}: {exc}")]

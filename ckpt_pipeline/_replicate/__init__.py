@@ -1,7 +1,9 @@
-"""Replicating each rank's committed shard to ranks on other nodes (in progress).
+"""Replicating each rank's committed shard to ranks on other nodes, and fetching it back.
 
-Built so far: ``placement`` (which ranks hold whose copies). The transfer, the commit rules and
-the restore from peers come next (docs/design.md, "Replication").
+``placement`` (which ranks hold whose copies), ``replication`` (the agreement at open and the
+copy server), ``push`` (sending a copy while the local write runs), ``server`` and
+``incoming`` (receiving and publishing one), ``fetch`` (restore from a holder), ``wire`` (the
+framing). See docs/distributed.md, "Replication".
 """
 
 __all__ = ()

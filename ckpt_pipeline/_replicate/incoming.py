@@ -47,6 +47,12 @@ class Incoming:
         self.temps.append(temp)
         self.path = os.path.join(str(storage.root), dir_name, files.shard)
 
+    @property
+    def fd(self) -> int:
+        """The temporary file being written (for a writer that writes at offsets itself)."""
+        assert self._fd is not None
+        return self._fd
+
     def write(self, view: memoryview, offset: int) -> None:
         assert self._fd is not None
         self.storage.pwrite(self._fd, view, offset)

@@ -41,7 +41,13 @@ from ..errors import (
     StateError,
     StorageError,
 )
-from ..events import CheckpointRejected, CheckpointRestored, Event, ShardFetched
+from ..events import (
+    CheckpointRejected,
+    CheckpointRestored,
+    Event,
+    ShardDownloaded,
+    ShardFetched,
+)
 from ..handle import RejectedStep, RestoreResult
 from ..storage import Storage
 from ..train_state import TrainState
@@ -51,6 +57,8 @@ from .read import device_bytes, read_shard
 from .rollback import AppliedState, BackupCopies
 
 if TYPE_CHECKING:
+    from .._persist.layout import StepRecord
+    from .._persist.promote import Promoter
     from .._replicate.replication import Replication
 from .validate import validate_state
 
@@ -81,15 +89,21 @@ class Loaded:
     fetched: dict[int, int] | None = None
     """{rank: holder} of the ranks whose shard came from a copy (every rank's, after the
     load vote)."""
+    downloaded: tuple[int, ...] = ()
+    """The ranks whose shard came from the persistent tier."""
 
 
 class Recovery:
     """Finds the newest step that every rank holds and verifies, and loads it."""
 
     def __init__(self, storage: Storage, coordinator: Coordinator, config: PipelineConfig,
-                 emit: Callable[[Event], None], replication: Replication | None = None) -> None:
+                 emit: Callable[[Event], None], replication: Replication | None = None,
+                 promoter: Promoter | None = None) -> None:
         self.replication = replication
+        self.promoter = promoter
+        self._persisted: dict[int, StepRecord] = {}
         self._fetched_dirs: frozenset[tuple[int, str]] = frozenset()
+        self._downloaded = False
         self.storage = storage
         self.coordinator = coordinator
         self.config = config
@@ -118,10 +132,13 @@ class Recovery:
         valid = {s.step: s for s in statuses if s.valid}
         held = [(c.step, c.files.source, c.save_id or "", c.world_size or 0)
                 for c in copies if c.valid and c.files is not None]
+        self._persisted = await self._list_persisted(limiter)
+        persisted = [(r.step, r.save_id, r.world_size) for r in self._persisted.values()]
         agreed = await agree_candidates(
             self.coordinator, {step: (s.save_id or "", s.world_size or 0)
                                for step, s in valid.items()},
-            held_any=any(s.complete for s in statuses) or bool(held), copies=held)
+            held_any=any(s.complete for s in statuses) or bool(held) or bool(persisted),
+            copies=held, persisted=persisted)
         self._check_world_size(agreed)
         for step, save_id in agreed.steps:
             status = valid.get(step)
@@ -143,7 +160,8 @@ class Recovery:
             fatal = isinstance(error, StateError)
             failures, any_fatal, extras = await gather_outcome(
                 self.coordinator, step, save_id, None if error is None else error.message,
-                what="restore load", fatal=fatal, extra={"fetched": fetched})
+                what="restore load", fatal=fatal,
+                extra={"fetched": fetched, "downloaded": self._downloaded})
             if any_fatal:
                 if error is not None and fatal:
                     raise error  # the live state does not fit: a usage error, nothing rejected
@@ -154,6 +172,8 @@ class Recovery:
             if not failures and loaded is not None:
                 loaded.fetched = {r: e["fetched"] for r, e in enumerate(extras)
                                   if isinstance(e, dict) and isinstance(e.get("fetched"), int)}
+                loaded.downloaded = tuple(r for r, e in enumerate(extras)
+                                          if isinstance(e, dict) and e.get("downloaded") is True)
                 return loaded
             path = status.path if status is not None else ""
             rejected.append(self._reject(step, path, _listing(failures)))
@@ -179,34 +199,103 @@ class Recovery:
             return ""
         lacking = [r for r, steps in sorted(agreed.valid_by_rank.items())
                    if newest not in steps and not agreed.copies_of(newest, r)]
-        if not lacking:
+        if not lacking or any(step == newest for step, _ in agreed.persisted):
             return ""
         return (f"step {newest}: the shard of rank(s) {lacking} (no own file, no copy on "
-                "any rank)")
+                "any rank, not in the persistent tier)")
 
     async def _load_step(self, step: int, save_id: str, status: _recovery.StepStatus | None,
                          holders: tuple[int, ...], state: Mapping[str, Any], started: float,
                          rejected: list[RejectedStep], agreed: Candidates,
                          limiter: anyio.CapacityLimiter) -> tuple[Loaded, int | None]:
-        """Read this rank's shard of the step: its own, or, when that is missing or does not
-        verify, a copy fetched from a holder. Returns the load and the holder used."""
+        """Read this rank's shard of the step from the nearest place that holds it: its own
+        root; when that is missing or does not verify, a copy fetched from a holder; then the
+        persistent tier. Returns the load and the holder used (None: own or downloaded)."""
+        self._downloaded = False
+        record = self._persisted.get(step)
+        if record is not None and record.save_id != save_id:
+            record = None
         if status is not None:
             try:
                 return await self._read_candidate(status, state, started, rejected, agreed,
                                                   limiter), None
             except (CheckpointIntegrityError, StorageError) as exc:
-                if not holders:
+                if not holders and record is None:
                     raise
                 _log.warning("ckpt.recovery.own_shard_bad", step=step, rank=self.rank,
                              path=status.path, reason=exc.message,
-                             action=f"fetching a copy from rank(s) {list(holders)}")
-        elif not holders:
-            raise CheckpointIntegrityError("this rank holds no matching save, and no rank "
-                                           "holds a copy of its shard", step=step,
-                                           rank=self.rank)
-        status, holder = await self._fetch(step, save_id, holders, limiter)
+                             action=f"fetching a copy from rank(s) {list(holders)}" if holders
+                             else "downloading it from the persistent tier")
+        elif not holders and record is None:
+            raise CheckpointIntegrityError("this rank holds no matching save, no rank holds a "
+                                           "copy of its shard, and the persistent tier does "
+                                           "not have it", step=step, rank=self.rank)
+        if holders:
+            try:
+                status, holder = await self._fetch(step, save_id, holders, limiter)
+                return await self._read_candidate(status, state, started, rejected, agreed,
+                                                  limiter), holder
+            except (CheckpointIntegrityError, StorageError) as exc:
+                if record is None:
+                    raise
+                _log.warning("ckpt.recovery.copies_bad", step=step, rank=self.rank,
+                             reason=exc.message,
+                             action="downloading it from the persistent tier")
+        assert record is not None
+        status = await self._download(record, limiter)
+        self._downloaded = True
         return await self._read_candidate(status, state, started, rejected, agreed,
-                                          limiter), holder
+                                          limiter), None
+
+    async def _list_persisted(self, limiter: anyio.CapacityLimiter) -> dict[int, StepRecord]:
+        """The steps complete in the persistent tier ({} without one, or when it cannot be
+        listed: that is logged, and restore goes on with the other tiers)."""
+        if self.promoter is None:
+            return {}
+        try:
+            return await in_thread(limiter, self.promoter.complete_steps)
+        except CheckpointError as exc:
+            _log.warning("ckpt.recovery.persistent_unreachable", rank=self.rank,
+                         url=self.promoter.url, error=exc.message)
+            return {}
+
+    async def _download(self, record: StepRecord,
+                        limiter: anyio.CapacityLimiter) -> _recovery.StepStatus:
+        """Download this rank's shard of ``record``'s step into its root (its own files of
+        the step moved aside first) and scan it as if it had been saved here."""
+        promoter = self.promoter
+        assert promoter is not None
+        step = record.step
+        dir_name = step_dir_name(step)
+        await self._move_own_aside(step, limiter)
+        started = time.perf_counter()
+        try:
+            path, size = await in_thread(limiter, promoter.download, record)
+        except CheckpointError as exc:
+            _log.warning("ckpt.recovery.download_failed", step=step, rank=self.rank,
+                         url=promoter.url, error=exc.message)
+            raise
+        status = await in_thread(limiter, _recovery.scan_files, self.storage,
+                                 _recovery.FileSet(self.rank), step, dir_name)
+        self._fetched_dirs |= {(step, dir_name)}
+        if not status.valid:
+            raise CheckpointIntegrityError(
+                f"the shard downloaded from the persistent tier does not verify: "
+                f"{status.reason}", step=step, rank=self.rank, path=status.path)
+        self._emit(ShardDownloaded(step=step, rank=self.rank, save_id=record.save_id,
+                                   url=promoter.url, path=path, bytes=size,
+                                   seconds=time.perf_counter() - started))
+        return status
+
+    async def _move_own_aside(self, step: int, limiter: anyio.CapacityLimiter) -> None:
+        dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
+        if step in dirs:
+            moved = await in_thread(limiter, functools.partial(
+                _recovery.quarantine, self.storage, step, dirs[step], self.rank,
+                own_only=True))
+            if moved is not None:
+                _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
+                             path=moved)
 
     async def _fetch(self, step: int, save_id: str, holders: tuple[int, ...],
                      limiter: anyio.CapacityLimiter) -> tuple[_recovery.StepStatus, int]:
@@ -217,14 +306,7 @@ class Recovery:
             raise CheckpointIntegrityError("copies exist but this pipeline cannot fetch them",
                                            step=step, rank=self.rank)
         dir_name = step_dir_name(step)
-        dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
-        if step in dirs:
-            moved = await in_thread(limiter, functools.partial(
-                _recovery.quarantine, self.storage, step, dirs[step], self.rank,
-                own_only=True))
-            if moved is not None:
-                _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
-                             path=moved)
+        await self._move_own_aside(step, limiter)
         errors: list[str] = []
         for holder in holders:
             try:
@@ -345,7 +427,8 @@ class Recovery:
                              train_state=loaded.train_state, bytes=loaded.bytes,
                              seconds=seconds, rejected=loaded.rejected,
                              valid_by_rank=loaded.valid_by_rank,
-                             fetched=dict(loaded.fetched or {}))
+                             fetched=dict(loaded.fetched or {}),
+                             downloaded=loaded.downloaded)
 
     def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
         self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))

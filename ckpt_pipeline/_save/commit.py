@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -27,6 +28,9 @@ from ..errors import CheckpointError, SaveError
 from ..storage import Storage
 from .job import SaveJob
 from .seal import publish_small
+
+if TYPE_CHECKING:
+    from .._persist.promote import Promoter
 
 __all__ = ("Replicas", "commit")
 
@@ -45,11 +49,13 @@ class Replicas:
 
 async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                  limiter: anyio.CapacityLimiter,
-                 replication: Replication | None = None) -> Replicas:
+                 replication: Replication | None = None,
+                 promoter: Promoter | None = None) -> Replicas:
     """Vote with the other ranks; write this rank's commit record if every rank succeeded.
 
     A job that failed earlier still votes (with its error), so the other ranks learn of it and
-    no rank commits. After writing the record the ranks vote again, so that a step counts as
+    no rank commits. The first vote also carries the persistent tier's reports
+    (``promoter``). After writing the record the ranks vote again, so that a step counts as
     complete (and older steps may be pruned) only when every rank's record is durable. On any
     failure the caller removes this rank's files of the step, commit record first; the copies
     this rank holds of the step are removed here. Shielded from cancellation: once the vote
@@ -66,8 +72,12 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
         sent = None if pushed is None else {
             "acked": list(pushed.acked),
             "errors": {str(h): e for h, e in pushed.errors.items()}}
-        failures, _, first = await gather_outcome(coordinator, job.step, job.save_id, own,
-                                                  what="commit", extra=sent)
+        reports: list[Any] = []
+        failures, _, first = await gather_outcome(
+            coordinator, job.step, job.save_id, own, what="commit", extra=sent,
+            shared=None if promoter is None else promoter.report(), shared_out=reports)
+        if promoter is not None:
+            promoter.on_reports(reports)
         if (job.error is not None or failures) and replication is not None:
             await in_thread(limiter, replication.settle, job.step, job.save_id, ())
             replication.forget(job.step, job.save_id)

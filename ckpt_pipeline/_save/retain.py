@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .._crash import crash_point
@@ -42,8 +43,8 @@ class PruneFailed:
     error: str
 
 
-def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int
-          ) -> tuple[list[Pruned], list[PruneFailed]]:
+def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int,
+          protect: Collection[int] = ()) -> tuple[list[Pruned], list[PruneFailed]]:
     """Remove this rank's files of the committed steps that ``policy`` does not keep.
 
     This rank's files are its own shard and the copies it holds for other ranks: a step is
@@ -52,14 +53,15 @@ def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int
     removed: the newest complete set survives whatever happened to the newer ones. Steps are
     ordered by the step recorded in the commit record, not by names or times. The commit
     record goes first, so a step being pruned is never mistaken for complete. A step that
-    cannot be removed is reported and the others are still tried. Runs in a worker thread.
+    cannot be removed is reported and the others are still tried. Steps in ``protect`` (being
+    uploaded to the persistent tier) are kept until a later prune. Runs in a worker thread.
     """
     steps = {**_held_steps(storage, rank), **committed_steps(storage, rank)}
     keep = policy.keep(tuple(sorted(steps, reverse=True)))
     out: list[Pruned] = []
     failed: list[PruneFailed] = []
     for step, dir_name in sorted(steps.items(), reverse=True):
-        if step in keep or step >= complete:
+        if step in keep or step >= complete or step in protect:
             continue
         path = os.path.join(str(storage.root), dir_name)
         try:

@@ -2,7 +2,9 @@
 
 ``ls`` takes a cheap look (names, sizes, commit records, manifests, shard headers); ``verify``
 reads every byte of tensor data and checks it against its checksum, as a restore would. Both
-only read: nothing under the root is created, changed or removed.
+only read: nothing under the root is created, changed or removed. Given a URL (a persistent
+tier, ``_remote``), they list its steps, and download and verify them in a temporary
+directory.
 
 This module is the entry point (``main``, the console script ``ckpt_pipeline.cli:main``) and
 the command line: it parses the arguments, opens the root and runs the command (``_ls``,
@@ -17,9 +19,11 @@ import os
 import sys
 from collections.abc import Callable
 
+from .._persist.remote import is_url
 from ..errors import CheckpointError
 from ..storage import LocalStorage, Storage
 from ._ls import _cmd_ls
+from ._remote import _cmd_ls_remote, _cmd_verify_remote
 from ._status import EXIT_FAILED, EXIT_USAGE, _UsageError
 from ._verify import _cmd_verify
 
@@ -69,9 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     verify.set_defaults(handler=_cmd_verify)
 
     for sub in (ls, verify):
-        sub.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
-        sub.add_argument("--rank", type=_nonneg_int, default=0, metavar="R",
-                         help="look at the files of rank R (default 0)")
+        sub.add_argument("root", metavar="ROOT",
+                         help="the checkpoint root directory, or the URL (or shared directory, "
+                              "as file://PATH) of a persistent tier")
+        sub.add_argument("--rank", type=_nonneg_int, default=None, metavar="R",
+                         help="look at the files of rank R (default 0; for a persistent tier: "
+                              "every rank)")
+        sub.add_argument("--option", action="append", metavar="KEY=VALUE",
+                         help="for a URL: a keyword argument of its fsspec file system, such "
+                              "as endpoint_url=http://host:9000 (repeatable)")
         sub.add_argument("--json", action="store_true", help="print JSON for scripts")
     return parser
 
@@ -88,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     handler: Callable[[Storage, argparse.Namespace], int] = args.handler
     try:
+        if is_url(args.root):
+            remote = _cmd_ls_remote if handler is _cmd_ls else _cmd_verify_remote
+            return remote(args.root, args)
+        if args.option:
+            raise _UsageError("--option applies to a URL only")
+        if args.rank is None:
+            args.rank = 0
         return handler(_open_root(args.root), args)
     except _UsageError as exc:
         _error(str(exc))

@@ -16,7 +16,7 @@ from ..errors import CheckpointIntegrityError, CoordinationError
 from ._control_plane import Coordinator
 
 __all__ = ("Candidates", "Opening", "agree_barrier", "agree_candidates", "agree_open",
-           "agree_outcome", "gather_outcome")
+           "agree_outcome", "gather_outcome", "gather_shared")
 
 
 async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: str,
@@ -89,12 +89,17 @@ async def agree_outcome(coordinator: Coordinator, step: int, save_id: str,
 
 async def gather_outcome(coordinator: Coordinator, step: int, save_id: str,
                          error: str | None, *, what: str, fatal: bool = False,
-                         extra: Any = None) -> tuple[dict[int, str], bool, list[Any]]:
+                         extra: Any = None, shared: Any = None,
+                         shared_out: list[Any] | None = None
+                         ) -> tuple[dict[int, str], bool, list[Any]]:
     """``agree_outcome``, and every rank's ``extra`` (None for a rank that answered for
-    another step or save id)."""
+    another step or save id). ``shared`` rides along whatever step a rank answers for: every
+    rank's lands in ``shared_out`` (the same list on every rank)."""
     answers = await _exchange(coordinator, {"step": step, "save_id": save_id, "error": error,
-                                            "fatal": fatal, "extra": extra},
+                                            "fatal": fatal, "extra": extra, "shared": shared},
                               what=what, step=step)
+    if shared_out is not None:
+        shared_out[:] = [answer.get("shared") for answer in answers]
     extras: list[Any] = []
     failures: dict[int, str] = {}
     any_fatal = False
@@ -127,6 +132,8 @@ class Candidates:
     id}, for the steps in ``steps``."""
     copied: frozenset[tuple[int, int]] = frozenset()
     """(step, source) of every valid copy any rank holds, of any step."""
+    persisted: frozenset[tuple[int, str]] = frozenset()
+    """(step, save id) of every step some rank found complete in the persistent tier."""
 
     def copies_of(self, step: int, source: int) -> bool:
         return (step, source) in self.copied
@@ -134,17 +141,22 @@ class Candidates:
 
 async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[str, int]],
                            *, held_any: bool,
-                           copies: Sequence[tuple[int, int, str, int]] = ()) -> Candidates:
-    """Exchange {step: (save_id, world_size)} of every rank's valid steps, and the valid
-    copies it holds for other ranks as (step, source, save_id, world_size)."""
+                           copies: Sequence[tuple[int, int, str, int]] = (),
+                           persisted: Sequence[tuple[int, str, int]] = ()) -> Candidates:
+    """Exchange {step: (save_id, world_size)} of every rank's valid steps, the valid copies
+    it holds for other ranks as (step, source, save_id, world_size), and the steps it found
+    complete in the persistent tier as (step, save_id, world_size). A rank's shard of a step
+    counts as held when it is in the rank's root, in a copy, or in the persistent tier."""
     answers = await _exchange(
         coordinator, {"valid": [[s, sid, ws] for s, (sid, ws) in sorted(valid.items())],
                       "copies": [list(c) for c in copies],
+                      "persisted": [list(p) for p in persisted],
                       "held_any": held_any}, what="restore candidates")
     world = coordinator.world_size
     held: list[dict[int, str]] = []
     held_copies: dict[tuple[int, int], dict[int, str]] = {}  # (step, source) -> {holder: id}
     other_sizes: dict[int, int] = {}
+    persisted_ids: dict[int, set[str]] = {}
     for rank, answer in enumerate(answers):
         steps: dict[int, str] = {}
         for entry in _entries(answer, "valid", 3, coordinator.rank, rank):
@@ -158,9 +170,14 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
                 other_sizes.setdefault(step, size)
             elif 0 <= source < world and source != rank:
                 held_copies.setdefault((step, source), {})[rank] = save_id
+        for step, save_id, size in _entries(answer, "persisted", 3, coordinator.rank, rank):
+            if size != world:
+                other_sizes.setdefault(step, size)
+            else:
+                persisted_ids.setdefault(step, set()).add(save_id)
     agreed: list[tuple[int, str]] = []
     holders: dict[tuple[int, int], tuple[int, ...]] = {}
-    every = set().union(*held) | {step for step, _ in held_copies}
+    every = (set().union(*held) | {step for step, _ in held_copies} | set(persisted_ids))
     for step in sorted(every, reverse=True):
         if step in other_sizes:
             continue
@@ -170,16 +187,19 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
         if not ids:  # held as copies only: their save id must be unique
             ids = {sid for (s, _src), by in held_copies.items() if s == step
                    for sid in by.values()}
-            if len(ids) != 1:
-                continue
+        if not ids:  # held in the persistent tier only
+            ids = persisted_ids.get(step, set())
+        if len(ids) != 1:
+            continue
         save_id = next(iter(ids))
+        in_tier = save_id in persisted_ids.get(step, ())
         found: dict[tuple[int, int], tuple[int, ...]] = {}
         for source in range(world):
             copies_of = tuple(sorted(h for h, sid in held_copies.get((step, source), {}).items()
                                      if sid == save_id))
             if copies_of:
                 found[(step, source)] = copies_of
-            if held[source].get(step) != save_id and not copies_of:
+            if held[source].get(step) != save_id and not copies_of and not in_tier:
                 break
         else:
             agreed.append((step, save_id))
@@ -187,7 +207,8 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
     return Candidates(tuple(agreed),
                       {r: tuple(sorted(h, reverse=True)) for r, h in enumerate(held)},
                       other_sizes, any(bool(a.get("held_any")) for a in answers), holders,
-                      frozenset(held_copies))
+                      frozenset(held_copies),
+                      frozenset((s, sid) for s, ids in persisted_ids.items() for sid in ids))
 
 
 def _entries(answer: dict[str, Any], key: str, width: int, me: int, rank: int
@@ -205,6 +226,13 @@ def _entries(answer: dict[str, Any], key: str, width: int, me: int, rank: int
                                     rank=me)
         out.append(tuple(entry))
     return out
+
+
+async def gather_shared(coordinator: Coordinator, message: Any, *, what: str,
+                        step: int | None = None) -> list[Any]:
+    """Every rank's ``message``, indexed by rank."""
+    answers = await _exchange(coordinator, {"shared": message}, what=what, step=step)
+    return [answer.get("shared") for answer in answers]
 
 
 async def agree_barrier(coordinator: Coordinator, *, what: str, step: int | None = None

@@ -16,6 +16,9 @@ It joins a gloo process group and opens a ``cp.CheckpointPipeline`` on ``ROOT/ra
   TrainState) and which values differ from those saved at that step by this rank, or the error;
 - ``save-restore``: ``restore``, then ``save`` of ``--steps`` (the next save after a restore).
 
+With ``--persistent URL`` the pipelines also promote every ``--persist-every``-th step there
+(``tests/replicate/test_persist_ranks.py``).
+
 Scenarios (``--scenario``, default ``plain``) inject what a test needs:
 
 - ``slow-holder``: in ``save``, every rank's copy server takes ``--delay`` seconds per data
@@ -134,7 +137,9 @@ def run_save(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> None:
     with cp.CheckpointPipeline(args.root_of_rank, **_options(args, rank)) as pipe:
         pipe.subscribe(lambda e: events.append({"type": type(e).__name__, **_plain(e)})
                        if isinstance(e, (cp.ShardReplicated, cp.ReplicaStored,
-                                         cp.ReplicationDegraded)) else None)
+                                         cp.ReplicationDegraded, cp.ShardUploaded,
+                                         cp.StepPersisted, cp.PersistFailed,
+                                         cp.PersistSkipped)) else None)
         state = make_state()
         handles: dict[int, tuple[cp.SaveHandle, float, str]] = {}
         memory: list[int] = []
@@ -187,7 +192,8 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
     events: list[dict[str, Any]] = []
     with cp.CheckpointPipeline(args.root_of_rank, **_options(args, rank)) as pipe:
         pipe.subscribe(lambda e: events.append({"type": type(e).__name__, **_plain(e)})
-                       if isinstance(e, (cp.ShardFetched, cp.CheckpointRejected)) else None)
+                       if isinstance(e, (cp.ShardFetched, cp.CheckpointRejected,
+                                         cp.ShardDownloaded)) else None)
         try:
             result = pipe.restore_latest(state)
         except cp.CheckpointError as exc:
@@ -199,6 +205,7 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
                 out["restore"] = {
                     "ok": True, "step": result.step,
                     "fetched": {str(k): v for k, v in result.fetched.items()},
+                    "downloaded": list(result.downloaded),
                     "train_state": {"step": result.train_state.step,
                                     "consumed": result.train_state.consumed_train_samples,
                                     "extra": dict(result.train_state.extra)},
@@ -214,10 +221,15 @@ def _plain(event: cp.Event) -> dict[str, Any]:
 
 def _options(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     per_node = max(1, args.world_size // args.nodes)
-    return {"replicas": args.replicas, "node_name": f"node{rank // per_node}",
-            "keep_last": args.keep_last, "coordination_timeout_s": args.coordination_timeout,
-            "replication_timeout_s": args.replication_timeout, "io_threads": 2,
-            "direct_io": False, "max_failures_in_row": args.max_failures}
+    options = {"replicas": args.replicas, "node_name": f"node{rank // per_node}",
+               "keep_last": args.keep_last, "coordination_timeout_s": args.coordination_timeout,
+               "replication_timeout_s": args.replication_timeout, "io_threads": 2,
+               "direct_io": False, "max_failures_in_row": args.max_failures}
+    if args.persistent:
+        options.update(persistent=args.persistent, persist_every=args.persist_every,
+                       persistent_options=json.loads(os.environ.get("CKPT_TEST_PERSIST_OPTIONS",
+                                                                    "null")))
+    return options
 
 
 def main() -> None:
@@ -240,6 +252,10 @@ def main() -> None:
     parser.add_argument("--coordination-timeout", type=float, default=60.0)
     parser.add_argument("--replication-timeout", type=float, default=20.0)
     parser.add_argument("--max-seconds", type=float, default=120.0)
+    parser.add_argument("--persistent", default=None,
+                        help="a persistent tier (its fsspec options as JSON in the environment "
+                             "variable CKPT_TEST_PERSIST_OPTIONS)")
+    parser.add_argument("--persist-every", type=int, default=1)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",") if s]
