@@ -53,6 +53,7 @@ VARIANTS = (
     "ckpt_pipeline_staged",
     "ckpt_pipeline_2slots",
     "ckpt_pipeline_streamed",
+    "ckpt_pipeline_persist",
     "torch_save",
     "dcp_save",
     "dcp_async_save",
@@ -460,8 +461,15 @@ class CkptPipeline(Variant):
         start = self.loop_started
         timeline = [[round(t - start, 4), kind, step] for t, kind, step in self.event_times
                     ] if start is not None else []
+        persist = [{"event": type(e).__name__, "step": e.step,
+                    **{k: getattr(e, k) for k in ("bytes", "seconds", "reason", "error")
+                       if hasattr(e, k)}}
+                   for e in list(self.events)
+                   if type(e).__name__ in ("ShardUploaded", "StepPersisted", "PersistSkipped",
+                                           "PersistFailed")]
         return {
             "saves": self.saves,
+            **({"persist": persist} if persist else {}),
             "event_times_in_loop_s": timeline,
             "idle_wait_snapshot": {"calls": len(self.idle_waits),
                                    "total_s": sum(self.idle_waits),
@@ -489,6 +497,9 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
     if name == "ckpt_pipeline_streamed":  # bounded host memory: the state streams through
         return CkptPipeline(work, root, args, cp,
                             host_buffer_bytes=args.streamed_buffer_mb << 20)
+    if name == "ckpt_pipeline_persist":  # every 2nd committed step promoted to a directory
+        return CkptPipeline(work, root, args, cp, persistent=f"{root}-persistent",
+                            persist_every=2)
     raise ValueError(f"unknown variant {name!r}")
 
 

@@ -13,7 +13,8 @@ manifest, commit record) are then uploaded and downloaded, ``--repeats`` times e
 Against a real S3-speaking server in another process (``moto_server``, which keeps objects in
 memory: the numbers say what each client costs against a server on the same machine, not what
 a cloud store gives), and against a directory standing in for a shared file system (there,
-ours writes with fsync and plain fsspec does not). Ratios are ours / plain in the same run.
+ours writes with fsync and plain fsspec does not: ``fsspec_fsync`` is the plain copy followed
+by an fsync of each file and the directory). Ratios are against the plain copy, same run.
 
     python benchmarks/bench_persist.py                     # 256 MB, 5 repeats -> results/persist.json
     python benchmarks/bench_persist.py --size-mb 32 --repeats 1 --out /tmp/p.json   # smoke
@@ -41,10 +42,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 from _machine import machine_info  # noqa: E402
-from ckpt_pipeline._persist.remote import open_remote  # noqa: E402
 
 import ckpt_pipeline as cp  # noqa: E402
 from ckpt_pipeline._persist.layout import ObjectSum  # noqa: E402
+from ckpt_pipeline._persist.remote import open_remote  # noqa: E402
 
 KEY, SECRET, REGION = "bench", "bench-secret", "us-east-1"
 
@@ -94,7 +95,7 @@ def bench_s3(endpoint: str, files: list[Path], repeats: int, threads: int,
 
     fs = fsspec.filesystem("s3", key=KEY, secret=SECRET, endpoint_url=endpoint,
                            client_kwargs={"region_name": REGION}, skip_instance_cache=True)
-    fs.mkdir("bench")
+    fs.call_s3("create_bucket", Bucket="bench")
     remote = open_remote("s3://bench/ours", threads=threads, part_bytes=part_mb * 2**20,
                          options={"key": KEY, "secret": SECRET, "endpoint_url": endpoint})
     store = _obstore(endpoint)
@@ -178,12 +179,32 @@ def bench_dir(files: list[Path], repeats: int, threads: int, part_mb: int,
         target.mkdir(parents=True, exist_ok=True)
         t_plain = timed(lambda target=target: fs.put([str(f) for f in files],
                                                      str(target) + "/"))
+        shutil.rmtree(workdir / "shared" / "plain", ignore_errors=True)
+        target.mkdir(parents=True, exist_ok=True)
+        t_synced = timed(lambda target=target: _put_and_fsync(fs, files, target))
         if i:
             times.setdefault("ckpt_pipeline.upload", []).append(t)
             times.setdefault("fsspec.upload", []).append(t_plain)
+            times.setdefault("fsspec_fsync.upload", []).append(t_synced)
         shutil.rmtree(workdir / "shared" / "plain", ignore_errors=True)
     remote.close()
     return _summary(times, total, options_shown={"dir": str(workdir / "shared")})
+
+
+def _put_and_fsync(fs: Any, files: list[Path], target: Path) -> None:
+    """The plain copy made as durable as ours: fsync of every file and of the directory."""
+    fs.put([str(f) for f in files], str(target) + "/")
+    for f in files:
+        fd = os.open(target / f.name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _summary(times: dict[str, list[float]], total: int,
@@ -194,8 +215,11 @@ def _summary(times: dict[str, list[float]], total: int,
     rates = out["median_gb_s"]
     out["ratio_vs_fsspec"] = {
         f"{who}.{op}": rates[f"{who}.{op}"] / rates[f"fsspec.{op}"]
-        for who in ("ckpt_pipeline", "obstore") for op in ("upload", "download")
+        for who in ("ckpt_pipeline", "obstore", "fsspec_fsync") for op in ("upload", "download")
         if f"{who}.{op}" in rates and f"fsspec.{op}" in rates}
+    if "fsspec_fsync.upload" in rates:
+        out["ratio_vs_fsspec_fsync"] = {
+            "ckpt_pipeline.upload": rates["ckpt_pipeline.upload"] / rates["fsspec_fsync.upload"]}
     return out
 
 
@@ -224,13 +248,15 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"{'target':<5} {'method':<28} {'GB/s':>7} {'vs fsspec':>9}")
+    print(f"{'target':<5} {'method':<28} {'GB/s':>7} {'vs fsspec':>9} {'vs +fsync':>9}")
     for target in ("s3", "dir"):
         r = result[target]
         for name, rate in sorted(r["median_gb_s"].items()):
             ratio = r["ratio_vs_fsspec"].get(name)
+            synced = r.get("ratio_vs_fsspec_fsync", {}).get(name)
             print(f"{target:<5} {name:<28} {rate:7.3f} "
-                  f"{'' if ratio is None else f'{ratio:9.2f}'}")
+                  f"{'' if ratio is None else f'{ratio:9.2f}'} "
+                  f"{'' if synced is None else f'{synced:9.2f}'}")
 
 
 if __name__ == "__main__":

@@ -261,3 +261,24 @@ def test_credentials_reach_no_log_line_event_or_file(
     for path in (tmp_path / "local").rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes()
+
+
+@pytest.mark.gpu
+def test_cuda_state_restored_from_the_persistent_tier_onto_the_gpu(tmp_path: Path) -> None:
+    """Every local root lost: the shard comes back from a shared directory, and the restore
+    copies it to the GPU as a local one (bit-exact, on the device it was saved from)."""
+    torch.manual_seed(0)
+    state = {"w": torch.randn(4_000_000, device="cuda"),
+             "b": torch.arange(1000, device="cuda", dtype=torch.int64)}
+    saved = {k: v.cpu() for k, v in state.items()}
+    tier = str(tmp_path / "shared")
+    with cp.CheckpointPipeline(tmp_path / "local", persistent=tier) as pipe:
+        pipe.save(7, state, cp.TrainState(step=7)).result(60)
+    shutil.rmtree(tmp_path / "local")
+    live = {"w": torch.zeros(4_000_000, device="cuda"),
+            "b": torch.zeros(1000, device="cuda", dtype=torch.int64)}
+    with cp.CheckpointPipeline(tmp_path / "local", persistent=tier) as pipe:
+        result = pipe.restore_latest(live)
+    assert result is not None and result.step == 7 and result.downloaded == (0,)
+    assert all(v.is_cuda for v in live.values())
+    assert all(torch.equal(live[k].cpu(), saved[k]) for k in saved)
