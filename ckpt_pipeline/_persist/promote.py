@@ -14,7 +14,9 @@ exchange at close), so every rank takes the same decisions in the same order:
 - a rank that failed (after the remote layer's retries) reports its error: every rank emits
   ``PersistFailed`` and rank 0 removes what was uploaded of the step.
 
-A step being uploaded is kept in the local tier until its upload ends (``protected``).
+A step being uploaded is kept in the local tier until its upload ends (``protected``). Saves
+come first: while a save of this rank writes its shard, uploads wait between parts
+(``writing``), so the disk is shared in the gaps between saves, not during them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,7 @@ from .remote import ObjectSum, Remote, open_remote
 
 __all__ = ("Promoter", "complete_steps", "download_rank", "read_step_record", "sum_of")
 
+_PAUSE_MAX_S = 30.0
 _QUEUED_MAX = 2
 """Unfinished promotions a rank may have (one uploading, one waiting) before one is skipped."""
 
@@ -105,6 +108,9 @@ class Promoter:
         self._commits = 0
         self._newest: tuple[int, str] | None = None
         self._busy: tuple[int, int] = (0, 0)  # (most unfinished promotions on a rank, rank)
+        # Saves first: while a save of this rank writes its shard, uploads wait between parts.
+        self._writing = 0
+        self._quiet = threading.Condition()
 
     # ------------------------------------------------------------------ open and close
 
@@ -115,7 +121,31 @@ class Promoter:
                                   retries=self.config.persist_retries,
                                   options=self.config.persistent_options)
         self.url = self.remote.url
+        self.remote.gate = self._wait_for_quiet
         self.remote.list_steps()
+
+    def writing(self) -> contextlib.AbstractContextManager[None]:
+        """Around a save's disk writes: uploads of this rank pause between parts meanwhile,
+        so that a promotion never slows a save down (it only finishes later)."""
+        return self._writing_scope()
+
+    @contextlib.contextmanager
+    def _writing_scope(self) -> Iterator[None]:
+        with self._quiet:
+            self._writing += 1
+        try:
+            yield
+        finally:
+            with self._quiet:
+                self._writing -= 1
+                if not self._writing:
+                    self._quiet.notify_all()
+
+    def _wait_for_quiet(self) -> None:
+        """Before each part of an upload: wait while a save writes (at most
+        ``_PAUSE_MAX_S`` at a time, so that back-to-back saves cannot starve uploads)."""
+        with self._quiet:
+            self._quiet.wait_for(lambda: not self._writing, timeout=_PAUSE_MAX_S)
 
     def wait(self, timeout: float) -> bool:
         """Wait until this rank's uploads and rank 0's commit objects are done (True), or

@@ -137,6 +137,9 @@ class Remote:
         self.backoff_s = backoff_s
         self._pool = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="ckpt-persist-io")
+        self.gate: Callable[[], None] | None = None
+        """Called before each part of an upload is read: the pipeline makes it wait while a
+        save writes, so that uploads use the disk only between saves."""
 
     # -- the interface -------------------------------------------------------------------
 
@@ -230,6 +233,14 @@ class Remote:
                    ranges: list[tuple[int, int]]) -> list[Any]:
         """``fn(index, start, end)`` for every part, ``threads`` at once; the first error
         stops the rest and is raised."""
+        gate = self.gate
+        if gate is not None:
+            inner = fn
+
+            def fn(index: int, start: int, end: int) -> Any:
+                gate()
+                return inner(index, start, end)
+
         if len(ranges) <= 1:
             return [fn(i, s, e) for i, (s, e) in enumerate(ranges)]
         futures = [self._pool.submit(fn, i, s, e) for i, (s, e) in enumerate(ranges)]
@@ -483,6 +494,8 @@ class _FsspecRemote(Remote):
             parts = []
             with self.fs.open(self._full(key), "wb") as out:
                 for start, end in _ranges(size, self.part_bytes):
+                    if self.gate is not None:
+                        self.gate()
                     data = _pread(fd, start, end)
                     parts.append(int(xxhash.xxh3_64_intdigest(data)))
                     out.write(data)

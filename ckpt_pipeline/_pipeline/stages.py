@@ -17,6 +17,7 @@ A committed step that is due is handed to the persistent tier (``Promoter``) aft
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -75,6 +76,12 @@ class Stages:
         self.replication = replication
         self.promoter = promoter
 
+    def _uploads_paused(self) -> contextlib.AbstractContextManager[None]:
+        """The persistent tier's uploads wait while this save writes (see ``Promoter``)."""
+        if self.promoter is None:
+            return contextlib.nullcontext()
+        return self.promoter.writing()
+
     def release_slot(self, job: SaveJob) -> None:
         """Give the job's host buffer (and any device staging it holds) back."""
         if job.snapshot is not None:
@@ -101,9 +108,10 @@ class Stages:
         started = time.perf_counter()
         if self.replication is not None:
             job.push = self.replication.push_for(job.step, job.save_id)
-        written = await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
-                                  threads=self.config.io_threads, limiter=self.limiter,
-                                  direct_io=self.config.direct_io)
+        with self._uploads_paused():
+            written = await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
+                                      threads=self.config.io_threads, limiter=self.limiter,
+                                      direct_io=self.config.direct_io)
         job.written = written
         self.release_slot(job)  # the bytes are in the file now: the next save may copy
         if written.copy_seconds is not None:
@@ -115,7 +123,8 @@ class Stages:
 
     async def seal(self, job: SaveJob) -> None:
         started = time.perf_counter()
-        job.sealed = await write_shard(job, self.storage, limiter=self.limiter)
+        with self._uploads_paused():
+            job.sealed = await write_shard(job, self.storage, limiter=self.limiter)
         if job.push is not None and job.written is not None:
             await in_thread(self.limiter, job.push.finish, job.written.header,
                             job.data.data_end, job.sealed.preamble, job.sealed.manifest)
