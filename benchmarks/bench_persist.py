@@ -84,6 +84,9 @@ def make_step(workdir: Path, size_mb: int) -> tuple[Path, list[Path]]:
 
 
 def timed(fn: Callable[[], None]) -> float:
+    """Wall time of ``fn``, from a state with no dirty pages (each method pays its own
+    flushes, not those of the method before it)."""
+    os.sync()
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
