@@ -6,6 +6,8 @@ received: the ``ObjectSum`` that the step commit object records.
 
 - A directory is written as a local root is: temporary name, parts written in parallel, fsync,
   rename, fsync of the directory (files 0600, directories 0700, opened with ``O_NOFOLLOW``).
+  The rename replaces an object of the same key: in this tier a key is only written again by a
+  retried promotion of the same committed file, so the content is the same.
 - ``s3://`` goes through s3fs's client with our own multipart upload: each part is sent with its
   MD5 (the server refuses a part that does not match), the whole object's ETag is compared with
   the MD5 of what was sent after the upload, and an upload that fails is aborted on the server,
@@ -24,6 +26,7 @@ import base64
 import concurrent.futures
 import contextlib
 import errno as errno_mod
+import functools
 import hashlib
 import math
 import os
@@ -39,7 +42,7 @@ from typing import Any
 
 import xxhash
 
-from .._logging import log
+from .._logging import log, report_once
 from ..errors import CheckpointIntegrityError, ConfigError, StorageError
 
 __all__ = ("PART_BYTES_DEFAULT", "ObjectSum", "Remote", "RemoteError", "is_url", "open_remote")
@@ -49,6 +52,9 @@ _S3_MIN_PART = 5 * 1024 * 1024
 _S3_MAX_PUT = 5 * 1024**3
 _BACKOFF_CAP_S = 10.0
 _KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
+_MD5_ETAG = re.compile(r'"[0-9a-f]{32}(-[0-9]+)?"')
+_SENSITIVE = re.compile(r"key|secret|token|password|passwd|credential|session|auth", re.I)
+_HINT_S3 = "pip install 'ckpt_pipeline[s3]'"
 
 OnRetry = Callable[[str, int, str], None]
 
@@ -62,12 +68,14 @@ class ObjectSum:
     parts: tuple[int, ...]
 
     def to_msg(self) -> list[Any]:
+        """``[size, part_bytes, [parts...]]``, for the step commit object (msgpack)."""
         return [self.size, self.part_bytes, list(self.parts)]
 
     @classmethod
     def from_msg(cls, value: Any) -> ObjectSum:
-        if not (isinstance(value, list) and len(value) == 3 and _uint(value[0])
-                and _uint(value[1]) and value[1] > 0 and isinstance(value[2], list)
+        """The inverse of ``to_msg``; anything else is a CheckpointIntegrityError."""
+        if not (isinstance(value, (list, tuple)) and len(value) == 3 and _uint(value[0])
+                and _uint(value[1]) and value[1] > 0 and isinstance(value[2], (list, tuple))
                 and all(_uint(p) for p in value[2])):
             raise CheckpointIntegrityError("an object checksum is malformed")
         size, part_bytes, parts = value
@@ -83,19 +91,26 @@ def _uint(value: Any) -> bool:
 
 
 class RemoteError(StorageError):
-    """A request to the persistent tier failed (after its retries); ``missing``: the object
-    does not exist."""
+    """A request to the persistent tier failed (after its retries).
+
+    ``key``, ``op`` and ``attempts`` say which request; ``missing``: the object does not exist.
+    """
 
     def __init__(self, message: str, *, path: str | None = None, hint: str | None = None,
-                 missing: bool = False) -> None:
+                 missing: bool = False, key: str | None = None, op: str | None = None,
+                 attempts: int = 1) -> None:
         super().__init__(message, path=path, hint=hint)
         self.missing = missing
+        self.key = key
+        self.op = op
+        self.attempts = attempts
 
 
 def _check_key(key: str) -> str:
     parts = key.split("/")
     if not key or any(not _KEY_PART.match(p) or p in (".", "..") for p in parts):
-        raise ValueError(f"{key!r} is not a key of the persistent tier")
+        raise ValueError(f"{key!r} is not a key of the persistent tier: relative, "
+                         "'/'-separated names of [A-Za-z0-9._-]")
     return key
 
 
@@ -123,23 +138,41 @@ def _pwrite(fd: int, data: bytes | memoryview, offset: int) -> None:
         offset += n
 
 
+def _xxh(data: bytes) -> int:
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def _single_etag(md5: bytes) -> str:
+    """The ETag S3 gives an object stored by one PUT."""
+    return f'"{md5.hex()}"'
+
+
+def _multipart_etag(part_md5s: Sequence[bytes]) -> str:
+    """The ETag S3 gives an object stored by a multipart upload."""
+    whole = hashlib.md5(b"".join(part_md5s), usedforsecurity=False)
+    return f'"{whole.hexdigest()}-{len(part_md5s)}"'
+
+
 class Remote:
-    """One persistent root (see the module docstring). Thread-safe."""
+    """One persistent root (see the module docstring). Thread-safe; ``close`` when done.
+
+    ``gate``, when set, is called before each part of an upload is read: the pipeline makes it
+    wait while a save writes, so that uploads use the disk only between saves.
+    """
 
     url: str
 
     def __init__(self, url: str, *, threads: int, part_bytes: int, retries: int,
-                 backoff_s: float) -> None:
+                 backoff_s: float, hidden: Sequence[str] = ()) -> None:
         self.url = url
         self.threads = threads
         self.part_bytes = part_bytes
         self.retries = retries
         self.backoff_s = backoff_s
+        self._hidden = tuple(sorted(set(hidden), key=len, reverse=True))  # credentials
         self._pool = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="ckpt-persist-io")
         self.gate: Callable[[], None] | None = None
-        """Called before each part of an upload is read: the pipeline makes it wait while a
-        save writes, so that uploads use the disk only between saves."""
 
     # -- the interface -------------------------------------------------------------------
 
@@ -147,59 +180,65 @@ class Remote:
                ) -> ObjectSum:
         """Upload a local regular file as ``key``; return the checksum of what was sent."""
         _check_key(key)
-        fd = os.open(local_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(local_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StorageError(f"cannot open {local_path} for upload: {exc.strerror}",
+                               path=local_path, errno=exc.errno) from exc
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                raise RemoteError(f"{local_path} is not a regular file", path=local_path)
+                raise StorageError("only a regular file can be uploaded", path=local_path)
             return self._upload_fd(fd, info.st_size, key, on_retry)
         finally:
             os.close(fd)
 
     def put_small(self, key: str, data: bytes) -> None:
-        """Write ``data`` as ``key`` in one request."""
+        """Write ``data`` as ``key`` in one request; its size is checked after."""
         _check_key(key)
-        self._put_small(key, data)
+        self._put_small(key, bytes(data))
 
     def get_small(self, key: str, limit: int) -> bytes | None:
-        """The bytes of ``key``; None when it does not exist."""
+        """The bytes of ``key`` (at most ``limit`` of them); None when it does not exist."""
         _check_key(key)
         return self._get_small(key, limit)
 
     def download(self, key: str, fd: int, expected: ObjectSum, *,
                  on_retry: OnRetry | None = None) -> None:
-        """Read ``key`` into ``fd`` (at the same offsets), each part checked against
+        """Read ``key`` into ``fd`` at the same offsets, each part checked against
         ``expected`` before it is written."""
         _check_key(key)
         size = self._size(key)
+        where = self._where(key)
         if size is None:
-            raise RemoteError(f"{self.url}/{key} does not exist", path=f"{self.url}/{key}",
-                              missing=True)
+            raise RemoteError(f"{where} does not exist", path=where, missing=True, key=key,
+                              op="download")
         if size != expected.size:
             raise CheckpointIntegrityError(
-                f"{self.url}/{key} is {size} bytes, {expected.size} were uploaded",
-                path=f"{self.url}/{key}")
+                f"{where} is {size} bytes, {expected.size} were uploaded", path=where)
 
         def one(index: int, start: int, end: int) -> None:
             data = self._retry("download", key, lambda: self._read_range(key, start, end),
                                on_retry)
-            if len(data) != end - start or xxhash.xxh3_64_intdigest(data) != (
-                expected.parts[index]
-            ):
+            if len(data) != end - start or _xxh(data) != expected.parts[index]:
                 raise CheckpointIntegrityError(
-                    f"{self.url}/{key}: part {index} (bytes [{start}, {end})) does not match "
-                    "the checksum recorded when it was uploaded", path=f"{self.url}/{key}")
+                    f"{where}: part {index} (bytes [{start}, {end})) does not match the "
+                    "checksum recorded when it was uploaded", path=where,
+                    hint="the object changed after it was uploaded; restore another step")
             _pwrite(fd, data, start)
 
-        self._run_parts(one, _ranges(size, expected.part_bytes))
+        self._run_parts(one, _ranges(size, expected.part_bytes), gated=False)
 
     def list_steps(self) -> list[str]:
+        """Names of the directories (prefixes) directly under the root; [] before any."""
         raise NotImplementedError
 
     def list_dir(self, prefix: str) -> dict[str, int]:
+        """``{name: size}`` of the objects directly under ``prefix``; {} when none."""
         raise NotImplementedError
 
     def delete(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` (missing ones are fine); RemoteError when the store refuses."""
         raise NotImplementedError
 
     def exists(self, key: str) -> bool:
@@ -229,11 +268,18 @@ class Remote:
 
     # -- shared helpers ------------------------------------------------------------------
 
+    def _where(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}" if key else self.url
+
+    def _too_large(self, key: str, size: int, limit: int) -> RemoteError:
+        return RemoteError(f"{self._where(key)} is {size} bytes, more than the {limit} "
+                           "expected", path=self._where(key), key=key, op="download")
+
     def _run_parts(self, fn: Callable[[int, int, int], Any],
-                   ranges: list[tuple[int, int]]) -> list[Any]:
+                   ranges: list[tuple[int, int]], *, gated: bool = True) -> list[Any]:
         """``fn(index, start, end)`` for every part, ``threads`` at once; the first error
-        stops the rest and is raised."""
-        gate = self.gate
+        cancels the parts not started, waits for those running, and is raised."""
+        gate = self.gate if gated else None
         if gate is not None:
             inner = fn
 
@@ -245,40 +291,60 @@ class Remote:
             return [fn(i, s, e) for i, (s, e) in enumerate(ranges)]
         futures = [self._pool.submit(fn, i, s, e) for i, (s, e) in enumerate(ranges)]
         try:
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            for f in futures:
+                error = f.exception() if f.done() and not f.cancelled() else None
+                if error is not None:
+                    raise error
             return [f.result() for f in futures]
         finally:
             for f in futures:
                 f.cancel()
             concurrent.futures.wait(futures)
 
+    def _redact(self, text: str) -> str:
+        for value in self._hidden:
+            text = text.replace(value, "***")
+        return text
+
     def _retry(self, op: str, key: str, fn: Callable[[], Any],
                on_retry: OnRetry | None = None) -> Any:
         """``fn()``, retried on transient failures with exponential backoff and jitter."""
         attempt = 0
+        where = self._where(key)
         while True:
             try:
                 return fn()
             except (CheckpointIntegrityError, RemoteError):
                 raise
             except Exception as exc:
-                reason = _describe(exc)
+                reason = self._redact(_describe(exc))
                 if not _transient(exc):
-                    raise RemoteError(f"{op} of {self.url}/{key} failed: {reason}",
-                                      path=f"{self.url}/{key}",
-                                      missing=_is_missing(exc)) from exc
+                    raise RemoteError(
+                        f"{op} of {where} failed after {attempt + 1} attempt(s): {reason}",
+                        path=where, missing=_is_missing(exc), key=key, op=op,
+                        attempts=attempt + 1) from None
                 if attempt >= self.retries:
                     raise RemoteError(
-                        f"{op} of {self.url}/{key} failed after {attempt + 1} attempts: "
-                        f"{reason}", path=f"{self.url}/{key}",
+                        f"{op} of {where} failed after {attempt + 1} attempts: {reason}",
+                        path=where, key=key, op=op, attempts=attempt + 1,
                         hint="check the store (credentials, quota, throttling); the local "
-                             "tier keeps the step") from exc
+                             "tier keeps the step") from None
                 attempt += 1
                 log.warning("ckpt.persist.retry", url=self.url, key=key, op=op,
                             attempt=attempt, reason=reason)
                 if on_retry is not None:
-                    on_retry(key, attempt, reason)
+                    try:
+                        on_retry(key, attempt, reason)
+                    except Exception as exc:  # a subscriber's failure never fails the upload
+                        report_once("persist on_retry callback", exc)
                 delay = min(_BACKOFF_CAP_S, self.backoff_s * 2 ** (attempt - 1))
                 time.sleep(delay * (0.5 + random.random() / 2))
+
+
+# The exceptions are re-raised ``from None``: a client library's exception (and its chained
+# ones) may quote request parameters, and tracebacks end up in logs. ``reason`` keeps what
+# the store said.
 
 
 def _describe(exc: BaseException) -> str:
@@ -295,29 +361,43 @@ def _client_error(exc: BaseException | None) -> BaseException | None:
     """The botocore ClientError behind ``exc`` (s3fs translates them into OSErrors)."""
     seen = 0
     while exc is not None and seen < 8:
-        if hasattr(exc, "response") and isinstance(getattr(exc, "response", None), dict):
+        if isinstance(getattr(exc, "response", None), dict):
             return exc
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return None
 
 
+_TRANSIENT_CODES = frozenset((
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests"))
+_TRANSIENT_NAMES = ("Connect", "Timeout", "HTTPClientError", "IncompleteRead",
+                    "ServerDisconnected", "ClientPayload", "ClientOSError", "ReadError",
+                    "ResponseParserError", "ProtocolError")
+
+
 def _transient(exc: BaseException) -> bool:
+    """A connection error, a 5xx or a throttling answer: worth another attempt."""
     cause = _client_error(exc)
     if cause is not None:
         response = getattr(cause, "response", {}) or {}
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         code = response.get("Error", {}).get("Code", "")
-        return status >= 500 or status == 429 or code in (
-            "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-            "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable")
+        return status >= 500 or status == 429 or code in _TRANSIENT_CODES
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError,
                         NotADirectoryError, ValueError)):
         return False
-    name = type(exc).__name__
-    return isinstance(exc, (ConnectionError, TimeoutError)) or any(
-        word in name for word in ("Connection", "Timeout", "HTTPClientError", "IncompleteRead",
-                                  "ServerDisconnected", "ClientPayload", "ReadError"))
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    return any(word in type(e).__name__ for e in _chain(exc) for word in _TRANSIENT_NAMES)
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    for _ in range(8):
+        if exc is None:
+            return
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def _is_missing(exc: BaseException) -> bool:
@@ -343,6 +423,7 @@ class _DirRemote(Remote):
         return os.path.join(self.root, *key.split("/"))
 
     def _make_dirs(self, path: str) -> None:
+        """Create ``path`` and its missing parents (0700), each made durable in its parent."""
         with self._dirs_lock:
             missing = []
             at = path
@@ -368,8 +449,10 @@ class _DirRemote(Remote):
                 os.fsync(out)
             finally:
                 os.close(out)
-            if os.stat(temp).st_size != size:
-                raise RemoteError(f"{self.url}/{key}: the written file is not {size} bytes")
+            written = os.stat(temp, follow_symlinks=False).st_size
+            if written != size:
+                raise RemoteError(f"{self._where(key)} was written with {written} bytes, not "
+                                  f"{size}", path=self._where(key), key=key, op="upload")
             os.replace(temp, final)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -387,8 +470,8 @@ class _DirRemote(Remote):
                 data = _pread(fd, start, end)
                 if not _copy_range(fd, out, start, end):
                     _pwrite(out, data, start)
-                _flush_range(out, start, end)
-                return int(xxhash.xxh3_64_intdigest(data))
+                _flush_range(out)
+                return _xxh(data)
 
             return ObjectSum(size, self.part_bytes, tuple(self._run_parts(part, ranges)))
 
@@ -401,27 +484,32 @@ class _DirRemote(Remote):
             key, len(data), lambda out: _pwrite(out, data, 0)))
 
     def _get_small(self, key: str, limit: int) -> bytes | None:
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise RemoteError(f"reading {self.url}/{key} failed: {exc}") from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size > limit:
-                raise RemoteError(f"{self.url}/{key} is {size} bytes, more than the {limit} "
-                                  "expected")
-            return _pread(fd, 0, size) if size else b""
-        finally:
-            os.close(fd)
+        def read() -> bytes | None:
+            try:
+                fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            try:
+                size = os.fstat(fd).st_size
+                if size > limit:
+                    raise self._too_large(key, size, limit)
+                return _pread(fd, 0, size) if size else b""
+            finally:
+                os.close(fd)
+
+        result: bytes | None = self._retry("download", key, read)
+        return result
 
     def _size(self, key: str) -> int | None:
-        try:
-            info = os.stat(self._path(key), follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        return info.st_size if stat.S_ISREG(info.st_mode) else None
+        def size() -> int | None:
+            try:
+                info = os.stat(self._path(key), follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+        result: int | None = self._retry("stat", key, size)
+        return result
 
     def _read_range(self, key: str, start: int, end: int) -> bytes:
         fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -432,20 +520,32 @@ class _DirRemote(Remote):
 
     def list_steps(self) -> list[str]:
         try:
-            entries = list(os.scandir(self.root))
+            with os.scandir(self.root) as it:
+                entries = list(it)
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise RemoteError(f"listing {self.url} failed: {exc.strerror}", path=self.url,
+                              op="list") from exc
         return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False)
                       and _KEY_PART.match(e.name) and not e.name.startswith("."))
 
     def list_dir(self, prefix: str) -> dict[str, int]:
         _check_key(prefix)
         try:
-            entries = list(os.scandir(self._path(prefix)))
+            with os.scandir(self._path(prefix)) as it:
+                entries = list(it)
         except (FileNotFoundError, NotADirectoryError):
             return {}
-        return {e.name: e.stat(follow_symlinks=False).st_size for e in entries
-                if e.is_file(follow_symlinks=False) and not e.name.startswith(".")}
+        except OSError as exc:
+            raise RemoteError(f"listing {self._where(prefix)} failed: {exc.strerror}",
+                              path=self._where(prefix), key=prefix, op="list") from exc
+        out = {}
+        for e in entries:
+            if e.is_file(follow_symlinks=False) and not e.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    out[e.name] = e.stat(follow_symlinks=False).st_size
+        return out
 
     def delete(self, keys: Sequence[str]) -> None:
         dirs = set()
@@ -457,20 +557,21 @@ class _DirRemote(Remote):
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                raise RemoteError(f"removing {self.url}/{key} failed: {exc}") from exc
+                raise RemoteError(f"removing {self._where(key)} failed: {exc.strerror}",
+                                  path=self._where(key), key=key, op="delete") from exc
             dirs.add(os.path.dirname(path))
         for directory in dirs:
             with contextlib.suppress(OSError):
                 _fsync_dir(directory)
             with contextlib.suppress(OSError):  # an empty step prefix goes too
-                if not os.listdir(directory) and directory != self.root:
+                if directory != self.root and not os.listdir(directory):
                     os.rmdir(directory)
                     _fsync_dir(os.path.dirname(directory))
 
 
 def _copy_range(src: int, dst: int, start: int, end: int) -> bool:
     """Copy bytes [start, end) from ``src`` to ``dst`` in the kernel (``copy_file_range``:
-    no copy through user memory, which on the VMs measured made writes 3x slower than
+    no copy through user memory, which on the development VM made writes 3x slower than
     ``shutil.copyfile``; a server-side copy on NFS). False where the kernel or the file
     systems refuse it: the caller writes the bytes it read instead. The committed local file
     does not change, so the bytes copied are the bytes hashed."""
@@ -491,7 +592,7 @@ def _copy_range(src: int, dst: int, start: int, end: int) -> bool:
     return True
 
 
-def _flush_range(fd: int, start: int, end: int) -> None:
+def _flush_range(fd: int) -> None:
     """Write the file's dirty pages out now, a part at a time, so that they never pile up
     into one long fsync at the end that a save would have to share the disk with (uploads
     wait for saves between parts, see ``Remote.gate``); the final fsync still follows."""
@@ -520,46 +621,59 @@ class _FsspecRemote(Remote):
     def _full(self, key: str) -> str:
         return f"{self.root}/{key}"
 
+    def _check_size(self, key: str, size: int) -> None:
+        """After an upload: the store must report the size that was sent."""
+        got = self._size(key)
+        if got != size:
+            with contextlib.suppress(Exception):
+                self._remove(key)
+            raise RemoteError(f"{self._where(key)} is {got} bytes after the upload, {size} "
+                              "were sent; it was deleted", path=self._where(key), key=key,
+                              op="upload")
+
+    def _remove(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._full(key))
+
     def _upload_fd(self, fd: int, size: int, key: str, on_retry: OnRetry | None
                    ) -> ObjectSum:
         def send() -> ObjectSum:
             parts = []
-            with self.fs.open(self._full(key), "wb") as out:
+            out = self.fs.open(self._full(key), "wb")
+            try:
                 for start, end in _ranges(size, self.part_bytes):
                     if self.gate is not None:
                         self.gate()
                     data = _pread(fd, start, end)
-                    parts.append(int(xxhash.xxh3_64_intdigest(data)))
+                    parts.append(_xxh(data))
                     out.write(data)
-            got = self._size(key)
-            if got != size:
-                raise RemoteError(f"{self.url}/{key} is {got} bytes after the upload, {size} "
-                                  "were sent")
+            except BaseException:
+                # A buffered file would commit what it has when closed: throw it away.
+                with contextlib.suppress(Exception):
+                    out.discard() if hasattr(out, "discard") else out.close()
+                with contextlib.suppress(Exception):
+                    self._remove(key)
+                raise
+            out.close()
             return ObjectSum(size, self.part_bytes, tuple(parts))
 
         result = self._retry("upload", key, send, on_retry)
+        self._check_size(key, size)
         assert isinstance(result, ObjectSum)
         return result
 
     def _put_small(self, key: str, data: bytes) -> None:
-        def put() -> None:
-            self.fs.pipe_file(self._full(key), data)
-            got = self._size(key)
-            if got != len(data):
-                raise RemoteError(f"{self.url}/{key} is {got} bytes after the upload, "
-                                  f"{len(data)} were sent")
-
-        self._retry("upload", key, put)
+        self._retry("upload", key, lambda: self.fs.pipe_file(self._full(key), data))
+        self._check_size(key, len(data))
 
     def _get_small(self, key: str, limit: int) -> bytes | None:
         size = self._size(key)
         if size is None:
             return None
         if size > limit:
-            raise RemoteError(f"{self.url}/{key} is {size} bytes, more than the {limit} "
-                              "expected")
+            raise self._too_large(key, size, limit)
         try:
-            data: bytes = self._retry("download", key, lambda: self.fs.cat_file(self._full(key)))
+            data: bytes = self._retry("download", key, lambda: self._read_range(key, 0, size))
         except RemoteError as exc:
             if exc.missing:
                 return None
@@ -581,6 +695,8 @@ class _FsspecRemote(Remote):
         return result
 
     def _read_range(self, key: str, start: int, end: int) -> bytes:
+        if start == end:
+            return b""
         data: bytes = self.fs.cat_file(self._full(key), start=start, end=end)
         return data
 
@@ -590,7 +706,9 @@ class _FsspecRemote(Remote):
                 self.fs.invalidate_cache(path)
                 entries: list[dict[str, Any]] = self.fs.ls(path, detail=True)
                 return entries
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if _client_error(exc) is not None and _code(exc) == "NoSuchBucket":
+                    raise
                 return []
 
         result: list[dict[str, Any]] = self._retry("list", label, ls)
@@ -598,9 +716,11 @@ class _FsspecRemote(Remote):
 
     def list_steps(self) -> list[str]:
         out = []
-        for entry in self._listing(self.root, "(root)"):
+        for entry in self._listing(self.root, ""):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            if entry.get("type") == "directory" and _KEY_PART.match(name):
+            if entry.get("type") == "directory" and _KEY_PART.match(name) and (
+                not name.startswith(".")
+            ):
                 out.append(name)
         return sorted(out)
 
@@ -614,17 +734,17 @@ class _FsspecRemote(Remote):
         return out
 
     def delete(self, keys: Sequence[str]) -> None:
-        paths = [self._full(_check_key(k)) for k in keys]
-        if not paths:
-            return
+        for key in keys:
+            _check_key(key)
+            self._retry("delete", key, functools.partial(self._remove, key))
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self.root)
 
-        def rm() -> None:
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(path)
 
-        self._retry("delete", keys[0], rm)
-        self.fs.invalidate_cache(self.root)
+def _code(exc: BaseException) -> str:
+    cause = _client_error(exc)
+    response = getattr(cause, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
 
 
 class _S3Remote(_FsspecRemote):
@@ -642,80 +762,85 @@ class _S3Remote(_FsspecRemote):
 
     def _upload_fd(self, fd: int, size: int, key: str, on_retry: OnRetry | None
                    ) -> ObjectSum:
-        s3key = self._s3key(key)
         ranges = _ranges(size, self.part_bytes)
         if len(ranges) <= 1 or self.part_bytes < _S3_MIN_PART:
             if size > _S3_MAX_PUT:
-                raise ConfigError(f"parts of {self.part_bytes} bytes are too small for S3 "
-                                  "multipart uploads (at least 5 MiB)")
+                raise ConfigError(
+                    f"{self._where(key)}: {size} bytes need a multipart upload, and parts of "
+                    f"{self.part_bytes} bytes are smaller than S3's minimum of 5 MiB",
+                    hint="set the part size to at least 5 MiB")
+            if self.gate is not None:
+                self.gate()
             data = _pread(fd, 0, size) if size else b""
-            digest = hashlib.md5(data, usedforsecurity=False)
+            self._put_object(key, data, on_retry)
+            return ObjectSum(size, self.part_bytes,
+                             tuple(_xxh(data[s:e]) for s, e in ranges))
+        return self._multipart(fd, size, key, ranges, on_retry)
 
-            def put() -> None:
-                answer = self._call("put_object", Key=s3key, Body=data,
-                                    ContentMD5=base64.b64encode(digest.digest()).decode())
-                self._check_etag(key, answer.get("ETag"), f'"{digest.hexdigest()}"')
-
-            self._retry("upload", key, put, on_retry)
-            sums = tuple(xxhash.xxh3_64_intdigest(data[s:e]) for s, e in
-                         _ranges(size, self.part_bytes))
-            self._verify_uploaded(key, size, f'"{digest.hexdigest()}"')
-            return ObjectSum(size, self.part_bytes, sums)
+    def _multipart(self, fd: int, size: int, key: str, ranges: list[tuple[int, int]],
+                   on_retry: OnRetry | None) -> ObjectSum:
+        s3key = self._s3key(key)
         upload = self._retry("upload", key, lambda: self._call(
             "create_multipart_upload", Key=s3key), on_retry)["UploadId"]
         try:
             def part(index: int, start: int, end: int) -> tuple[int, bytes]:
                 data = _pread(fd, start, end)
-                md5 = hashlib.md5(data, usedforsecurity=False)
+                md5 = hashlib.md5(data, usedforsecurity=False).digest()
 
                 def send() -> None:
                     answer = self._call("upload_part", Key=s3key, UploadId=upload,
                                         PartNumber=index + 1, Body=data,
-                                        ContentMD5=base64.b64encode(md5.digest()).decode())
-                    self._check_etag(key, answer.get("ETag"), f'"{md5.hexdigest()}"')
+                                        ContentMD5=base64.b64encode(md5).decode())
+                    if not _etag_matches(answer.get("ETag"), _single_etag(md5)):
+                        raise RemoteError(
+                            f"{self._where(key)}: the store answered part {index + 1} with "
+                            f"ETag {answer.get('ETag')}, not the MD5 of what was sent",
+                            path=self._where(key), key=key, op="upload")
 
                 self._retry("upload", key, send, on_retry)
-                return int(xxhash.xxh3_64_intdigest(data)), md5.digest()
+                return _xxh(data), md5
 
             done = self._run_parts(part, ranges)
             self._retry("upload", key, lambda: self._call(
                 "complete_multipart_upload", Key=s3key, UploadId=upload,
                 MultipartUpload={"Parts": [
-                    {"PartNumber": i + 1, "ETag": f'"{md5.hex()}"'}
+                    {"PartNumber": i + 1, "ETag": _single_etag(md5)}
                     for i, (_, md5) in enumerate(done)]}), on_retry)
         except BaseException:
+            # Nothing of a failed upload may stay on the store (parts are billed, and hidden).
             with contextlib.suppress(Exception):
                 self._call("abort_multipart_upload", Key=s3key, UploadId=upload)
             raise
-        whole = hashlib.md5(b"".join(md5 for _, md5 in done), usedforsecurity=False)
-        self._verify_uploaded(key, size, f'"{whole.hexdigest()}-{len(done)}"')
+        self._verify(key, size, _multipart_etag([md5 for _, md5 in done]))
         return ObjectSum(size, self.part_bytes, tuple(x for x, _ in done))
 
-    def _check_etag(self, key: str, got: Any, expected: str) -> None:
-        """A store that answers with an MD5 ETag must answer with ours."""
-        if isinstance(got, str) and re.fullmatch(r'"[0-9a-f]{32}(-[0-9]+)?"', got) and (
-            got != expected
-        ):
-            raise CheckpointIntegrityError(
-                f"{self.url}/{key}: the store holds other bytes than were sent (ETag {got}, "
-                f"expected {expected})", path=f"{self.url}/{key}")
+    def _put_object(self, key: str, data: bytes, on_retry: OnRetry | None) -> None:
+        md5 = hashlib.md5(data, usedforsecurity=False).digest()
+        self._retry("upload", key, lambda: self._call(
+            "put_object", Key=self._s3key(key), Body=data,
+            ContentMD5=base64.b64encode(md5).decode()), on_retry)
+        self._verify(key, len(data), _single_etag(md5))
 
-    def _verify_uploaded(self, key: str, size: int, etag: str) -> None:
-        """After an upload: the object's size, and its ETag where it is an MD5 form."""
+    def _verify(self, key: str, size: int, etag: str) -> None:
+        """After an upload: the object's size, and its ETag where it has an MD5 form; an
+        object that does not match is deleted."""
         try:
             head = self._retry("check", key, lambda: self._call("head_object",
                                                                  Key=self._s3key(key)))
-            if head.get("ContentLength") != size:
-                raise CheckpointIntegrityError(
-                    f"{self.url}/{key} is {head.get('ContentLength')} bytes after the upload, "
-                    f"{size} were sent", path=f"{self.url}/{key}")
-            self._check_etag(key, head.get("ETag"), etag)
-        except CheckpointIntegrityError:
-            with contextlib.suppress(Exception):
-                self._call("delete_object", Key=self._s3key(key))
-            raise
         finally:
             self.fs.invalidate_cache(self.root)
+        got_size, got_etag = head.get("ContentLength"), head.get("ETag")
+        if got_size == size and _etag_matches(got_etag, etag):
+            return
+        with contextlib.suppress(Exception):
+            self._call("delete_object", Key=self._s3key(key))
+        raise RemoteError(
+            f"{self._where(key)} holds other bytes than were sent ({got_size} bytes, ETag "
+            f"{got_etag}; sent {size} bytes, ETag {etag}); it was deleted",
+            path=self._where(key), key=key, op="upload")
+
+    def _put_small(self, key: str, data: bytes) -> None:
+        self._put_object(key, data, None)
 
     def _size(self, key: str) -> int | None:
         def head() -> int | None:
@@ -728,26 +853,14 @@ class _S3Remote(_FsspecRemote):
         result: int | None = self._retry("stat", key, head)
         return result
 
-    def _put_small(self, key: str, data: bytes) -> None:
-        digest = hashlib.md5(data, usedforsecurity=False)
-
-        def put() -> None:
-            answer = self._call("put_object", Key=self._s3key(key), Body=data,
-                                ContentMD5=base64.b64encode(digest.digest()).decode())
-            self._check_etag(key, answer.get("ETag"), f'"{digest.hexdigest()}"')
-
-        self._retry("upload", key, put)
-        self._verify_uploaded(key, len(data), f'"{digest.hexdigest()}"')
-
     def _read_range(self, key: str, start: int, end: int) -> bytes:
+        if start == end:
+            return b""
+        from fsspec.asyn import sync
+
         answer = self._call("get_object", Key=self._s3key(key),
                             Range=f"bytes={start}-{end - 1}")
         body = answer["Body"]
-        data: bytes = self._read_body(body)
-        return data
-
-    def _read_body(self, body: Any) -> bytes:
-        from fsspec.asyn import sync
 
         async def read() -> bytes:
             async with body:
@@ -757,21 +870,36 @@ class _S3Remote(_FsspecRemote):
         result: bytes = sync(self.fs.loop, read)
         return result
 
+    def _remove(self, key: str) -> None:
+        self._call("delete_object", Key=self._s3key(key))
+
     def delete(self, keys: Sequence[str]) -> None:
-        for chunk in _chunks([self._s3key(_check_key(k)) for k in keys], 1000):
-            objects = [{"Key": k} for k in chunk]
+        checked = [_check_key(k) for k in keys]
+        for start in range(0, len(checked), 1000):  # S3's most keys per request
+            chunk = checked[start:start + 1000]
+            objects = [{"Key": self._s3key(k)} for k in chunk]
 
-            def delete(objects: list[dict[str, str]] = objects) -> Any:
-                return self._call("delete_objects",
-                                  Delete={"Objects": objects, "Quiet": True})
+            def send(objects: list[dict[str, str]] = objects) -> Any:
+                return self._call("delete_objects", Delete={"Objects": objects, "Quiet": True})
 
-            self._retry("delete", keys[0], delete)
-        self.fs.invalidate_cache(self.root)
+            answer = self._retry("delete", chunk[0], send)
+            errors = [e for e in answer.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise RemoteError(
+                    f"the store refused to delete {len(errors)} object(s) under {self.url}, "
+                    f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}",
+                    path=self.url, key=chunk[0], op="delete")
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self.root)
 
 
-def _chunks(items: list[str], n: int) -> Iterator[list[str]]:
-    for i in range(0, len(items), n):
-        yield items[i:i + n]
+def _etag_matches(got: Any, expected: str) -> bool:
+    """Whether an ETag agrees with ``expected``; one that is no MD5 form (an encrypted
+    object's, another store's) cannot be checked and passes."""
+    if not isinstance(got, str) or _MD5_ETAG.fullmatch(got) is None:
+        return True
+    return got == expected
 
 
 # ---------------------------------------------------------------------------- opening
@@ -787,56 +915,101 @@ def _display(url: str) -> str:
     return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1", url)
 
 
+def _secret_values(options: Mapping[str, Any], url: str) -> list[str]:
+    """The values in ``options`` (and the URL's user:password) that no text may show."""
+    out: list[str] = []
+
+    def walk(value: Any, sensitive: bool) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, sensitive or bool(_SENSITIVE.search(str(k))))
+        elif isinstance(value, str) and sensitive and len(value) >= 4:
+            out.append(value)
+
+    walk(options, False)
+    userinfo = re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://([^/@]*)@", url)
+    if userinfo:
+        out.extend(p for p in userinfo.group(1).split(":") if len(p) >= 4)
+    return out
+
+
 def open_remote(url: str, *, threads: int = 8, part_bytes: int = PART_BYTES_DEFAULT,
                 retries: int = 5, backoff_s: float = 0.5,
                 options: Mapping[str, Any] | None = None) -> Remote:
     """The persistent root at ``url``: a directory (a path, or ``file://PATH``), ``s3://``,
-    or another fsspec protocol with ``options`` for its file system."""
+    or another fsspec protocol, with ``options`` for its file system."""
+    shown = _display(url)
+    if type(threads) is not int or threads < 1:
+        raise ConfigError(f"threads={threads!r} for {shown}: give a count of at least 1")
+    if type(part_bytes) is not int or part_bytes < 1:
+        raise ConfigError(f"part_bytes={part_bytes!r} for {shown}: give a positive size")
+    if type(retries) is not int or retries < 0:
+        raise ConfigError(f"retries={retries!r} for {shown}: give a count of at least 0")
+    if not backoff_s >= 0:
+        raise ConfigError(f"backoff_s={backoff_s!r} for {shown}: give seconds, at least 0")
+    fs_options = dict(options or {})
     kw: dict[str, Any] = {"threads": threads, "part_bytes": part_bytes, "retries": retries,
-                          "backoff_s": backoff_s}
+                          "backoff_s": backoff_s, "hidden": _secret_values(fs_options, url)}
     match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", url)
-    if match is None or match.group(1) == "file":
+    if match is None or match.group(1).lower() == "file":
         path = url if match is None else match.group(2)
         if not path:
-            raise ConfigError(f"persistent={url!r} names no directory")
+            raise ConfigError(f"persistent={shown!r} names no directory")
         return _DirRemote(path, **kw)
-    protocol, rest = match.group(1).lower(), match.group(2)
+    protocol = match.group(1).lower()
     try:
         import fsspec
     except ImportError:
-        raise ConfigError(f"the persistent tier {protocol}://... needs fsspec",
-                          hint="pip install 'ckpt_pipeline[s3]'") from None
-    fs_options = dict(options or {})
-    shown = _display(url)
+        raise ConfigError(f"the persistent tier {shown} needs fsspec", hint=_HINT_S3) from None
     if protocol in ("s3", "s3a"):
         try:
             import s3fs  # noqa: F401
         except ImportError:
-            raise ConfigError("the persistent tier s3://... needs s3fs",
-                              hint="pip install 'ckpt_pipeline[s3]'") from None
-        # Our retries, not the client's: one attempt per request at both s3fs and botocore.
-        config = dict(fs_options.pop("config_kwargs", None) or {})
-        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
-        config.setdefault("max_pool_connections", max(10, 2 * threads))
-        fs_options["config_kwargs"] = config
-        fs_options.setdefault("skip_instance_cache", True)
-        # Listings change under us (other ranks upload): never answer from a cached one.
-        fs_options.setdefault("use_listings_cache", False)
-        try:
-            fs = fsspec.filesystem("s3", **fs_options)
-        except Exception as exc:  # the message may quote options: do not repeat it
-            raise ConfigError(f"the persistent tier {shown} could not be opened "
-                              f"({type(exc).__name__})",
-                              hint="check persistent_options") from None
-        fs.retries = 1
-        root = rest.strip("/")
+            raise ConfigError(f"the persistent tier {shown} needs s3fs",
+                              hint=_HINT_S3) from None
+        if shown != url:
+            raise ConfigError(f"persistent={shown!r}: credentials in an s3:// URL are not "
+                              "used", hint="pass them in the options (key, secret)")
+        root = match.group(2).strip("/")
         if not root:
             raise ConfigError(f"persistent={shown!r} names no bucket")
-        return _S3Remote(shown, fs, root, **kw)
+        return _S3Remote(shown, _s3_filesystem(fsspec, fs_options, threads, shown), root,
+                         **kw)
     try:
-        fs = fsspec.filesystem(protocol, **fs_options)
+        cls = fsspec.get_filesystem_class(protocol)
+        fs = cls(**{**cls._get_kwargs_from_urls(url), **fs_options})
     except (ImportError, ValueError) as exc:
         raise ConfigError(f"the persistent tier {shown}: unknown or unavailable protocol "
                           f"{protocol!r} ({type(exc).__name__})",
                           hint="use a directory or an fsspec URL (s3://...)") from None
-    return _FsspecRemote(shown, fs, fs._strip_protocol(url), **kw)
+    except Exception as exc:  # the message may quote options: do not repeat it
+        raise ConfigError(f"the persistent tier {shown} could not be opened "
+                          f"({type(exc).__name__})", hint="check its options") from None
+    return _FsspecRemote(shown, fs, cls._strip_protocol(url), **kw)
+
+
+def _s3_filesystem(fsspec: Any, fs_options: dict[str, Any], threads: int, shown: str) -> Any:
+    """An s3fs file system of our own (no instance cache, no listings cache), whose client
+    makes one attempt per request."""
+    # The retries are ours (``Remote._retry``): counted, logged, reported through on_retry,
+    # with our backoff. botocore's ``total_max_attempts: 1`` (its ``max_attempts`` counts
+    # retries, not attempts) and s3fs's ``retries = 1`` (attempts of its _error_wrapper) make
+    # every failure reach us at once instead of after up to 5 x 5 hidden attempts.
+    config = dict(fs_options.pop("config_kwargs", None) or {})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    config.setdefault("max_pool_connections", max(10, 2 * threads))
+    fs_options["config_kwargs"] = config
+    client = dict(fs_options.pop("client_kwargs", None) or {})
+    if "endpoint_url" in client and "endpoint_url" not in fs_options:
+        fs_options["endpoint_url"] = client.pop("endpoint_url")
+    fs_options["client_kwargs"] = client
+    fs_options.setdefault("skip_instance_cache", True)
+    # Listings change under us (other ranks upload): never answer from a cached one.
+    fs_options.setdefault("use_listings_cache", False)
+    try:
+        fs = fsspec.filesystem("s3", **fs_options)
+    except Exception as exc:  # the message may quote options: do not repeat it
+        raise ConfigError(f"the persistent tier {shown} could not be opened "
+                          f"({type(exc).__name__})", hint="check its options") from None
+    fs.retries = 1
+    return fs

@@ -2,22 +2,25 @@
 fault-injecting reverse proxy in front of it.
 
 The proxy forwards every request unchanged and records it (method, path with query, in order);
-rules make it answer matching requests with an error (503 SlowDown, 500), or delay them, a given
-number of times: faults a real store produces (throttling, outages, slow links) on demand.
+rules make it answer matching requests with an error (503 SlowDown, 500), drop the connection,
+or delay them, a given number of times: faults a real store produces (throttling, outages,
+slow links) on demand.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import http.client
 import secrets
-import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ("FaultProxy", "S3Server", "free_port")
+__all__ = ("DROP", "FaultProxy", "S3Server", "new_bucket", "s3_client")
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
         "proxy-authorization", "proxy-authenticate"}
@@ -25,61 +28,65 @@ _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</C
               b"<Message>Please reduce your request rate.</Message></Error>")
 _INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
              b"<Message>We encountered an internal error. Please try again.</Message></Error>")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+DROP = 0
+"""A rule's ``status`` that closes the connection without an answer."""
 
 
 class S3Server:
-    """moto's S3 in a thread of this process, on a free port of 127.0.0.1."""
+    """moto's S3 in a thread of this process, on a port of 127.0.0.1 that the OS chose."""
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 
-        self.port = free_port()
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port,
-                                          verbose=False)
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
+        self.port = self._server.get_host_and_port()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-
-    def new_bucket(self) -> tuple[str, dict[str, Any]]:
-        """A fresh bucket; returns (its name, fsspec options with per-bucket credentials)."""
-        import fsspec
-
-        bucket = f"ckpt-{secrets.token_hex(6)}"
-        options = {"key": f"ckpt-key-{secrets.token_hex(8)}",
-                   "secret": f"ckpt-secret-{secrets.token_hex(16)}",
-                   "endpoint_url": self.endpoint,
-                   "client_kwargs": {"region_name": "us-east-1"}}
-        fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
-        fs.call_s3("create_bucket", Bucket=bucket)
-        return bucket, options
 
     def stop(self) -> None:
         self._server.stop()
 
 
+@functools.cache
+def s3_client(endpoint: str) -> Any:
+    """A boto3 client of ``endpoint`` for the tests' own requests (one per endpoint: making
+    a client costs a good part of a second)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def new_bucket(endpoint: str) -> tuple[str, dict[str, Any]]:
+    """A fresh bucket at ``endpoint``; returns (its name, fsspec options with credentials of
+    its own, which moto accepts and the tests look for in messages)."""
+    bucket = f"ckpt-{secrets.token_hex(6)}"
+    s3_client(endpoint).create_bucket(Bucket=bucket)
+    options = {"key": f"ckpt-key-{secrets.token_hex(8)}",
+               "secret": f"ckpt-secret-{secrets.token_hex(16)}",
+               "endpoint_url": endpoint,
+               "client_kwargs": {"region_name": "us-east-1"}}
+    return bucket, options
+
+
 @dataclass
 class _Rule:
     method: str
-    match: str
+    where: Callable[[str], bool]
     count: int | None  # None: for good
-    status: int | None  # None: delay only
+    status: int | None  # None: delay only; DROP: close the connection
     seconds: float
 
 
 class FaultProxy:
-    """A reverse proxy to ``upstream`` on a free port; ``options`` are fsspec options pointing
-    to it (the same credentials as ``base``)."""
+    """A reverse proxy to ``127.0.0.1:upstream_port`` on a port of its own; ``options`` are
+    ``base`` (fsspec options) pointing to the proxy instead."""
 
-    def __init__(self, upstream_port: int, base: dict[str, Any]) -> None:
+    def __init__(self, upstream_port: int, base: dict[str, Any] | None = None) -> None:
         self.upstream_port = upstream_port
         self.requests: list[tuple[str, str]] = []
         self.answered_faults = 0
+        self._seen: collections.Counter[str] = collections.Counter()
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
         proxy = self
@@ -96,14 +103,24 @@ class FaultProxy:
                 if fault is not None:
                     if fault.seconds:
                         time.sleep(fault.seconds)
-                    if fault.status is not None:
-                        payload = _SLOW_DOWN if fault.status == 503 else _INTERNAL
-                        self.send_response(fault.status)
-                        self.send_header("Content-Type", "application/xml")
-                        self.send_header("Content-Length", str(len(payload)))
-                        self.end_headers()
-                        self.wfile.write(payload)
+                    if fault.status == DROP:
+                        self.close_connection = True
                         return
+                    if fault.status is not None:
+                        self._answer_error(fault.status)
+                        return
+                self._forward(body)
+
+            def _answer_error(self, status: int) -> None:
+                payload = _SLOW_DOWN if status == 503 else _INTERNAL
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+
+            def _forward(self, body: bytes) -> None:
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 try:
                     conn.putrequest(self.command, self.path, skip_host=True,
@@ -125,7 +142,7 @@ class FaultProxy:
                     if not head:
                         self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
-                    if self.command != "HEAD":
+                    if not head:
                         self.wfile.write(data)
                 finally:
                     conn.close()
@@ -149,32 +166,41 @@ class FaultProxy:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="fault-proxy")
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        daemon=True, name="fault-proxy")
         self._thread.start()
-        self.options = {**base, "endpoint_url": f"http://127.0.0.1:{self.port}"}
+        self.options = {**(base or {}), "endpoint_url": f"http://127.0.0.1:{self.port}"}
 
-    def fail(self, method: str, *, count: int | None, status: int = 503,
-             match: str = "") -> None:
-        """Answer the next ``count`` (None: every) ``method`` requests whose path contains
-        ``match`` with ``status`` (503 SlowDown, or 500 InternalError)."""
+    def fail(self, method: str, *, count: int | None, status: int = 503, match: str = "",
+             where: Callable[[str], bool] | None = None) -> None:
+        """Answer the next ``count`` (None: every) ``method`` requests whose path (with its
+        query) contains ``match`` and satisfies ``where`` with ``status``: 503 SlowDown, 500
+        InternalError, or ``DROP`` (the connection closed without an answer)."""
         with self._lock:
-            self._rules.append(_Rule(method, match, count, status, 0.0))
+            self._rules.append(_Rule(method, _predicate(match, where), count, status, 0.0))
 
     def delay(self, method: str, *, seconds: float, match: str = "") -> None:
         """Hold every matching request ``seconds`` before forwarding it."""
         with self._lock:
-            self._rules.append(_Rule(method, match, None, None, seconds))
+            self._rules.append(_Rule(method, _predicate(match, None), None, None, seconds))
 
     def clear(self) -> None:
         with self._lock:
             self._rules.clear()
 
+    def seen(self, method: str, match: str = "") -> int:
+        """How many ``method`` requests whose path contains ``match`` arrived so far."""
+        with self._lock:
+            if not match:
+                return self._seen[method]
+            return sum(1 for m, p in self.requests if m == method and match in p)
+
     def _take(self, method: str, path: str) -> _Rule | None:
         with self._lock:
             self.requests.append((method, path))
+            self._seen[method] += 1
             for rule in self._rules:
-                if rule.method == method and rule.match in path and (
+                if rule.method == method and rule.where(path) and (
                     rule.count is None or rule.count > 0
                 ):
                     if rule.count is not None:
@@ -187,3 +213,7 @@ class FaultProxy:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _predicate(match: str, where: Callable[[str], bool] | None) -> Callable[[str], bool]:
+    return lambda path: match in path and (where is None or where(path))
