@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_pipeline._persist.remote import open_remote
 from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._persist.layout import STEP_COMMIT, decode_step_record
+from ckpt_pipeline._persist.remote import open_remote
 
 launch = load_script(Path(__file__).resolve().parents[1] / "replicate" /
                      "test_replication.py").launch
