@@ -17,13 +17,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from .._format.documents import FORMAT_VERSION, decode_message, encode_message
 from .._format.names import step_dir_name
 from .._restore.scan import FileSet
 from ..errors import CheckpointIntegrityError
-from .remote import ObjectSum
+from .remote import ObjectSum, _uint
 
 __all__ = ("MAX_COMMIT_BYTES", "STEP_COMMIT", "ObjectSum", "StepRecord", "decode_step_record",
            "encode_step_record", "rank_keys")
@@ -31,10 +30,6 @@ __all__ = ("MAX_COMMIT_BYTES", "STEP_COMMIT", "ObjectSum", "StepRecord", "decode
 STEP_COMMIT = "step.commit"
 MAX_COMMIT_BYTES = 64 * 1024 * 1024
 """Bound on a step commit object read back (about 100 bytes per 64 MiB part and file)."""
-
-
-def _uint(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 2**64
 
 
 def rank_keys(step: int, rank: int) -> dict[str, str]:

@@ -30,8 +30,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from .._format.names import parse_step_dir, step_dir_name
 from .._logging import log
 from .._replicate.incoming import Incoming
@@ -57,18 +55,11 @@ from .layout import (
 )
 from .remote import ObjectSum, Remote, open_remote
 
-__all__ = ("Promoter", "complete_steps", "download_rank", "read_step_record", "sum_of")
+__all__ = ("Promoter", "complete_steps", "download_rank", "read_step_record")
 
 _PAUSE_MAX_S = 30.0
 _QUEUED_MAX = 2
 """Unfinished promotions a rank may have (one uploading, one waiting) before one is skipped."""
-
-
-def sum_of(data: bytes, part_bytes: int) -> ObjectSum:
-    """The checksum of ``data`` as the remote layer computes it for an object."""
-    parts = tuple(xxhash.xxh3_64_intdigest(data[i:i + part_bytes])
-                  for i in range(0, len(data), part_bytes))
-    return ObjectSum(len(data), part_bytes, parts)
 
 
 @dataclass(slots=True)
@@ -124,13 +115,10 @@ class Promoter:
         self.remote.gate = self._wait_for_quiet
         self.remote.list_steps()
 
-    def writing(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
         """Around a save's disk writes: uploads of this rank pause between parts meanwhile,
         so that a promotion never slows a save down (it only finishes later)."""
-        return self._writing_scope()
-
-    @contextlib.contextmanager
-    def _writing_scope(self) -> Iterator[None]:
         with self._quiet:
             self._writing += 1
         try:
@@ -421,7 +409,7 @@ def download_rank(remote: Remote, storage: Storage, record: StepRecord, rank: in
     for name in (files.manifest, files.commit):
         raw = remote.get_small(keys[name], MAX_COMMIT_BYTES)
         expected = sums[name]
-        if raw is None or sum_of(raw, expected.part_bytes) != expected:
+        if raw is None or ObjectSum.of(raw, expected.part_bytes) != expected:
             where = f"{remote.url}/{keys[name]}"
             raise CheckpointIntegrityError(
                 f"{where} is " + ("missing" if raw is None else "not what was uploaded"),

@@ -67,6 +67,12 @@ class ObjectSum:
     part_bytes: int
     parts: tuple[int, ...]
 
+    @classmethod
+    def of(cls, data: bytes, part_bytes: int) -> ObjectSum:
+        """The checksum of ``data`` in parts of ``part_bytes``, as uploads compute it."""
+        return cls(len(data), part_bytes,
+                   tuple(_xxh(data[s:e]) for s, e in _ranges(len(data), part_bytes)))
+
     def to_msg(self) -> list[Any]:
         """``[size, part_bytes, [parts...]]``, for the step commit object (msgpack)."""
         return [self.size, self.part_bytes, list(self.parts)]

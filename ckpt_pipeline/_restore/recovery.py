@@ -65,6 +65,8 @@ from .validate import validate_state
 __all__ = ("AppliedState", "Loaded", "Recovery")
 
 _log = log
+_PERSISTENT = "persistent"
+"""Where a shard came from at restore: the persistent tier."""
 
 
 @dataclass(slots=True)
@@ -103,7 +105,6 @@ class Recovery:
         self.promoter = promoter
         self._persisted: dict[int, StepRecord] = {}
         self._fetched_dirs: frozenset[tuple[int, str]] = frozenset()
-        self._downloaded = False
         self.storage = storage
         self.coordinator = coordinator
         self.config = config
@@ -146,9 +147,9 @@ class Recovery:
                 status = None
             error: CheckpointError | None = None
             loaded: Loaded | None = None
-            fetched: int | None = None
+            source: int | str | None = None
             try:
-                loaded, fetched = await self._load_step(
+                loaded, source = await self._load_step(
                     step, save_id, status, agreed.holders.get((step, self.rank), ()), state,
                     started, rejected, agreed, limiter)
                 loaded.scanned = frozenset((st.step, st.dir_name) for st in statuses)
@@ -161,7 +162,8 @@ class Recovery:
             failures, any_fatal, extras = await gather_outcome(
                 self.coordinator, step, save_id, None if error is None else error.message,
                 what="restore load", fatal=fatal,
-                extra={"fetched": fetched, "downloaded": self._downloaded})
+                extra={"fetched": source if isinstance(source, int) else None,
+                       "downloaded": source == _PERSISTENT})
             if any_fatal:
                 if error is not None and fatal:
                     raise error  # the live state does not fit: a usage error, nothing rejected
@@ -207,11 +209,11 @@ class Recovery:
     async def _load_step(self, step: int, save_id: str, status: _recovery.StepStatus | None,
                          holders: tuple[int, ...], state: Mapping[str, Any], started: float,
                          rejected: list[RejectedStep], agreed: Candidates,
-                         limiter: anyio.CapacityLimiter) -> tuple[Loaded, int | None]:
+                         limiter: anyio.CapacityLimiter) -> tuple[Loaded, int | str | None]:
         """Read this rank's shard of the step from the nearest place that holds it: its own
         root; when that is missing or does not verify, a copy fetched from a holder; then the
-        persistent tier. Returns the load and the holder used (None: own or downloaded)."""
-        self._downloaded = False
+        persistent tier. Returns the load and where the shard came from: None (its own), the
+        holder's rank, or ``_PERSISTENT``."""
         record = self._persisted.get(step)
         if record is not None and record.save_id != save_id:
             record = None
@@ -243,9 +245,8 @@ class Recovery:
                              action="downloading it from the persistent tier")
         assert record is not None
         status = await self._download(record, limiter)
-        self._downloaded = True
         return await self._read_candidate(status, state, started, rejected, agreed,
-                                          limiter), None
+                                          limiter), _PERSISTENT
 
     async def _list_persisted(self, limiter: anyio.CapacityLimiter) -> dict[int, StepRecord]:
         """The steps complete in the persistent tier ({} without one, or when it cannot be
@@ -272,6 +273,8 @@ class Recovery:
         try:
             path, size = await in_thread(limiter, promoter.download, record)
         except CheckpointError as exc:
+            exc.step = step if exc.step is None else exc.step  # a remote error names url and
+            exc.rank = self.rank if exc.rank is None else exc.rank  # key; add where it is
             _log.warning("ckpt.recovery.download_failed", step=step, rank=self.rank,
                          url=promoter.url, error=exc.message)
             raise
