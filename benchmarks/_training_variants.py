@@ -14,6 +14,7 @@ background thread deletes save ``k - keep`` (ckpt_pipeline does the same with ``
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import statistics
 import threading
@@ -54,6 +55,7 @@ VARIANTS = (
     "ckpt_pipeline_2slots",
     "ckpt_pipeline_streamed",
     "ckpt_pipeline_persist",
+    "ckpt_pipeline_persist_shm",
     "torch_save",
     "dcp_save",
     "dcp_async_save",
@@ -348,7 +350,7 @@ class CkptPipeline(Variant):
             options["buffer_slots"] = self.args.buffer_slots
         if self.args.pipeline_chunk_mb is not None:
             options["chunk_bytes"] = self.args.pipeline_chunk_mb << 20
-        options.update(self.overrides)
+        options.update({k: v for k, v in self.overrides.items() if not k.startswith("_")})
         if self.args.pipeline_coordinator == "local":
             options["coordinator"] = self.cp.LocalCoordinator()
         return options
@@ -435,6 +437,8 @@ class CkptPipeline(Variant):
         pipe = getattr(self, "pipe", None)
         if pipe is not None:
             pipe.close()
+        for path in self.overrides.get("_remove_after", ()):
+            shutil.rmtree(path, ignore_errors=True)
 
     def report(self) -> dict[str, Any]:
         stages: dict[int, dict[str, Any]] = {}
@@ -500,6 +504,10 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
     if name == "ckpt_pipeline_persist":  # every 2nd committed step promoted to a directory
         return CkptPipeline(work, root, args, cp, persistent=f"{root}-persistent",
                             persist_every=2)
+    if name == "ckpt_pipeline_persist_shm":  # the same, to a tier with a bandwidth of its own
+        shared = Path("/dev/shm") / f"ckpt-bench-{root.name}-{os.getpid()}-persistent"
+        return CkptPipeline(work, root, args, cp, persistent=str(shared), persist_every=2,
+                            _remove_after=(shared,))
     raise ValueError(f"unknown variant {name!r}")
 
 

@@ -69,7 +69,8 @@ MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs"}
 # Order of the run: the headline first, so that a run cut short still has it.
 RUN_ORDER = ("none", "ckpt_pipeline", "ckpt_pipeline_staged", "ckpt_pipeline_2slots",
              "ckpt_pipeline_streamed", "ckpt_pipeline_persist",
-             "dcp_async_save_pinned", "dcp_async_save", "dcp_save", "torch_save")
+             "ckpt_pipeline_persist_shm", "dcp_async_save_pinned", "dcp_async_save", "dcp_save",
+             "torch_save")
 DCP_VARIANTS = {"dcp_save", "dcp_async_save", "dcp_async_save_pinned"}
 PEERS = {"torch_save", *DCP_VARIANTS, "init_process_group"}
 PROFILES = {
@@ -275,6 +276,7 @@ class Run:
         factor = {"none": 0.0, "ckpt_pipeline": 0.5, "ckpt_pipeline_2slots": 0.5,
                   "ckpt_pipeline_staged": 0.5,
                   "ckpt_pipeline_streamed": 1.0, "ckpt_pipeline_persist": 1.0,
+                  "ckpt_pipeline_persist_shm": 1.0,
                   "torch_save": 2.5, "dcp_save": 2.0,
                   "dcp_async_save": 2.0, "dcp_async_save_pinned": 2.0}[name]
         extra = 0.0
