@@ -3,18 +3,19 @@
 A step is saved once with the pipeline (a state of ``--size-mb``), and its files (shard,
 manifest, commit record) are then uploaded and downloaded, ``--repeats`` times each, in turns:
 
-- ``ckpt_pipeline``: ``Remote.upload`` / ``Remote.download`` (parallel parts, every part
-  hashed, the object checked after upload and on download);
+- ``ckpt_pipeline``: ``Remote.upload`` / ``Remote.download`` (S3 through obstore; parallel
+  parts, every part hashed, the object checked after upload and each part on download);
 - ``fsspec``: a plain ``fs.put`` / ``fs.get`` of the same files (s3fs: its own concurrent
-  multipart upload; no checks of ours);
-- ``obstore``: ``obstore.put`` / ``obstore.get`` (when installed), the candidate the issue
-  names, measured on the same server.
+  multipart upload; no checks of ours): the baseline of the issue's goal;
+- ``obstore``: a plain ``obstore.put`` / ``obstore.get`` of the files, no checks: what the
+  client the tier uses gives without the tier's work around it.
 
 Against a real S3-speaking server in another process (``moto_server``, which keeps objects in
 memory: the numbers say what each client costs against a server on the same machine, not what
 a cloud store gives), and against a directory standing in for a shared file system (there,
 ours writes with fsync and plain fsspec does not: ``fsspec_fsync`` is the plain copy followed
 by an fsync of each file and the directory). Ratios are against the plain copy, same run.
+Needs the test extras and s3fs (``pip install -e '.[test]' s3fs``).
 
     python benchmarks/bench_persist.py                     # 256 MB, 5 repeats -> results/persist.json
     python benchmarks/bench_persist.py --size-mb 32 --repeats 1 --out /tmp/p.json   # smoke
@@ -100,7 +101,8 @@ def bench_s3(endpoint: str, files: list[Path], repeats: int, threads: int,
                            client_kwargs={"region_name": REGION}, skip_instance_cache=True)
     fs.call_s3("create_bucket", Bucket="bench")
     remote = open_remote("s3://bench/ours", threads=threads, part_bytes=part_mb * 2**20,
-                         options={"key": KEY, "secret": SECRET, "endpoint_url": endpoint})
+                         options={"access_key_id": KEY, "secret_access_key": SECRET,
+                                  "endpoint": endpoint, "region": REGION})
     store = _obstore(endpoint)
     total = sum(f.stat().st_size for f in files)
     times: dict[str, list[float]] = {}

@@ -71,7 +71,8 @@ class PipelineConfig:
     - ``replication_host``: the address other ranks reach this rank's copy server at (None:
       the address this host uses to reach ``MASTER_ADDR``, else its host name's).
     - ``persistent``: where committed steps are promoted to: a directory on a shared file
-      system, or an fsspec URL (``s3://bucket/run``; ``pip install 'ckpt_pipeline[s3]'``).
+      system, ``s3://bucket/run`` (``pip install 'ckpt_pipeline[s3]'``: obstore), or another
+      fsspec URL (``pip install 'ckpt_pipeline[fsspec]'`` and the protocol's package).
       Uploads run in the background from the committed local files, never from the
       training's memory; a step is complete there once its commit object, written last by rank
       0 after every rank's shard, exists. Recovery also considers it. None: no persistent tier.
@@ -82,8 +83,10 @@ class PipelineConfig:
       promote the newest committed step too, and wait up to ``persist_timeout_s`` for the
       uploads in flight.
     - ``persistent_keep``: complete steps kept in the persistent tier (None: all).
-    - ``persistent_options``: keyword arguments of the fsspec file system (endpoint,
-      credentials); never logged, never written into a checkpoint.
+    - ``persistent_options``: the store's settings: for ``s3://``, obstore's S3 settings
+      (``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ...; the ``AWS_*``
+      environment variables are read too) and ``client_options``; for another URL, keyword
+      arguments of its fsspec file system. Never logged, never written into a checkpoint.
     - ``persist_retries``: retries of each failed upload or download request, with exponential
       backoff, before the promotion fails (``PersistFailed``; training goes on).
     """

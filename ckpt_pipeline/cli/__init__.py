@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="look at the files of rank R (default 0; for a persistent tier: "
                               "every rank)")
         sub.add_argument("--option", action="append", metavar="KEY=VALUE",
-                         help="for a URL: a keyword argument of its fsspec file system, such "
-                              "as endpoint_url=http://host:9000 (repeatable)")
+                         help="for a URL: a setting of its store, such as "
+                              "endpoint=http://host:9000 for S3 (repeatable)")
         sub.add_argument("--json", action="store_true", help="print JSON for scripts")
     return parser
 

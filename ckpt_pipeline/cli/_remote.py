@@ -31,7 +31,7 @@ __all__ = ("_cmd_ls_remote", "_cmd_verify_remote", "parse_options")
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``--option KEY=VALUE`` pairs for the fsspec file system (``endpoint_url=...``)."""
+    """``--option KEY=VALUE`` pairs: the store's settings (``endpoint=...`` for S3)."""
     out: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, value = pair.partition("=")

@@ -15,7 +15,7 @@ from .s3_server import FaultProxy, S3Server, new_bucket
 def s3_server() -> Iterator[str]:
     """The endpoint URL of moto's S3, started once for the session."""
     pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
+    pytest.importorskip("obstore")
     server = S3Server()
     try:
         yield server.endpoint
@@ -25,7 +25,7 @@ def s3_server() -> Iterator[str]:
 
 @pytest.fixture
 def s3_url(s3_server: str) -> tuple[str, dict[str, Any]]:
-    """``("s3://<fresh bucket>/run", fsspec options)``: an empty persistent tier on S3."""
+    """``("s3://<fresh bucket>/run", S3 options)``: an empty persistent tier on S3."""
     bucket, options = new_bucket(s3_server)
     return f"s3://{bucket}/run", options
 

@@ -58,14 +58,13 @@ def s3_client(endpoint: str) -> Any:
 
 
 def new_bucket(endpoint: str) -> tuple[str, dict[str, Any]]:
-    """A fresh bucket at ``endpoint``; returns (its name, fsspec options with credentials of
-    its own, which moto accepts and the tests look for in messages)."""
+    """A fresh bucket at ``endpoint``; returns (its name, the tier's S3 options with
+    credentials of their own, which moto accepts and the tests look for in messages)."""
     bucket = f"ckpt-{secrets.token_hex(6)}"
     s3_client(endpoint).create_bucket(Bucket=bucket)
-    options = {"key": f"ckpt-key-{secrets.token_hex(8)}",
-               "secret": f"ckpt-secret-{secrets.token_hex(16)}",
-               "endpoint_url": endpoint,
-               "client_kwargs": {"region_name": "us-east-1"}}
+    options = {"access_key_id": f"ckpt-key-{secrets.token_hex(8)}",
+               "secret_access_key": f"ckpt-secret-{secrets.token_hex(16)}",
+               "endpoint": endpoint, "region": "us-east-1"}
     return bucket, options
 
 
@@ -80,7 +79,7 @@ class _Rule:
 
 class FaultProxy:
     """A reverse proxy to ``127.0.0.1:upstream_port`` on a port of its own; ``options`` are
-    ``base`` (fsspec options) pointing to the proxy instead."""
+    ``base`` (the tier's S3 options) pointing to the proxy instead."""
 
     def __init__(self, upstream_port: int, base: dict[str, Any] | None = None) -> None:
         self.upstream_port = upstream_port
@@ -169,7 +168,7 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
                                         daemon=True, name="fault-proxy")
         self._thread.start()
-        self.options = {**(base or {}), "endpoint_url": f"http://127.0.0.1:{self.port}"}
+        self.options = {**(base or {}), "endpoint": f"http://127.0.0.1:{self.port}"}
 
     def fail(self, method: str, *, count: int | None, status: int = 503, match: str = "",
              where: Callable[[str], bool] | None = None) -> None:

@@ -45,7 +45,7 @@ def _flat(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(params=["s3", "dir"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any] | None]:
-    """(persistent URL or path, fsspec options) of an empty persistent tier."""
+    """(persistent URL or path, its options) of an empty persistent tier."""
     if request.param == "dir":
         return str(tmp_path / "shared" / "run"), None
     url, options = request.getfixturevalue("s3_url")
@@ -241,7 +241,7 @@ def test_credentials_reach_no_log_line_event_or_file(
     tmp_path: Path, s3_url: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
     url, options = s3_url
-    secret = options["secret"]
+    secret = options["secret_access_key"]
     events: list[cp.Event] = []
     caplog.set_level(logging.DEBUG, logger="ckpt_pipeline")  # every line the library writes
     with structlog.testing.capture_logs() as logs:
@@ -254,7 +254,7 @@ def test_credentials_reach_no_log_line_event_or_file(
              if r.name.startswith("ckpt_pipeline")]  # ours; not the clients' own debug lines
     assert any("ckpt.persist" in line for line in lines)  # the tier's lines were captured
     text = json.dumps(logs, default=str) + repr(events) + "\n".join(lines)
-    assert secret not in text and options["key"] not in text
+    assert secret not in text and options["access_key_id"] not in text
     assert secret not in repr(cp.PipelineConfig(persistent=url, persistent_options=options))
     remote = open_remote(url, options=options)
     try:

@@ -16,7 +16,7 @@ import pytest
 import structlog
 import xxhash
 
-from ckpt_pipeline._persist import remote as remote_mod
+from ckpt_pipeline._persist import tier_s3
 from ckpt_pipeline._persist.remote import ObjectSum, Remote, RemoteError, open_remote
 from ckpt_pipeline.errors import CheckpointIntegrityError, ConfigError
 
@@ -88,7 +88,7 @@ def _object(url: str, options: dict[str, Any], key: str) -> str:
 
 def _leftovers(url: str, options: dict[str, Any]) -> tuple[list[str], list[Any]]:
     """(objects, pending multipart uploads) in the bucket of ``url``."""
-    client = s3_client(options["endpoint_url"])
+    client = s3_client(options["endpoint"])
     bucket = _bucket(url)
     objects = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
     return objects, client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
@@ -100,7 +100,7 @@ def _overwrite(tier: Tier, key: str, data: bytes) -> None:
     if options is None:
         Path(url, key).write_bytes(data)
     else:
-        s3_client(options["endpoint_url"]).put_object(
+        s3_client(options["endpoint"]).put_object(
             Bucket=_bucket(url), Key=_object(url, options, key), Body=data)
 
 
@@ -135,7 +135,7 @@ def test_s3_upload_larger_than_a_part_is_multipart(
     assert len(uploaded.parts) == 3
     assert proxy.seen("POST", "?uploads") == 1 and proxy.seen("POST", "uploadId=") == 1
     assert proxy.seen("PUT", "partNumber=") == 3
-    head = s3_client(options["endpoint_url"]).head_object(
+    head = s3_client(options["endpoint"]).head_object(
         Bucket=_bucket(url), Key=_object(url, options, "step-0000000001/rank-00000.shard"))
     assert head["ETag"].endswith('-3"')
 
@@ -267,9 +267,9 @@ def test_an_etag_that_does_not_match_what_was_sent_fails_the_upload_and_deletes_
     remote = opened(url, options, part_bytes=S3_PART)
     wrong = '"00000000000000000000000000000000"'
     if size > S3_PART:
-        monkeypatch.setattr(remote_mod, "_multipart_etag", lambda md5s: wrong[:-1] + '-3"')
+        monkeypatch.setattr(tier_s3, "multipart_etag", lambda md5s: wrong[:-1] + '-3"')
     else:
-        monkeypatch.setattr(remote_mod, "_single_etag", lambda md5: wrong)
+        monkeypatch.setattr(tier_s3, "single_etag", lambda md5: wrong)
     with pytest.raises(RemoteError, match="holds other bytes than were sent"):
         remote.upload(str(_file(tmp_path, size)), "step-0000000001/rank-00000.shard")
     assert not remote.exists("step-0000000001/rank-00000.shard")
@@ -319,9 +319,12 @@ def test_throttled_puts_are_retried_and_the_upload_succeeds(
     uploaded = remote.upload(str(src), key, on_retry=lambda *a: retries.append(a))
     assert proxy.answered_faults == 2
     parts = len(uploaded.parts)
-    assert proxy.seen("PUT") == parts + 2  # one attempt more per fault: no hidden retries
-    assert len(retries) == 2 and all(k == key for k, _, _ in retries)
-    assert all("SlowDown" in reason for _, _, reason in retries)
+    assert proxy.seen("PUT") == parts + 2  # one attempt more per fault, no more
+    if parts == 1:  # one PUT: retried (and reported) by the layer
+        assert len(retries) == 2 and all(k == key for k, _, _ in retries)
+        assert all("SlowDown" in reason for _, _, reason in retries)
+    else:  # the parts of a multipart upload: retried by obstore, with the same settings
+        assert retries == []
     assert _download(remote, key, uploaded, tmp_path / "back") == src.read_bytes()
 
 
@@ -344,8 +347,6 @@ def test_failed_and_dropped_downloads_are_retried_then_reported(
         assert [(attempt, "InternalError" in why) for _, attempt, why in retries] == [
             (1, True)]
         # Connections closed without an answer, every time: retried, then reported.
-        # (aiohttp itself sends a request again once when a kept-alive connection was
-        # closed under it, so the proxy sees up to two requests per attempt.)
         proxy.fail("GET", count=None, status=DROP)
         retries.clear()
         with pytest.raises(RemoteError) as info:
@@ -353,7 +354,7 @@ def test_failed_and_dropped_downloads_are_retried_then_reported(
                             on_retry=lambda *a: retries.append(a))
     finally:
         os.close(fd)
-    assert info.value.attempts == 3 and "ConnectionClosedError" in str(info.value)
+    assert info.value.attempts == 3 and "error sending request" in str(info.value)
     assert [attempt for _, attempt, _ in retries] == [1, 2]
 
 
@@ -374,15 +375,18 @@ def test_puts_that_always_fail_end_in_a_remote_error_and_leave_nothing(
     assert error.attempts == 3 and error.key == key and error.op == "upload"
     text = str(error)
     assert key in text and url in text and "3 attempts" in text and "InternalError" in text
-    assert len(retries) >= 2
+    if size > S3_PART:  # obstore retried the parts itself; the failing one 3 times
+        assert retries == [] and proxy.seen("PUT") >= 3
+    else:
+        assert [attempt for _, attempt, _ in retries] == [1, 2]
     assert _leftovers(url, options) == ([], [])  # the multipart upload was aborted
 
 
 def test_a_refused_request_fails_at_once(
     s3_server: str, opened: Callable[..., Remote], tmp_path: Path
 ) -> None:
-    options = {"key": "k", "secret": "s", "endpoint_url": s3_server,
-               "client_kwargs": {"region_name": "us-east-1"}}
+    options = {"access_key_id": "k", "secret_access_key": "s", "endpoint": s3_server,
+               "region": "us-east-1"}
     remote = opened("s3://no-such-bucket-here/run", options, retries=5, backoff_s=5.0)
     retries: list[tuple[str, int, str]] = []
     with pytest.raises(RemoteError) as info:
@@ -416,7 +420,7 @@ def test_credentials_appear_in_no_url_message_or_log_line(
     opened: Callable[..., Remote], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     url, options = s3_url
-    secret, key_id = options["secret"], options["key"]
+    secret, key_id = options["secret_access_key"], options["access_key_id"]
     proxy = fault_proxy(options)
     proxy.fail("PUT", count=None, status=503)
     caplog.set_level(logging.DEBUG, logger="ckpt_pipeline")

@@ -1,0 +1,303 @@
+"""The persistent tier on S3 and S3-compatible stores (MinIO, Ceph, moto), through obstore.
+
+- **Uploads.** A file of at most one part goes up in one PUT. A larger one is a multipart
+  upload in parts of ``part_bytes``: the pipeline's threads read and hash the parts (xxh3 for
+  the commit object, MD5 for the ETag), at most ``_AHEAD`` ahead of obstore, which sends up to
+  ``threads`` of them at once. Memory stays bounded: ``threads + _AHEAD + 1`` parts.
+- **Checks.** Every request carries the SHA-256 of its body in its signature (SigV4), which
+  the server checks. After an upload, the object's size and ETag are compared with the MD5s of
+  what was sent (where the store gives an MD5 ETag; SSE-KMS and some stores do not); an object
+  that does not match is deleted. obstore aborts a multipart upload that fails, so no half
+  object ever appears and no hidden parts stay billed.
+- **Retries.** The parts of a multipart upload are sent and retried by obstore itself, with
+  the pipeline's retry count and backoff (a multipart upload is one call to it, and one failed
+  part must not restart the object). Every other request is sent once by obstore and retried
+  here, each retry logged (``Remote._retry``).
+- **Settings.** ``options`` are obstore's S3 settings (``endpoint``, ``region``,
+  ``access_key_id``, ``secret_access_key``, ``session_token``, ...; the ``AWS_*`` environment
+  variables are read too) and ``client_options`` (obstore's HTTP client settings). An ``http://``
+  endpoint is allowed without saying so again.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import hashlib
+import itertools
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from ..errors import ConfigError
+from .remote import (
+    BACKOFF_CAP_S,
+    KEY_PART,
+    TRANSIENT_CODES,
+    Failure,
+    ObjectSum,
+    OnRetry,
+    Remote,
+    RemoteError,
+    check_key,
+    explain_generic,
+    part_ranges,
+    pread_exact,
+    xxh,
+)
+
+__all__ = ("S3Remote",)
+
+_S3_MIN_PART = 5 * 1024 * 1024
+_S3_MAX_PUT = 5 * 1024**3
+_AHEAD = 2  # parts read and hashed ahead of the one obstore takes
+_REQUEST_TIMEOUT = "300s"  # obstore's default of 30 s is short for a 64 MiB part on a slow link
+_RETRY_WINDOW = timedelta(minutes=5)  # signed requests expire after 15
+_MD5_ETAG = re.compile(r'"[0-9a-f]{32}(-[0-9]+)?"')
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>([A-Za-z0-9]+)</Code>")
+_MESSAGE = re.compile(r"<Message>(.*?)</Message>", re.S)
+_NETWORK = ("error sending request", "connection", "timed out", "timeout", "broken pipe",
+            "reset by peer", "incomplete", "unexpected eof", "dns error", "body error",
+            "error decoding response")
+
+
+class S3Remote(Remote):
+    """An S3 bucket and prefix (see the module docstring)."""
+
+    def __init__(self, url: str, bucket: str, prefix: str, options: Mapping[str, Any],
+                 **kw: Any) -> None:
+        super().__init__(url, **kw)
+        try:
+            import obstore
+            from obstore.store import S3Store
+        except ImportError:
+            raise ConfigError(f"the persistent tier {url} needs obstore",
+                              hint="pip install 'ckpt_pipeline[s3]'") from None
+        self._ob = obstore
+        settings = dict(options)
+        if "retry_config" in settings:
+            raise ConfigError(f"the persistent tier {url}: retry_config is the pipeline's",
+                              hint="set persist_retries= instead")
+        client = dict(settings.pop("client_options", None) or {})
+        endpoint = next((str(settings[k]) for k in ("endpoint", "endpoint_url", "aws_endpoint",
+                                                   "aws_endpoint_url") if k in settings), "")
+        if endpoint.startswith("http://"):
+            client.setdefault("allow_http", True)
+        client.setdefault("timeout", _REQUEST_TIMEOUT)
+
+        def store(retries: int) -> Any:
+            backoff = {"init_backoff": timedelta(seconds=self.backoff_s),
+                       "max_backoff": timedelta(seconds=BACKOFF_CAP_S), "base": 2.0}
+            retry = {"max_retries": retries, "backoff": backoff,
+                     "retry_timeout": _RETRY_WINDOW}
+            kwargs: dict[str, Any] = {"prefix": prefix or None, "client_options": client,
+                                      "retry_config": retry, **settings}
+            return S3Store(bucket, **kwargs)
+
+        try:
+            self._store = store(0)  # one attempt per call: retried (and logged) here
+            self._parts_store = store(self.retries)  # multipart uploads: obstore retries
+        except Exception as exc:  # the message names a bad key or value; never echo secrets
+            raise ConfigError(f"the persistent tier {url} could not be opened: "
+                              f"{self._redact(_first_line(exc))}",
+                              hint="check its options: obstore's S3 settings (endpoint, "
+                                   "region, access_key_id, ...) and client_options") from None
+
+    # -- uploads -------------------------------------------------------------------------
+
+    def _upload_fd(self, fd: int, size: int, key: str, on_retry: OnRetry | None
+                   ) -> ObjectSum:
+        ranges = part_ranges(size, self.part_bytes)
+        if len(ranges) > 1 and self.part_bytes >= _S3_MIN_PART:
+            return self._multipart(fd, size, key, ranges)
+        if size > _S3_MAX_PUT:
+            raise ConfigError(
+                f"{self._where(key)}: {size} bytes need a multipart upload, and parts of "
+                f"{self.part_bytes} bytes are smaller than S3's minimum of 5 MiB",
+                hint="set the part size to at least 5 MiB")
+        if self.gate is not None:
+            self.gate()
+        data = pread_exact(fd, 0, size) if size else b""
+        self._put_one(key, data, on_retry)
+        return ObjectSum(size, self.part_bytes, tuple(xxh(data[s:e]) for s, e in ranges))
+
+    def _put_one(self, key: str, data: bytes, on_retry: OnRetry | None) -> None:
+        md5 = hashlib.md5(data, usedforsecurity=False).digest()
+        self._retry("upload", key, lambda: self._ob.put(self._store, key, data,
+                                                        use_multipart=False), on_retry)
+        self._verify(key, len(data), single_etag(md5))
+
+    def _multipart(self, fd: int, size: int, key: str, ranges: list[tuple[int, int]]
+                   ) -> ObjectSum:
+        sums: list[tuple[int, bytes]] = []
+
+        def read(start: int, end: int) -> tuple[bytes, int, bytes]:
+            if self.gate is not None:
+                self.gate()
+            data = pread_exact(fd, start, end)
+            return data, xxh(data), hashlib.md5(data, usedforsecurity=False).digest()
+
+        def parts() -> Iterator[bytes]:
+            pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+            todo = iter(ranges)
+
+            def more() -> None:
+                for start, end in itertools.islice(todo, _AHEAD + 1 - len(pending)):
+                    pending.append(self._pool.submit(read, start, end))
+
+            try:
+                more()
+                while pending:
+                    data, part_xxh, part_md5 = pending.popleft().result()
+                    sums.append((part_xxh, part_md5))
+                    more()
+                    yield data
+            finally:  # the file is closed after the upload: no read may still run then
+                for future in pending:
+                    future.cancel()
+                concurrent.futures.wait(pending)
+
+        try:
+            self._ob.put(self._parts_store, key, parts(), chunk_size=self.part_bytes,
+                         max_concurrency=self.threads)
+        except Exception as exc:
+            failure = self._explain(exc)
+            attempts = self.retries + 1 if failure.transient else 1
+            where = self._where(key)
+            raise RemoteError(
+                f"upload of {where} failed after {attempts} attempt"
+                f"{'s' if attempts > 1 else ''} of one of its requests: "
+                f"{self._redact(failure.reason)}", path=where, key=key, op="upload",
+                attempts=attempts, missing=failure.missing,
+                hint="check the store (credentials, quota, throttling); the local tier keeps "
+                     "the step") from None
+        self._verify(key, size, multipart_etag([md5 for _, md5 in sums]))
+        return ObjectSum(size, self.part_bytes, tuple(x for x, _ in sums))
+
+    def _verify(self, key: str, size: int, etag: str) -> None:
+        """After an upload: the object's size, and its ETag where it has an MD5 form; an
+        object that does not match is deleted."""
+        head = self._retry("check", key, lambda: self._ob.head(self._store, key))
+        got_size, got_etag = head.get("size"), head.get("e_tag")
+        if got_size == size and etag_matches(got_etag, etag):
+            return
+        with contextlib.suppress(Exception):
+            self._ob.delete(self._store, key)
+        raise RemoteError(
+            f"{self._where(key)} holds other bytes than were sent ({got_size} bytes, ETag "
+            f"{got_etag}; sent {size} bytes, ETag {etag}); it was deleted",
+            path=self._where(key), key=key, op="upload")
+
+    def _put_small(self, key: str, data: bytes) -> None:
+        self._put_one(key, data, None)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def _get_small(self, key: str, limit: int) -> bytes | None:
+        def get() -> bytes | None:
+            try:
+                result = self._ob.get(self._store, key)
+            except FileNotFoundError:
+                return None
+            size = int(result.meta["size"])
+            if size > limit:
+                raise self._too_large(key, size, limit)
+            return bytes(result.bytes())
+
+        data: bytes | None = self._retry("download", key, get)
+        return data
+
+    def _size(self, key: str) -> int | None:
+        def head() -> int | None:
+            try:
+                return int(self._ob.head(self._store, key)["size"])
+            except FileNotFoundError:
+                return None
+
+        size: int | None = self._retry("stat", key, head)
+        return size
+
+    def _read_range(self, key: str, start: int, end: int) -> bytes | memoryview:
+        if start == end:
+            return b""
+        return memoryview(self._ob.get_range(self._store, key, start=start, end=end))
+
+    def _listing(self, prefix: str | None) -> dict[str, Any]:
+        answer: dict[str, Any] = self._retry(
+            "list", prefix or "", lambda: self._ob.list_with_delimiter(self._store, prefix))
+        return answer
+
+    def list_steps(self) -> list[str]:
+        names = (p.rstrip("/").rsplit("/", 1)[-1]
+                 for p in self._listing(None)["common_prefixes"])
+        return sorted(n for n in names if KEY_PART.match(n) and not n.startswith("."))
+
+    def list_dir(self, prefix: str) -> dict[str, int]:
+        check_key(prefix)
+        out = {}
+        for entry in self._listing(prefix)["objects"]:
+            name = str(entry["path"]).rsplit("/", 1)[-1]
+            if not name.startswith("."):
+                out[name] = int(entry["size"])
+        return out
+
+    def delete(self, keys: Sequence[str]) -> None:
+        checked = [check_key(k) for k in keys]
+        for start in range(0, len(checked), 1000):  # S3's most keys per request
+            chunk = checked[start:start + 1000]
+
+            def send(chunk: list[str] = chunk) -> None:
+                self._ob.delete(self._store, chunk)
+
+            self._retry("delete", chunk[0], send)
+
+    # -- errors --------------------------------------------------------------------------
+
+    def _explain(self, exc: BaseException) -> Failure:
+        """obstore's errors carry the HTTP status and the store's XML error in their text."""
+        if not isinstance(exc, (self._ob.exceptions.BaseError, FileNotFoundError,
+                                PermissionError)):
+            return explain_generic(exc)
+        text = str(exc)
+        status = _STATUS.search(text)
+        code_match = _CODE.search(text)
+        code = code_match.group(1) if code_match else ""
+        missing = code == "NoSuchKey" or (isinstance(exc, FileNotFoundError)
+                                          and code != "NoSuchBucket")
+        if status is not None:
+            number = int(status.group(1))
+            message = _MESSAGE.search(text)
+            reason = f"HTTP {number} {code}".strip() + (
+                f": {message.group(1).strip()}" if message else "")
+            transient = number >= 500 or number == 429 or code in TRANSIENT_CODES
+            return Failure(reason, transient and not missing, missing)
+        lowered = text.lower()
+        transient = not missing and any(word in lowered for word in _NETWORK)
+        return Failure(f"{type(exc).__name__}: {_first_line(exc)}", transient, missing)
+
+
+def single_etag(md5: bytes) -> str:
+    """The ETag S3 gives an object stored by one PUT."""
+    return f'"{md5.hex()}"'
+
+
+def multipart_etag(part_md5s: Sequence[bytes]) -> str:
+    """The ETag S3 gives an object stored by a multipart upload."""
+    whole = hashlib.md5(b"".join(part_md5s), usedforsecurity=False)
+    return f'"{whole.hexdigest()}-{len(part_md5s)}"'
+
+
+def etag_matches(got: Any, expected: str) -> bool:
+    """Whether an ETag agrees with ``expected``; one that is no MD5 form (an encrypted
+    object's, another store's) cannot be checked and passes."""
+    if not isinstance(got, str) or _MD5_ETAG.fullmatch(got) is None:
+        return True
+    return got == expected
+
+
+def _first_line(exc: BaseException) -> str:
+    line = (str(exc).strip().splitlines() or [""])[0]
+    return line if len(line) <= 400 else line[:400] + "..."
