@@ -305,7 +305,8 @@ class PersistPruned(Event):
 @dataclass(frozen=True, slots=True)
 class ShardDownloaded(Event):
     """At restore, this rank's shard came from the persistent tier, every part checked, and
-    was written to this rank's root."""
+    was written to this rank's root while the restore read it. ``seconds``: from the start
+    of the download until the files were published (after the restore read them)."""
 
     log_name: ClassVar[str] = "ckpt.recovery.downloaded"
     log_level: ClassVar[str] = "info"

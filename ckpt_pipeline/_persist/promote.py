@@ -54,6 +54,7 @@ from .layout import (
     rank_keys,
 )
 from .remote import ObjectSum, Remote, open_remote
+from .stream import ShardStream, fetch_small
 
 __all__ = ("Promoter", "complete_steps", "download_rank", "read_step_record")
 
@@ -354,10 +355,11 @@ class Promoter:
         assert self.remote is not None
         return complete_steps(self.remote, rank=self.rank)
 
-    def download(self, record: StepRecord) -> tuple[str, int]:
-        """``download_rank`` of this rank into its root. Runs in a worker thread."""
+    def stream(self, record: StepRecord) -> ShardStream:
+        """This rank's shard of ``record``'s step, downloading into its root while the
+        restore reads it (``ShardStream``). Runs in a worker thread."""
         assert self.remote is not None
-        return download_rank(self.remote, self.storage, record, self.rank)
+        return ShardStream(self.remote, self.storage, record, self.rank)
 
 
 def complete_steps(remote: Remote, *, rank: int | None = None) -> dict[int, StepRecord]:
@@ -400,22 +402,9 @@ def download_rank(remote: Remote, storage: Storage, record: StepRecord, rank: in
     against the commit object, published as a save publishes them (commit record last).
     Returns (path of the shard, bytes). Runs in a worker thread."""
     step, files = record.step, FileSet(rank)
-    sums = record.rank_objects(rank)
+    small = fetch_small(remote, record, rank)
     keys = rank_keys(step, rank)
-    if len(sums) != 3:
-        raise CheckpointIntegrityError(f"the commit object does not list rank {rank}'s files",
-                                       step=step, rank=rank, path=remote.url)
-    small: dict[str, bytes] = {}
-    for name in (files.manifest, files.commit):
-        raw = remote.get_small(keys[name], MAX_COMMIT_BYTES)
-        expected = sums[name]
-        if raw is None or ObjectSum.of(raw, expected.part_bytes) != expected:
-            where = f"{remote.url}/{keys[name]}"
-            raise CheckpointIntegrityError(
-                f"{where} is " + ("missing" if raw is None else "not what was uploaded"),
-                step=step, rank=rank, path=where)
-        small[name] = raw
-    shard = sums[files.shard]
+    shard = record.rank_objects(rank)[files.shard]
     incoming = Incoming(storage, step_dir_name(step), files, shard.size)
     try:
         remote.download(keys[files.shard], incoming.fd, shard)

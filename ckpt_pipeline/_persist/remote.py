@@ -189,9 +189,12 @@ class Remote:
         return self._get_small(key, limit)
 
     def download(self, key: str, fd: int, expected: ObjectSum, *,
-                 on_retry: OnRetry | None = None) -> None:
+                 on_retry: OnRetry | None = None, first: Sequence[int] = (),
+                 on_part: Callable[[int], None] | None = None) -> None:
         """Read ``key`` into ``fd`` at the same offsets, each part checked against
-        ``expected`` before it is written."""
+        ``expected`` before it is written. The parts numbered in ``first`` are fetched before
+        the others (which go in order); ``on_part(index)`` is called once a part is written
+        (an exception from it stops the download)."""
         check_key(key)
         size = self._size(key)
         where = self._where(key)
@@ -211,8 +214,13 @@ class Remote:
                     "checksum recorded when it was uploaded", path=where,
                     hint="the object changed after it was uploaded; restore another step")
             pwrite_all(fd, data, start)
+            if on_part is not None:
+                on_part(index)
 
-        self._run_parts(one, part_ranges(size, expected.part_bytes), gated=False)
+        ranges = part_ranges(size, expected.part_bytes)
+        early = [i for i in dict.fromkeys(first) if 0 <= i < len(ranges)]
+        order = early + [i for i in range(len(ranges)) if i not in set(early)]
+        self._run_parts(one, ranges, gated=False, order=order)
 
     def list_steps(self) -> list[str]:
         """Names of the directories (prefixes) directly under the root; [] before any."""
@@ -265,9 +273,11 @@ class Remote:
                            "expected", path=self._where(key), key=key, op="download")
 
     def _run_parts(self, fn: Callable[[int, int, int], Any],
-                   ranges: list[tuple[int, int]], *, gated: bool = True) -> list[Any]:
-        """``fn(index, start, end)`` for every part, ``threads`` at once; the first error
-        cancels the parts not started, waits for those running, and is raised."""
+                   ranges: list[tuple[int, int]], *, gated: bool = True,
+                   order: Sequence[int] | None = None) -> list[Any]:
+        """``fn(index, start, end)`` for every part, ``threads`` at once, started in ``order``
+        (default: by index); returns the results by index. The first error cancels the parts
+        not started, waits for those running, and is raised."""
         gate = self.gate if gated else None
         if gate is not None:
             inner = fn
@@ -278,18 +288,20 @@ class Remote:
 
         if len(ranges) <= 1:
             return [fn(i, s, e) for i, (s, e) in enumerate(ranges)]
-        futures = [self._pool.submit(fn, i, s, e) for i, (s, e) in enumerate(ranges)]
+        indices = list(range(len(ranges))) if order is None else list(order)
+        futures = {i: self._pool.submit(fn, i, *ranges[i]) for i in indices}
         try:
-            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-            for f in futures:
+            concurrent.futures.wait(futures.values(),
+                                    return_when=concurrent.futures.FIRST_EXCEPTION)
+            for f in futures.values():
                 error = f.exception() if f.done() and not f.cancelled() else None
                 if error is not None:
                     raise error
-            return [f.result() for f in futures]
+            return [futures[i].result() for i in range(len(ranges))]
         finally:
-            for f in futures:
+            for f in futures.values():
                 f.cancel()
-            concurrent.futures.wait(futures)
+            concurrent.futures.wait(futures.values())
 
     def _redact(self, text: str) -> str:
         for value in self._hidden:

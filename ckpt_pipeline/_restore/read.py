@@ -103,11 +103,15 @@ async def read_shard(
     threads: int,
     limiter: anyio.CapacityLimiter,
     progress: Callable[[int], None] | None = None,
+    shard_file: str | None = None,
+    arrived: Callable[[int, int], None] | None = None,
 ) -> LoadedShard:
     """Read all tensor data of a validated step (``scan.StepStatus``), verifying every
     checksum; ``devices`` says where each tensor goes (default: all on the CPU).
 
     ``progress(bytes)`` is called from several worker threads at once; it must be thread-safe.
+    A shard still arriving (a download) is read from ``shard_file`` in the step's directory,
+    and ``arrived(start, end)`` blocks each read until those bytes are in the file.
     """
     header = status.header
     if header is None:
@@ -117,7 +121,8 @@ async def read_shard(
     units, unit_of = _units(header, targets)
     memory = [torch.empty(u.end - u.start, dtype=torch.uint8, device=u.device) for u in units]
     starts = [u.start for u in units]
-    rel = os.path.join(status.dir_name, status.shard_file or shard_name(rank))
+    rel = os.path.join(status.dir_name,
+                       shard_file or status.shard_file or shard_name(rank))
     path = os.path.join(storage.root, rel)
     bad: list[tuple[int, int]] = []
     fd, _size = await anyio.to_thread.run_sync(storage.open_read, rel, status.shard_size,
@@ -125,6 +130,8 @@ async def read_shard(
 
     def read(view: memoryview, offset: int) -> None:
         try:
+            if arrived is not None:
+                arrived(offset, offset + len(view))
             storage.pread_into(fd, view, offset)
         except StorageError as exc:
             raise StorageError(exc.message, step=status.step, rank=rank, path=path,

@@ -59,6 +59,7 @@ from .rollback import AppliedState, BackupCopies
 if TYPE_CHECKING:
     from .._persist.layout import StepRecord
     from .._persist.promote import Promoter
+    from .._persist.stream import ShardStream
     from .._replicate.replication import Replication
 from .validate import validate_state
 
@@ -244,9 +245,8 @@ class Recovery:
                              reason=exc.message,
                              action="downloading it from the persistent tier")
         assert record is not None
-        status = await self._download(record, limiter)
-        return await self._read_candidate(status, state, started, rejected, agreed,
-                                          limiter), _PERSISTENT
+        return await self._download(record, state, started, rejected, agreed,
+                                    limiter), _PERSISTENT
 
     async def _list_persisted(self, limiter: anyio.CapacityLimiter) -> dict[int, StepRecord]:
         """The steps complete in the persistent tier ({} without one, or when it cannot be
@@ -260,35 +260,39 @@ class Recovery:
                          url=self.promoter.url, error=exc.message)
             return {}
 
-    async def _download(self, record: StepRecord,
-                        limiter: anyio.CapacityLimiter) -> _recovery.StepStatus:
-        """Download this rank's shard of ``record``'s step into its root (its own files of
-        the step moved aside first) and scan it as if it had been saved here."""
+    async def _download(self, record: StepRecord, state: Mapping[str, Any], started: float,
+                        rejected: list[RejectedStep], agreed: Candidates,
+                        limiter: anyio.CapacityLimiter) -> Loaded:
+        """Load this rank's shard of ``record``'s step from the persistent tier: it downloads
+        into the rank's root (its own files of the step moved aside first) while the load
+        reads it, every read waiting for its bytes, so that checksums and host-to-device
+        copies overlap the download (``ShardStream``). Once all is read, the files are
+        published as a save publishes them, and the step stays in the local tier."""
         promoter = self.promoter
         assert promoter is not None
         step = record.step
-        dir_name = step_dir_name(step)
         await self._move_own_aside(step, limiter)
-        started = time.perf_counter()
+        stream: ShardStream | None = None
         try:
-            path, size = await in_thread(limiter, promoter.download, record)
-        except CheckpointError as exc:
-            exc.step = step if exc.step is None else exc.step  # a remote error names url and
-            exc.rank = self.rank if exc.rank is None else exc.rank  # key; add where it is
-            _log.warning("ckpt.recovery.download_failed", step=step, rank=self.rank,
-                         url=promoter.url, error=exc.message)
+            stream = await in_thread(limiter, promoter.stream, record)
+            status = await in_thread(limiter, stream.status)
+            loaded = await self._read_candidate(status, state, started, rejected, agreed,
+                                                limiter, stream=stream)
+            path, size, seconds = await in_thread(limiter, stream.publish)
+        except BaseException as exc:
+            if stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await in_thread(limiter, stream.discard)
+            if isinstance(exc, CheckpointError):
+                exc.step = step if exc.step is None else exc.step  # a remote error names the
+                exc.rank = self.rank if exc.rank is None else exc.rank  # url and key
+                _log.warning("ckpt.recovery.download_failed", step=step, rank=self.rank,
+                             url=promoter.url, error=exc.message)
             raise
-        status = await in_thread(limiter, _recovery.scan_files, self.storage,
-                                 _recovery.FileSet(self.rank), step, dir_name)
-        self._fetched_dirs |= {(step, dir_name)}
-        if not status.valid:
-            raise CheckpointIntegrityError(
-                f"the shard downloaded from the persistent tier does not verify: "
-                f"{status.reason}", step=step, rank=self.rank, path=status.path)
+        self._fetched_dirs |= {(step, status.dir_name)}
         self._emit(ShardDownloaded(step=step, rank=self.rank, save_id=record.save_id,
-                                   url=promoter.url, path=path, bytes=size,
-                                   seconds=time.perf_counter() - started))
-        return status
+                                   url=promoter.url, path=path, bytes=size, seconds=seconds))
+        return loaded
 
     async def _move_own_aside(self, step: int, limiter: anyio.CapacityLimiter) -> None:
         dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
@@ -347,7 +351,8 @@ class Recovery:
 
     async def _read_candidate(self, status: _recovery.StepStatus, state: Mapping[str, Any],
                               started: float, rejected: list[RejectedStep],
-                              agreed: Candidates, limiter: anyio.CapacityLimiter) -> Loaded:
+                              agreed: Candidates, limiter: anyio.CapacityLimiter, *,
+                              stream: ShardStream | None = None) -> Loaded:
         assert status.header is not None
         header = status.header
         meshes = _live_meshes(header.tensors, state, status)
@@ -361,9 +366,11 @@ class Recovery:
                                     name="ckpt-restore-backup", daemon=True)
         prefetch.start()
         try:
-            shard = await read_shard(self.storage, status, self.rank,
-                                               devices=devices, threads=self.config.io_threads,
-                                               limiter=limiter)
+            shard = await read_shard(
+                self.storage, status, self.rank, devices=devices,
+                threads=self.config.io_threads, limiter=limiter,
+                shard_file=None if stream is None else stream.shard_file,
+                arrived=None if stream is None else stream.wait)
         finally:
             await anyio.to_thread.run_sync(prefetch.join, abandon_on_cancel=True)
         tree, train_state = _recovery.decode_contents(status, self.rank)

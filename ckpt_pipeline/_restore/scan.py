@@ -33,6 +33,7 @@ from ..train_state import TrainState
 __all__ = (
     "FileSet",
     "StepStatus",
+    "check_arriving",
     "committed_steps",
     "decode_contents",
     "owned_sets",
@@ -152,8 +153,11 @@ def _read_small(storage: Storage, rel: str) -> bytes:
 def _read_commit(storage: Storage, dir_name: str, step: int, rank: int,
                  files: FileSet | None = None) -> CommitRecord:
     rel = os.path.join(dir_name, (files or FileSet(rank)).commit)
-    path = os.path.join(storage.root, rel)
-    record = decode_commit(_read_small(storage, rel), path)
+    return _check_commit(_read_small(storage, rel), os.path.join(storage.root, rel), step, rank)
+
+
+def _check_commit(raw: bytes, path: str, step: int, rank: int) -> CommitRecord:
+    record = decode_commit(raw, path)
     if record.step != step or record.rank != rank:
         raise CheckpointIntegrityError(
             f"commit record is for step {record.step} rank {record.rank}", step=step,
@@ -267,11 +271,34 @@ def scan_files(storage: Storage, files: FileSet, step: int, dir_name: str,
                       committed_unix=record.committed_unix, header=header, files=files)
 
 
+def check_arriving(storage: Storage, step: int, dir_name: str, rank: int, *,
+                   commit_raw: bytes, manifest_raw: bytes, shard_file: str) -> StepStatus:
+    """``scan_files`` for this rank's files of a step that are still arriving: the commit
+    record and manifest as bytes (not yet published), the shard under a temporary name in
+    ``dir_name`` whose preamble and header have arrived. Raises CheckpointIntegrityError (or
+    StorageError) naming what does not agree."""
+    path = os.path.join(storage.root, dir_name)
+    files = FileSet(rank)
+    record = _check_commit(commit_raw, os.path.join(path, files.commit), step, rank)
+    manifest = _check_manifest(manifest_raw, os.path.join(path, files.manifest), step, rank,
+                               record)
+    header = read_header(storage, dir_name, rank, manifest, files, shard_file)
+    return StepStatus(step, dir_name, path, complete=True, valid=True, reason=None,
+                      save_id=record.save_id, world_size=record.world_size,
+                      shard_size=manifest.shard_size, data_bytes=manifest.data_bytes,
+                      committed_unix=record.committed_unix, header=header, files=files)
+
+
 def _read_manifest(storage: Storage, dir_name: str, step: int, rank: int,
                    record: CommitRecord, files: FileSet | None = None) -> Manifest:
     rel = os.path.join(dir_name, (files or FileSet(rank)).manifest)
-    path = os.path.join(storage.root, rel)
-    manifest = decode_manifest(_read_small(storage, rel), path)
+    return _check_manifest(_read_small(storage, rel), os.path.join(storage.root, rel), step,
+                           rank, record)
+
+
+def _check_manifest(raw: bytes, path: str, step: int, rank: int,
+                    record: CommitRecord) -> Manifest:
+    manifest = decode_manifest(raw, path)
     if (manifest.step, manifest.rank, manifest.save_id, manifest.world_size) != (
         step, rank, record.save_id, record.world_size
     ):
@@ -282,9 +309,10 @@ def _read_manifest(storage: Storage, dir_name: str, step: int, rank: int,
 
 
 def read_header(storage: Storage, dir_name: str, rank: int, manifest: Manifest,
-                files: FileSet | None = None) -> ShardHeader:
-    """Open the shard, check its size, preamble and header against the manifest."""
-    rel = os.path.join(dir_name, (files or FileSet(rank)).shard)
+                files: FileSet | None = None, shard_file: str | None = None) -> ShardHeader:
+    """Open the shard (``shard_file`` in ``dir_name``, default the file set's), check its size,
+    preamble and header against the manifest."""
+    rel = os.path.join(dir_name, shard_file or (files or FileSet(rank)).shard)
     path = os.path.join(storage.root, rel)
     fd, size = storage.open_read(rel, manifest.shard_size)
     try:

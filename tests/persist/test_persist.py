@@ -20,8 +20,10 @@ import structlog
 import torch
 
 import ckpt_pipeline as cp
+from ckpt_pipeline._persist import promote as promote_mod
 from ckpt_pipeline._persist.layout import STEP_COMMIT, decode_step_record
 from ckpt_pipeline._persist.remote import open_remote
+from ckpt_pipeline._persist.stream import ShardStream
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -134,6 +136,50 @@ def _rng_after_seed(seed: int) -> torch.Tensor:
     return torch.get_rng_state()
 
 
+def test_a_restore_from_the_tier_reads_the_shard_while_it_downloads(
+    tmp_path: Path, tier: tuple[str, dict[str, Any] | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load waits only for the bytes each read needs: its reads of the first parts return
+    while later parts are still on their way (each part is announced 20 ms late here, so the
+    order cannot be an accident), and the files are published once everything was read."""
+    real_open = promote_mod.open_remote
+    monkeypatch.setattr(promote_mod, "open_remote", lambda spec, **kw: real_open(
+        spec, **{**kw, "part_bytes": 64 * 1024, "threads": 2}))
+    saved = _save_steps(tmp_path / "local", tier, [10], settle=True)
+    shutil.rmtree(tmp_path / "local")
+    order: list[tuple[str, int]] = []
+    landed, wait = ShardStream._landed, ShardStream.wait
+
+    def slow_landed(self: ShardStream, index: int) -> None:
+        time.sleep(0.02)
+        landed(self, index)
+        order.append(("landed", index))
+
+    def logged_wait(self: ShardStream, start: int, end: int) -> None:
+        wait(self, start, end)
+        order.append(("read", start // self.shard.part_bytes))
+
+    monkeypatch.setattr(ShardStream, "_landed", slow_landed)
+    monkeypatch.setattr(ShardStream, "wait", logged_wait)
+    url, options = tier
+    state = _state(999)
+    with cp.CheckpointPipeline(tmp_path / "local", persistent=url, persistent_options=options,
+                               direct_io=False) as pipe:
+        result = pipe.restore_latest(state)
+    assert result is not None and result.step == 10 and result.downloaded == (0,)
+    now = _flat(state)
+    assert all(torch.equal(now[k], saved[10][k]) for k in now)
+    parts = max(i for kind, i in order if kind == "landed") + 1
+    assert parts >= 15, order  # a 1.3 MB shard in parts of 64 KiB
+    # The header's parts first (the first and the last), then data reads as parts land:
+    assert set([i for kind, i in order if kind == "landed"][:2]) == {0, parts - 1}
+    first_data_read = order.index(next(e for e in order if e[0] == "read" and e[1] > 0))
+    assert first_data_read < order.index(("landed", parts - 2)), order
+    step_dir = tmp_path / "local" / "step-0000000010"
+    assert sorted(p.name for p in step_dir.iterdir()) == [
+        "rank-00000.commit", "rank-00000.manifest", "rank-00000.shard"]
+
+
 def test_persistent_keep_prunes_oldest_complete_steps_commit_object_first(
     tmp_path: Path, tier: tuple[str, dict[str, Any] | None]
 ) -> None:
@@ -175,6 +221,8 @@ def test_a_corrupt_or_missing_object_falls_back_to_the_previous_persisted_step(
     assert "rank-00000.shard" in reason, reason
     now = _flat(state)
     assert all(torch.equal(now[k], saved[10][k]) for k in now)
+    # The failed download took everything it wrote off the disk again.
+    assert not (tmp_path / "local" / "step-0000000020").exists()
 
 
 def test_a_url_as_the_local_root_fails_at_open_and_points_to_persistent() -> None:
