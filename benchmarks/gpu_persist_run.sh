@@ -14,20 +14,21 @@ set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/persist/test_persist.py} -m gpu -rs \
-  > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"
-python3 benchmarks/bench_persist_restore.py --gb "${RESTORE_GB:-4}" --repeats 3 \
-  --out "$OUT/persist_restore.json" > "$OUT/restore.log" 2>&1
-echo "restore bench exit $?" >> "$OUT/restore.log"
+if [ -z "${TRAINING_ONLY:-}" ]; then  # TRAINING_ONLY=1: the training benchmark alone
+  python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/persist/test_persist.py} -m gpu \
+    -rs > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"
+  python3 benchmarks/bench_persist_restore.py --gb "${RESTORE_GB:-4}" --repeats 3 \
+    --out "$OUT/persist_restore.json" > "$OUT/restore.log" 2>&1
+  echo "restore bench exit $?" >> "$OUT/restore.log"
+fi
 (cd benchmarks && python3 bench_training.py \
   --variants "${VARIANTS:-none,ckpt_pipeline,ckpt_pipeline_persist,ckpt_pipeline_persist_shm}" \
   --steps "${STEPS:-600}" --every "${EVERY:-100}" --skip-floors --no-restore-check \
   --budget-s "${BUDGET_S:-360}" --hard-limit-s "${HARD_LIMIT_S:-400}" \
   --out "$OUT/training_persist.json") > "$OUT/bench.log" 2>&1
 echo "bench exit $?" >> "$OUT/bench.log"
-tail -3 "$OUT/gpu_tests.log"
-tail -7 "$OUT/restore.log"
+[ -n "${TRAINING_ONLY:-}" ] || { tail -3 "$OUT/gpu_tests.log"; tail -7 "$OUT/restore.log"; }
 tail -8 "$OUT/bench.log"
 python3 - "$OUT/training_persist.json" <<'PY'
 import json, sys

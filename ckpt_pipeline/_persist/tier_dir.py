@@ -89,10 +89,18 @@ class DirRemote(Remote):
 
         def fill(out: int) -> ObjectSum:
             def part(index: int, start: int, end: int) -> int:
-                copied = _copy_range(fd, out, start, end)
-                digest = _hash_range(fd, start, end, None if copied else out)
+                # A chunk at a time, waiting between chunks while a save writes (the pool
+                # already waited before the part): when a save starts, at most a chunk per
+                # thread is still being copied, not a whole part.
+                digest = xxhash.xxh3_64()
+                for at in range(start, end, _HASH_CHUNK):
+                    stop = min(end, at + _HASH_CHUNK)
+                    if at != start and self.gate is not None:
+                        self.gate()
+                    copied = _copy_range(fd, out, at, stop)
+                    _hash_range(fd, at, stop, None if copied else out, digest)
                 _flush_range(out)
-                return digest
+                return int(digest.intdigest())
 
             return ObjectSum(size, self.part_bytes, tuple(self._run_parts(part, ranges)))
 
@@ -194,15 +202,15 @@ _HASH_CHUNK = 4 * 1024 * 1024
 _chunk = threading.local()
 
 
-def _hash_range(fd: int, start: int, end: int, out: int | None) -> int:
-    """The xxh3-64 of bytes [start, end) of ``fd`` (what ``ObjectSum`` records for a part),
-    read through a small buffer of this thread's: an upload of a 4.8 GB file in parts of
-    64 MiB from 8 threads holds 32 MiB, not 512 MiB that the allocator would keep. With
-    ``out``, the bytes are written there too (where the kernel would not copy them)."""
+def _hash_range(fd: int, start: int, end: int, out: int | None, digest: Any) -> None:
+    """Feed bytes [start, end) of ``fd`` to ``digest`` (an xxh3-64 of the part: what
+    ``ObjectSum`` records), read through a small buffer of this thread's: an upload of a
+    4.8 GB file in parts of 64 MiB from 8 threads holds 32 MiB, not 512 MiB that the allocator
+    would keep. With ``out``, the bytes are written there too (where the kernel would not copy
+    them)."""
     buf = getattr(_chunk, "buf", None)
     if buf is None:
         buf = _chunk.buf = bytearray(_HASH_CHUNK)
-    digest = xxhash.xxh3_64()
     at = start
     with memoryview(buf) as whole:
         while at < end:
@@ -214,7 +222,6 @@ def _hash_range(fd: int, start: int, end: int, out: int | None) -> int:
             if out is not None:
                 pwrite_all(out, view[:got], at)
             at += got
-    return int(digest.intdigest())
 
 
 def _copy_range(src: int, dst: int, start: int, end: int) -> bool:
