@@ -51,6 +51,8 @@ from .handle import CommitInfo as CommitInfo
 from .handle import RejectedStep as RejectedStep
 from .handle import RestoreResult as RestoreResult
 from .handle import SaveHandle as SaveHandle
+from .loading import LoadedCheckpoint as LoadedCheckpoint
+from .loading import load as load
 from .logs import enable_logging as enable_logging
 from .retention import KeepLast as KeepLast
 from .retention import RetentionPolicy as RetentionPolicy
@@ -79,6 +81,7 @@ __all__ = (
     "Event",
     "ForkedProcessError",
     "KeepLast",
+    "LoadedCheckpoint",
     "LocalCoordinator",
     "LocalStorage",
     "PersistFailed",
@@ -121,4 +124,5 @@ __all__ = (
     "UnsafeRootError",
     "__version__",
     "enable_logging",
+    "load",
 )

@@ -352,12 +352,22 @@ class CheckpointPipeline:
         """Block until every pending save is committed and retained; raise the first failure."""
         self._call(self._pipe.wait, timeout)
 
-    def restore_latest(self, state: MutableMapping[str, Any]) -> RestoreResult | None:
+    def restore_latest(self, state: MutableMapping[str, Any], *,
+                       restore_rng: bool | None = None) -> RestoreResult | None:
         """Load the newest complete, verified checkpoint into ``state`` in place.
 
         A restore that raises leaves ``state`` (and the RNG states) as they were.
+        ``restore_rng``: load the saved RNG states too (None: the pipeline's ``restore_rng``).
         """
-        loaded = self._call(self._pipe.load_for_restore, state)
+        return self.restore(state, None, restore_rng=restore_rng)
+
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
+                restore_rng: bool | None = None) -> RestoreResult | None:
+        """``restore_latest``, or with ``step`` that step and no other (RestoreError when it
+        is not held and valid on every rank, or does not load). Steps newer than the restored
+        one are moved aside (kept, invisible to later scans): the run goes on from it."""
+        loaded = self._call(functools.partial(self._pipe.load_for_restore, state, step,
+                                              restore_rng=restore_rng))
         if loaded is None:
             return None
         applied, apply_error = self._pipe.apply_restore(loaded, state)

@@ -35,7 +35,7 @@ from .._threads import in_thread
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
 from ..coordination._agree import gather_shared
-from ..errors import CheckpointError, ConfigError, PipelineClosedError
+from ..errors import CheckpointError, ConfigError, PipelineClosedError, StepOrderError
 from ..events import TemporariesScrubbed
 from ..handle import RestoreResult, SaveHandle
 from ..storage import LocalStorage, Storage
@@ -297,15 +297,27 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
 
     # ------------------------------------------------------------------ restoring
 
-    async def restore_latest(self, state: MutableMapping[str, Any]) -> RestoreResult | None:
+    async def restore_latest(self, state: MutableMapping[str, Any], *,
+                             restore_rng: bool | None = None) -> RestoreResult | None:
         """Load the newest step that every rank holds and verifies into ``state`` in place.
 
         A corrupt, truncated or incomplete step is reported (``CheckpointRejected``) and the
         next older one is tried. Returns None when there is nothing to restore; raises
         RestoreError when checkpoints exist but none can be loaded. A restore that raises
-        leaves ``state`` (and the RNG states) as they were, on every rank.
+        leaves ``state`` (and the RNG states) as they were, on every rank. ``restore_rng``:
+        load the saved RNG states too (None: the pipeline's ``restore_rng``).
         """
-        loaded = await self.load_for_restore(state)
+        return await self.restore(state, None, restore_rng=restore_rng)
+
+    async def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
+                      restore_rng: bool | None = None) -> RestoreResult | None:
+        """``restore_latest``, or with ``step`` that step and no other: RestoreError when it
+        is not held and valid on every rank, or does not load (nothing else is tried).
+
+        Steps newer than the restored one are moved aside (kept, invisible to later scans),
+        as the run goes on from the restored step.
+        """
+        loaded = await self.load_for_restore(state, step, restore_rng=restore_rng)
         if loaded is None:
             return None
         applied, apply_error = self.apply_restore(loaded, state)
@@ -322,18 +334,23 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             raise PipelineClosedError(f"{what} on a pipeline that is not open", step=step,
                                       rank=self.rank, hint="open a new pipeline")
 
-    async def load_for_restore(self, state: Mapping[str, Any]) -> Loaded | None:
+    async def load_for_restore(self, state: Mapping[str, Any], step: int | None = None, *,
+                               restore_rng: bool | None = None) -> Loaded | None:
         """Begin a restore: wait for the saves in flight, then read the newest good step.
 
         From here until ``finish_restore`` (or until this returns None or raises), saves are
         refused with PipelineBusyError, so that nothing the restore scanned changes under it
         and it never moves aside a step that a save of this pipeline is writing.
         """
-        self.check_open("restore_latest()")
+        self.check_open("restore()" if step is not None else "restore_latest()", step)
+        if step is not None and (type(step) is not int or step < 0):
+            raise StepOrderError(f"step must be a non-negative int, got {step!r}",
+                                 rank=self.rank)
         await anyio.to_thread.run_sync(self.ledger.begin_restore)
         try:
             await self.runner.wait_pending(None, raise_errors=False)
-            loaded = await self._recovery.load_latest(state, self._limiter)
+            loaded = await self._recovery.load_latest(state, self._limiter, step=step,
+                                                      restore_rng=restore_rng)
         except BaseException:
             self.ledger.end_restore()
             raise

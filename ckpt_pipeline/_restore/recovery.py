@@ -89,6 +89,8 @@ class Loaded:
     scanned: frozenset[tuple[int, str]] = frozenset()
     """(step, directory) of every step this restore's scan saw: only those, when newer than
     the restored step, are moved aside (never a step created after the scan)."""
+    restore_rng: bool = True
+    """Whether ``apply`` loads the RNG states saved with the step."""
     fetched: dict[int, int] | None = None
     """{rank: holder} of the ranks whose shard came from a copy (every rank's, after the
     load vote)."""
@@ -113,12 +115,15 @@ class Recovery:
         self._emit = emit
 
     async def load_latest(self, state: Mapping[str, Any],
-                          limiter: anyio.CapacityLimiter) -> Loaded | None:
-        """Scan, agree on candidates, and read the newest one that verifies on every rank.
+                          limiter: anyio.CapacityLimiter, *, step: int | None = None,
+                          restore_rng: bool | None = None) -> Loaded | None:
+        """Scan, agree on candidates, and read the newest one that verifies on every rank
+        (with ``step``: that step only, or RestoreError).
 
         Raises RestoreError when steps exist but none loads, StateError when the live state
         does not fit the checkpoint (a usage error: nothing is rejected then).
         """
+        wanted = step
         started = time.perf_counter()
         self._fetched_dirs = frozenset()
         statuses = await in_thread(limiter, _recovery.scan, self.storage, self.rank)
@@ -142,7 +147,17 @@ class Recovery:
             held_any=any(s.complete for s in statuses) or bool(held) or bool(persisted),
             copies=held, persisted=persisted)
         self._check_world_size(agreed)
-        for step, save_id in agreed.steps:
+        candidates = agreed.steps
+        if wanted is not None:
+            candidates = tuple((s, i) for s, i in agreed.steps if s == wanted)
+            if not candidates:
+                listed = ", ".join(str(s) for s, _ in agreed.steps[:20]) or "none"
+                raise RestoreError(
+                    f"step {wanted} cannot be restored: it is not held and valid for every "
+                    f"rank (steps that are: {listed})", step=wanted, rank=self.rank,
+                    path=str(self.storage.root),
+                    hint="pick one of those steps (ckpt-pipeline ls ROOT)")
+        for step, save_id in candidates:
             status = valid.get(step)
             if status is not None and status.save_id != save_id:
                 status = None
@@ -177,6 +192,8 @@ class Recovery:
                                   if isinstance(e, dict) and isinstance(e.get("fetched"), int)}
                 loaded.downloaded = tuple(r for r, e in enumerate(extras)
                                           if isinstance(e, dict) and e.get("downloaded") is True)
+                loaded.restore_rng = (self.config.restore_rng if restore_rng is None
+                                      else restore_rng)
                 return loaded
             path = status.path if status is not None else ""
             rejected.append(self._reject(step, path, _listing(failures)))
@@ -390,7 +407,7 @@ class Recovery:
         """Load into the live objects and the RNG states; runs on the caller's thread (its CUDA
         streams). On failure every change is undone before it raises (a CheckpointError);
         on success the result can undo it until it is released (see ``finish``)."""
-        rng = loaded.train_state.rng if self.config.restore_rng else None
+        rng = loaded.train_state.rng if loaded.restore_rng else None
         try:
             return apply_state(state, loaded.tree, loaded.tensors, step=loaded.step,
                                rank=self.rank, rng=rng, copies=loaded.copies)

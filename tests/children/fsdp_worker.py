@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--shared-root", action="store_true",
+                        help="every rank saves into --root itself (one root for the job), and "
+                             "rank 0 writes the full tensors of the saved model to full.npz")
     args = parser.parse_args()
     cp.enable_logging(logging.WARNING)
     rank = int(os.environ["RANK"])
@@ -74,7 +77,7 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    root = os.path.join(args.root, f"rank-{rank}")
+    root = args.root if args.shared_root else os.path.join(args.root, f"rank-{rank}")
     model, opt = build(args.kind, device, seed=0)
     train_step(model, opt, device, seed=1)
     blocking = []
@@ -85,6 +88,13 @@ def main() -> None:
             pipe.wait_snapshot()
             blocking.append(time.perf_counter() - started)
             handle.result(120)
+    if args.shared_root:  # what cp.load(..., consolidate=True) must assemble
+        import numpy as np
+
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().numpy()
+                for k, v in model.state_dict().items()}
+        if rank == 0:
+            np.savez(os.path.join(os.path.dirname(args.out), "full.npz"), **full)
     fresh, fresh_opt = build(args.kind, device, seed=1)
     with cp.CheckpointPipeline(root, coordination_timeout_s=60) as pipe:
         result = pipe.restore_latest({"model": fresh, "optim": fresh_opt})

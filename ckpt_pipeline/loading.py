@@ -1,0 +1,244 @@
+"""``cp.load``: a checkpoint read without live objects, for inspection, export and inference.
+
+Reads one rank's committed files of a step (the newest by default) from a local root, verifies
+every byte (commit record, manifest, header, every checksummed range of the data) and returns
+the saved structure as nested dicts and lists of tensors and plain values: what ``state_dict()``
+gave at save time. Nothing is written into the root and no RNG state is touched; the RNG states
+the checkpoint holds are in ``train_state``.
+
+With ``consolidate=True`` every rank's shard of the step is read and the DTensor shards are
+assembled into full tensors (the mesh is taken to be the ranks in order, laid out row-major, as
+``init_device_mesh`` builds it; each sharded dimension split as ``torch.chunk`` splits it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from ._format.documents import TensorRef
+from ._format.shard import DistLayout
+from ._restore import scan as _scan
+from ._restore.read import read_shard
+from ._tree import materialize
+from .errors import CheckpointError, CheckpointIntegrityError
+from .storage import LocalStorage
+from .train_state import TrainState
+
+__all__ = ("LoadedCheckpoint", "load")
+
+_THREADS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCheckpoint:
+    """One step of a checkpoint, read and verified (see ``load``).
+
+    ``tree``: the saved structure, tensors on ``map_location``; ``train_state``: the TrainState
+    saved with it (step, samples, RNG states, ``extra``); ``rank``: whose shard this is (None
+    when consolidated); ``world_size``: how many ranks saved the step; ``path``: the step's
+    directory; ``bytes``: the data bytes read.
+    """
+
+    step: int
+    rank: int | None
+    world_size: int
+    save_id: str
+    path: str
+    tree: dict[str, Any]
+    train_state: TrainState
+    bytes: int
+
+
+def load(root: str | os.PathLike[str], step: int | None = None, *, rank: int = 0,
+         map_location: str | torch.device = "cpu", consolidate: bool = False
+         ) -> LoadedCheckpoint:
+    """Read ``rank``'s shard of ``step`` (None: the newest step committed by that rank) from
+    the local root ``root``, every byte verified, into ``map_location``.
+
+    ``consolidate=True`` reads every rank's shard and assembles DTensor shards into full
+    tensors (``rank`` is then ignored). Raises CheckpointError naming the step and path when
+    the step does not exist, is incomplete, or does not verify; the root is never changed.
+    """
+    device = torch.device(map_location)
+    storage = LocalStorage(root)
+    if not os.path.isdir(storage.root):
+        raise CheckpointError(f"{storage.root} is not a checkpoint root (no such directory)",
+                              path=str(storage.root), hint="pass the directory given as root")
+    if type(rank) is not int or rank < 0:
+        raise CheckpointError(f"rank={rank!r}: give a rank number (0, 1, ...)",
+                              path=str(storage.root))
+    loaded: LoadedCheckpoint = _run(_load(storage, step, rank, device, consolidate))
+    return loaded
+
+
+def _run(coro: Any) -> Any:
+    """Run ``coro`` on an event loop of its own (in a thread when one runs on this one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return anyio.run(lambda: coro)
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = anyio.run(lambda: coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, name="ckpt-load")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+async def _load(storage: LocalStorage, step: int | None, rank: int, device: torch.device,
+                consolidate: bool) -> LoadedCheckpoint:
+    limiter = anyio.CapacityLimiter(_THREADS)
+    steps = await anyio.to_thread.run_sync(_scan.committed_steps, storage, rank,
+                                           limiter=limiter)
+    root = str(storage.root)
+    if not steps:
+        raise CheckpointError(f"no committed step of rank {rank} under {root}", rank=rank,
+                              path=root, hint="check the root (ckpt-pipeline ls ROOT)")
+    if step is None:
+        step = max(steps)
+    elif step not in steps:
+        listed = ", ".join(str(s) for s in sorted(steps, reverse=True)[:20])
+        raise CheckpointError(f"step {step} is not committed by rank {rank} under {root} "
+                              f"(committed: {listed})", step=step, rank=rank, path=root,
+                              hint="pick one of the committed steps (ckpt-pipeline ls ROOT)")
+    own, parts = await _read_rank(storage, step, steps[step], rank, device, limiter)
+    if not consolidate:
+        return own
+    if own.world_size == 1:
+        return _replace_rank(own, None)
+    loads = [(own, parts) if r == rank else await _read_rank(storage, step, steps[step], r,
+                                                             device, limiter)
+             for r in range(own.world_size)]
+    if len({loaded.save_id for loaded, _ in loads}) != 1:
+        raise CheckpointIntegrityError(f"the ranks' files of step {step} come from different "
+                                       "saves", step=step, path=own.path)
+    tree = _consolidate([p for _, p in loads], step, own.path)
+    return LoadedCheckpoint(step, None, own.world_size, own.save_id, own.path, tree,
+                            own.train_state, sum(loaded.bytes for loaded, _ in loads))
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """A rank's tree as decoded (tensor references) with its tensors and their layouts."""
+
+    tree: Any
+    tensors: list[torch.Tensor]
+    layouts: list[DistLayout | None]
+
+
+async def _read_rank(storage: LocalStorage, step: int, dir_name: str, rank: int,
+                     device: torch.device, limiter: anyio.CapacityLimiter
+                     ) -> tuple[LoadedCheckpoint, _Parts]:
+    status = await anyio.to_thread.run_sync(_scan.scan_files, storage, _scan.FileSet(rank),
+                                            step, dir_name, limiter=limiter)
+    if not status.valid or status.header is None:
+        raise CheckpointIntegrityError(f"step {step} of rank {rank} does not verify: "
+                                       f"{status.reason}", step=step, rank=rank,
+                                       path=status.path,
+                                       hint="load another step (ckpt-pipeline ls ROOT)")
+    header = status.header
+    shard = await read_shard(storage, status, rank, devices=[device] * len(header.tensors),
+                             threads=_THREADS, limiter=limiter)
+    tree, train_state = _scan.decode_contents(status, rank)
+    loaded = LoadedCheckpoint(step, rank, status.world_size or 1, status.save_id or "",
+                              status.path, materialize(tree, shard.tensors), train_state,
+                              status.data_bytes)
+    return loaded, _Parts(tree, shard.tensors, [rec.dist for rec in header.tensors])
+
+
+def _replace_rank(loaded: LoadedCheckpoint, rank: int | None) -> LoadedCheckpoint:
+    return LoadedCheckpoint(loaded.step, rank, loaded.world_size, loaded.save_id, loaded.path,
+                            loaded.tree, loaded.train_state, loaded.bytes)
+
+
+# ------------------------------------------------------------------------- consolidation
+
+
+def _consolidate(ranks: list[_Parts], step: int, where: str) -> dict[str, Any]:
+    """Every rank's tree, walked together: a DTensor shard becomes the full tensor; anything
+    else is rank 0's (plain values and replicated tensors are the same on every rank)."""
+
+    def merge(path: str, nodes: list[Any]) -> Any:
+        first = nodes[0]
+        if isinstance(first, TensorRef):
+            if not all(isinstance(n, TensorRef) for n in nodes):
+                raise CheckpointIntegrityError(f"{path}: the ranks saved different structures",
+                                               step=step, path=where)
+            tensors = [r.tensors[n.index] for r, n in zip(ranks, nodes)]
+            layouts = [r.layouts[n.index] for r, n in zip(ranks, nodes)]
+            if layouts[0] is None:
+                return tensors[0]
+            return _assemble(path, tensors, layouts, step, where)
+        if isinstance(first, dict):
+            if not all(isinstance(n, dict) and n.keys() == first.keys() for n in nodes):
+                raise CheckpointIntegrityError(f"{path or 'the state'}: the ranks saved "
+                                               "different structures", step=step, path=where)
+            return {k: merge(f"{path}.{k}" if path else str(k), [n[k] for n in nodes])
+                    for k in first}
+        if isinstance(first, (list, tuple)):
+            if not all(isinstance(n, (list, tuple)) and len(n) == len(first) for n in nodes):
+                raise CheckpointIntegrityError(f"{path}: the ranks saved different structures",
+                                               step=step, path=where)
+            items = [merge(f"{path}.{i}", [n[i] for n in nodes]) for i in range(len(first))]
+            return items if isinstance(first, list) else tuple(items)
+        return first
+
+    merged: dict[str, Any] = merge("", [r.tree for r in ranks])
+    return merged
+
+
+def _assemble(path: str, parts: list[torch.Tensor], layouts: list[DistLayout | None],
+              step: int, where: str) -> torch.Tensor:
+    layout = layouts[0]
+    assert layout is not None
+    world = len(parts)
+    if math.prod(layout.mesh_shape) != world or any(lay != layout for lay in layouts):
+        raise CheckpointError(
+            f"{path}: a DTensor on a mesh of {list(layout.mesh_shape)} cannot be assembled from "
+            f"{world} ranks' shards", step=step, path=where,
+            hint="load each rank with rank=R and assemble the shards yourself")
+    sharded = [(i, int(p[1:])) for i, p in enumerate(layout.placements) if p != "R"]
+    if len({d for _, d in sharded}) != len(sharded):
+        raise CheckpointError(f"{path}: two mesh dimensions shard tensor dimension "
+                              f"{sharded[0][1]}; assembling that is not supported", step=step,
+                              path=where, hint="load each rank with rank=R")
+    full = torch.empty(layout.global_shape, dtype=parts[0].dtype, device=parts[0].device)
+    for rank, part in enumerate(parts):
+        coords = _coords(rank, layout.mesh_shape)
+        index: list[slice] = [slice(None)] * len(layout.global_shape)
+        for mesh_dim, dim in sharded:
+            size = layout.global_shape[dim]
+            chunk = -(-size // layout.mesh_shape[mesh_dim])
+            start = min(size, coords[mesh_dim] * chunk)
+            index[dim] = slice(start, min(size, start + chunk))
+        target = full[tuple(index)]
+        if target.shape != part.shape:
+            raise CheckpointIntegrityError(
+                f"{path}: rank {rank}'s shard has shape {list(part.shape)}, its place in the "
+                f"full tensor {list(target.shape)}", step=step, path=where)
+        target.copy_(part)
+    return full
+
+
+def _coords(rank: int, mesh_shape: tuple[int, ...]) -> list[int]:
+    coords = []
+    for size in reversed(mesh_shape):
+        coords.append(rank % size)
+        rank //= size
+    return list(reversed(coords))
