@@ -1,8 +1,11 @@
-"""The ``ckpt-pipeline`` command: list the checkpoints under a root, and verify them.
+"""The ``ckpt-pipeline`` command: list the checkpoints under a root, verify, show and export
+them.
 
 ``ls`` takes a cheap look (names, sizes, commit records, manifests, shard headers); ``verify``
-reads every byte of tensor data and checks it against its checksum, as a restore would. Both
-only read: nothing under the root is created, changed or removed. Given a URL (a persistent
+reads every byte of tensor data and checks it against its checksum, as a restore would;
+``show`` prints a step's tensors and TrainState from its header; ``export`` writes a step's
+tensors as safetensors or torch files. All only read the root: nothing under it is created,
+changed or removed. Given a URL (a persistent
 tier, ``_remote``), they list its steps, and download and verify them in a temporary
 directory.
 
@@ -22,8 +25,10 @@ from collections.abc import Callable
 from .._persist.remote import is_url
 from ..errors import CheckpointError
 from ..storage import LocalStorage, Storage
+from ._export import _cmd_export
 from ._ls import _cmd_ls
 from ._remote import _cmd_ls_remote, _cmd_verify_remote
+from ._show import _cmd_show
 from ._status import EXIT_FAILED, EXIT_USAGE, _UsageError
 from ._verify import _cmd_verify
 
@@ -72,6 +77,48 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--all", action="store_true", help="verify every step")
     verify.set_defaults(handler=_cmd_verify)
 
+    show = commands.add_parser(
+        "show", help="the tensors and TrainState of a step (from its header)",
+        description="Print every tensor of the newest step (or --step N) with its path, "
+                    "dtype, shape and bytes, and the TrainState with its extra fields. Reads "
+                    "the step's header only.")
+    show.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
+    show.add_argument("--step", type=_nonneg_int, metavar="N", help="show step N")
+    show.set_defaults(handler=_cmd_show)
+
+    export = commands.add_parser(
+        "export", help="write a step's tensors as safetensors or torch files",
+        description="Read the newest step (or --step N), verify it, and write its tensors "
+                    "to OUT as safetensors (Hugging Face layout, sharded with an index file "
+                    "past --max-shard-size) or as a torch file that torch.load(..., "
+                    "weights_only=True) reads. Tied weights are stored once. The root is "
+                    "only read.")
+    export.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
+    export.add_argument("out", metavar="OUT",
+                        help="the file to write (model.safetensors, pytorch_model.bin); shards "
+                             "and the index file go beside it")
+    export.add_argument("--step", type=_nonneg_int, metavar="N", help="export step N")
+    export.add_argument("--to", choices=("safetensors", "torch"), default="safetensors",
+                        help="the format (default safetensors)")
+    export.add_argument("--only", metavar="SUBTREE",
+                        help="export this subtree of the saved state only (e.g. model)")
+    export.add_argument("--strip-prefix", metavar="PREFIX",
+                        help="remove PREFIX from tensor names (e.g. _orig_mod. of "
+                             "torch.compile)")
+    export.add_argument("--dtype", metavar="DTYPE",
+                        help="cast floating-point tensors to bf16, fp16 or fp32")
+    export.add_argument("--max-shard-size", metavar="SIZE",
+                        help="split into files of at most SIZE (5GB, 500MiB) with an index")
+    export.add_argument("--force", action="store_true", help="replace existing files")
+    export.set_defaults(handler=_cmd_export)
+
+    for sub in (show, export):
+        sub.add_argument("--rank", type=_nonneg_int, default=None, metavar="R",
+                         help="the files of rank R (default 0)" if sub is show else
+                         argparse.SUPPRESS)
+        sub.add_argument("--json", action="store_true", help="print JSON for scripts")
+        sub.set_defaults(option=None)
+
     for sub in (ls, verify):
         sub.add_argument("root", metavar="ROOT",
                          help="the checkpoint root directory, or the URL (or shared directory, "
@@ -99,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     handler: Callable[[Storage, argparse.Namespace], int] = args.handler
     try:
         if is_url(args.root):
+            if handler not in (_cmd_ls, _cmd_verify):
+                raise _UsageError(f"{args.command} reads a local root, not a URL")
             remote = _cmd_ls_remote if handler is _cmd_ls else _cmd_verify_remote
             return remote(args.root, args)
         if args.option:

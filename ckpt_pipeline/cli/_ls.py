@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .._format.documents import CommitRecord, decode_commit
 from .._format.names import (
@@ -29,6 +30,7 @@ from .._restore import scan as _recovery
 from .._save.retain import read_markers
 from ..errors import CheckpointError
 from ..storage import Storage
+from ..train_state import TrainState
 from ._output import _human_age, _human_bytes, _print_json, _ranks_text, _rounded, _table
 from ._status import EXIT_OK
 
@@ -77,6 +79,10 @@ class _Listing:
     """Why a running job's retention could not remove this step (its marker in the root)."""
     copies: tuple[_Copy, ...] = ()
     """The copies of other ranks' shards this rank holds in the directory, by source rank."""
+    samples: int | None = None
+    """The TrainState's consumed_train_samples (a complete step)."""
+    extra: dict[str, Any] | None = None
+    """The TrainState's ``extra`` (a complete step), to choose a step by its loss."""
 
     def age_seconds(self, now: float) -> float | None:
         when = self.committed_unix if self.committed_unix is not None else self.mtime_unix
@@ -134,9 +140,10 @@ def _listing(storage: Storage, rank: int, step: int, dir_name: str,
     except OSError:
         mtime = None
     if status is not None and status.valid:
+        samples, extra = _train_state(status)
         return _Listing(step, dir_name, path, "complete", None, size, status.committed_unix,
                         mtime, status.save_id, status.world_size, tuple(sorted(committed)),
-                        tuple(sorted(present)), copies=held)
+                        tuple(sorted(present)), copies=held, samples=samples, extra=extra)
     reason: str | None
     if status is None:
         state, reason = "rejected", "moved aside by recovery"
@@ -155,6 +162,30 @@ def _listing(storage: Storage, rank: int, step: int, dir_name: str,
                     None if record is None else record.save_id,
                     None if record is None else record.world_size,
                     tuple(sorted(committed)), tuple(sorted(present)), copies=held)
+
+
+def _train_state(status: _recovery.StepStatus) -> tuple[int | None, dict[str, Any] | None]:
+    """(consumed samples, extra) of a complete step's TrainState; (None, None) when it does
+    not decode (``verify`` says why)."""
+    if status.header is None:
+        return None, None
+    try:
+        state = TrainState.from_plain(status.header.train_state)
+    except Exception:
+        return None, None
+    return state.consumed_train_samples, dict(state.extra)
+
+
+def _extra_text(row: _Listing, width: int = 40) -> str:
+    """The EXTRA cell: samples, then the scalar fields of ``extra`` (``loss=2.31``)."""
+    parts = [f"samples={row.samples}"] if row.samples else []
+    for key, value in (row.extra or {}).items():
+        if isinstance(value, float):
+            parts.append(f"{key}={value:.4g}")
+        elif isinstance(value, (int, str, bool)) and len(str(value)) <= 24:
+            parts.append(f"{key}={value}")
+    text = " ".join(parts) or "-"
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _copy(storage: Storage, status: _recovery.StepStatus, sizes: dict[str, int]) -> _Copy:
@@ -222,6 +253,8 @@ def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
                 "ranks_committed": list(r.ranks_committed),
                 "ranks_present": list(r.ranks_present),
                 "retention_failed": r.retention_failed,
+                "consumed_train_samples": r.samples,
+                "extra": r.extra,
                 "copies": [{
                     "source": c.source,
                     "holder": c.holder,
@@ -241,6 +274,10 @@ def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     headers = ["STEP", "STATUS", "SIZE", "AGE", "RANKS", "SAVE ID"]
     table = [[str(r.step), r.status, _human_bytes(r.bytes), _human_age(r.age_seconds(now)),
               _ranks_text(r.ranks_committed, r.world_size), r.save_id or "-"] for r in rows]
+    if any(r.samples or r.extra for r in rows):  # only when some step has something to say
+        headers.append("EXTRA")
+        for cells, r in zip(table, rows):
+            cells.append(_extra_text(r))
     if any(r.copies for r in rows):
         headers.append("COPIES")
         for cells, r in zip(table, rows):
