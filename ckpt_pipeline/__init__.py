@@ -54,8 +54,13 @@ from .handle import SaveHandle as SaveHandle
 from .loading import LoadedCheckpoint as LoadedCheckpoint
 from .loading import load as load
 from .logs import enable_logging as enable_logging
+from .retention import KeepAny as KeepAny
+from .retention import KeepBest as KeepBest
+from .retention import KeepEvery as KeepEvery
 from .retention import KeepLast as KeepLast
+from .retention import MetricPolicy as MetricPolicy
 from .retention import RetentionPolicy as RetentionPolicy
+from .retention import StepInfo as StepInfo
 from .storage import LocalStorage as LocalStorage
 from .storage import Storage as Storage
 from .train_state import RNGState as RNGState
@@ -80,10 +85,14 @@ __all__ = (
     "DistributedCoordinator",
     "Event",
     "ForkedProcessError",
+    "KeepAny",
+    "KeepBest",
+    "KeepEvery",
     "KeepLast",
     "LoadedCheckpoint",
     "LocalCoordinator",
     "LocalStorage",
+    "MetricPolicy",
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",
@@ -115,6 +124,7 @@ __all__ = (
     "SnapshotTaken",
     "SnapshotTornError",
     "StateError",
+    "StepInfo",
     "StepOrderError",
     "StepPersisted",
     "Storage",

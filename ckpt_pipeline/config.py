@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from .errors import ConfigError
-from .retention import KeepLast, RetentionPolicy
+from .retention import KeepAny, KeepLast, MetricPolicy, RetentionPolicy
 
 __all__ = ("BusyPolicy", "PipelineConfig", "PipelineOptions", "SnapshotMode")
 
@@ -24,8 +24,11 @@ class PipelineConfig:
     - ``keep_last``: committed steps kept on disk; older ones are pruned once a newer one is
       committed. The newest committed step is never pruned. Shorthand for
       ``retention=KeepLast(keep_last)``.
-    - ``retention``: a retention policy (``ckpt_pipeline.retention``) instead of
-      ``keep_last``; ``None`` means ``KeepLast(keep_last)``.
+    - ``retention``: a retention policy (``ckpt_pipeline.retention``), or a list or tuple of
+      them (a step is kept if any of them keeps it), instead of ``keep_last``; ``None`` means
+      ``KeepLast(keep_last)``. The newest complete step is never pruned. A policy that ranks
+      steps by a metric (``KeepBest(3, metric="loss")``) needs that value in rank 0's
+      ``TrainState.extra`` at every save: a save without it fails.
     - ``buffer_slots``: host buffers in the pool (1, or 2 to let a save start while the previous
       one is still being written). Each slot is as large as the state, or ``host_buffer_bytes``.
     - ``host_buffer_bytes``: cap on the size of each slot (None: as large as the state). A
@@ -92,7 +95,7 @@ class PipelineConfig:
     """
 
     keep_last: int = 3
-    retention: RetentionPolicy | None = None
+    retention: RetentionPolicy | Sequence[RetentionPolicy] | None = None
     buffer_slots: int = 1
     host_buffer_bytes: int | None = None
     when_busy: BusyPolicy = "block"
@@ -123,15 +126,24 @@ class PipelineConfig:
 
     @property
     def retention_policy(self) -> RetentionPolicy:
-        """The policy the retain stage applies (``retention``, or ``KeepLast(keep_last)``)."""
-        return self.retention if self.retention is not None else KeepLast(self.keep_last)
+        """The policy the retain stage applies: ``retention`` (several combined by
+        ``KeepAny``), or ``KeepLast(keep_last)``."""
+        policy = self.retention
+        if policy is None:
+            return KeepLast(self.keep_last)
+        if isinstance(policy, RetentionPolicy):
+            return policy
+        return KeepAny(tuple(policy))
+
+    @property
+    def retention_metrics(self) -> tuple[str, ...]:
+        """The ``TrainState.extra`` keys the retention policy needs with every save."""
+        policy = self.retention_policy
+        return tuple(policy.metrics) if isinstance(policy, MetricPolicy) else ()
 
     def __post_init__(self) -> None:
         _positive_int("keep_last", self.keep_last, "keep at least one checkpoint: keep_last=1")
-        if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
-            raise ConfigError(f"retention={self.retention!r} is not a retention policy",
-                              hint="pass e.g. ckpt_pipeline.KeepLast(3), or an object with "
-                                   "keep(steps) -> set of steps")
+        self._check_retention()
         _positive_int("buffer_slots", self.buffer_slots, "use 1, or 2 for double buffering")
         _positive_int("io_threads", self.io_threads, "for example io_threads=8")
         _positive_int("queue_depth", self.queue_depth, "for example queue_depth=4")
@@ -192,6 +204,27 @@ class PipelineConfig:
                 raise ConfigError(f"{name} must be True or False")
 
 
+    def _check_retention(self) -> None:
+        policy = self.retention
+        if policy is None:
+            return
+        hint = ("pass e.g. KeepLast(3), a list such as [KeepLast(2), KeepEvery(1000)], or an "
+                "object with keep(steps) -> set of steps")
+        if isinstance(policy, (list, tuple)):
+            if not policy:
+                raise ConfigError("retention=[] names no policy", hint=hint)
+            for index, item in enumerate(policy):
+                if not isinstance(item, RetentionPolicy):
+                    raise ConfigError(f"retention[{index}]={item!r} is not a retention policy",
+                                      hint=hint)
+            policies: tuple[RetentionPolicy, ...] = tuple(policy)
+            object.__setattr__(self, "retention", policies)  # frozen: a tuple, not a list
+        elif isinstance(policy, RetentionPolicy):
+            policies = (policy,)
+        else:
+            raise ConfigError(f"retention={policy!r} is not a retention policy", hint=hint)
+        KeepAny(policies)  # checks what metric policies name
+
     def _check_persistent(self) -> None:
         url = self.persistent
         if url is not None and (not isinstance(url, str) or not url.strip()):
@@ -229,7 +262,7 @@ class PipelineOptions(TypedDict, total=False):
     """
 
     keep_last: int
-    retention: RetentionPolicy | None
+    retention: RetentionPolicy | Sequence[RetentionPolicy] | None
     buffer_slots: int
     host_buffer_bytes: int | None
     when_busy: BusyPolicy

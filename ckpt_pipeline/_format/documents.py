@@ -10,9 +10,10 @@ each document is then validated field by field into its dataclass. The field che
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -243,13 +244,18 @@ class Manifest:
 
 @dataclass(frozen=True, slots=True)
 class CommitRecord:
-    """Written last, after every rank reported its shard durable: the step is complete."""
+    """Written last, after every rank reported its shard durable: the step is complete.
+
+    ``metrics``: the values the retention policies rank steps by, from rank 0's
+    ``TrainState.extra`` at this save (the same on every rank); empty when none asked.
+    """
 
     step: int
     rank: int
     world_size: int
     save_id: str
     committed_unix: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -260,9 +266,13 @@ def encode_manifest(m: Manifest) -> bytes:
 
 
 def encode_commit(c: CommitRecord) -> bytes:
-    return _pack({"format": FORMAT_VERSION, "kind": "commit", "step": c.step, "rank": c.rank,
-                  "world_size": c.world_size, "save_id": c.save_id,
-                  "committed_unix": float(c.committed_unix)})
+    """The record; ``metrics`` only when there are some (records stay as before without)."""
+    doc: dict[str, Any] = {"format": FORMAT_VERSION, "kind": "commit", "step": c.step,
+                           "rank": c.rank, "world_size": c.world_size, "save_id": c.save_id,
+                           "committed_unix": float(c.committed_unix)}
+    if c.metrics:
+        doc["metrics"] = {str(name): float(value) for name, value in c.metrics.items()}
+    return _pack(doc)
 
 
 def _small(raw: bytes, kind: str, path: str) -> dict[str, Any]:
@@ -294,4 +304,20 @@ def decode_manifest(raw: bytes, path: str) -> Manifest:
 
 def decode_commit(raw: bytes, path: str) -> CommitRecord:
     d = _small(raw, "commit", path)
-    return CommitRecord(*_placement(d, path), _req(d, "committed_unix", float, path))
+    return CommitRecord(*_placement(d, path), _req(d, "committed_unix", float, path),
+                        _metrics(d, path))
+
+
+def _metrics(d: Mapping[str, Any], path: str) -> dict[str, float]:
+    """The optional ``metrics`` field: a map of non-empty names to finite floats ({} when
+    absent, as in records written before the field existed)."""
+    if "metrics" not in d:
+        return {}
+    value = d["metrics"]
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and k and type(v) is float and math.isfinite(v)
+        for k, v in value.items()
+    ):
+        raise CheckpointIntegrityError("field 'metrics' is not a map of names to finite "
+                                       "floats", path=path)
+    return dict(value)

@@ -134,7 +134,8 @@ class Stages:
 
     async def commit(self, job: SaveJob) -> None:
         replicas = await commit(job, self.storage, self.coordinator, limiter=self.limiter,
-                                replication=self.replication, promoter=self.promoter)
+                                replication=self.replication, promoter=self.promoter,
+                                metrics=self.config.retention_metrics)
         job.push = None
         if job.error is not None:
             return

@@ -5,12 +5,19 @@ durable copy of each rank's shard. The step commits when every rank's own shard 
 each holder then writes the commit record of the copies it acknowledged (and removes any other
 copy of the step), and the second vote carries the copies that could not be committed. Every
 rank thus ends with the same list of missing copies (``Replicas``).
+
+The values the retention policies rank steps by (``metrics``) are read from rank 0's
+``TrainState.extra`` and ride along with rank 0's first vote; every rank writes them into its
+commit record, so that every rank, now and after a restart, prunes by the same values. A save
+whose rank-0 ``extra`` lacks one fails on every rank, before any commit record is written.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +31,7 @@ from .._replicate.replication import Replication
 from .._threads import in_thread
 from ..coordination import Coordinator
 from ..coordination._agree import gather_outcome
-from ..errors import CheckpointError, SaveError
+from ..errors import CheckpointError, SaveError, StateError
 from ..storage import Storage
 from .job import SaveJob
 from .seal import publish_small
@@ -50,7 +57,8 @@ class Replicas:
 async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                  limiter: anyio.CapacityLimiter,
                  replication: Replication | None = None,
-                 promoter: Promoter | None = None) -> Replicas:
+                 promoter: Promoter | None = None,
+                 metrics: Sequence[str] = ()) -> Replicas:
     """Vote with the other ranks; write this rank's commit record if every rank succeeded.
 
     A job that failed earlier still votes (with its error), so the other ranks learn of it and
@@ -59,19 +67,30 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
     complete (and older steps may be pruned) only when every rank's record is durable. On any
     failure the caller removes this rank's files of the step, commit record first; the copies
     this rank holds of the step are removed here. Shielded from cancellation: once the vote
-    starts, the commit finishes or fails cleanly.
+    starts, the commit finishes or fails cleanly. ``metrics``: the ``TrainState.extra``
+    keys to record (see the module docstring); rank 0 checks them before it votes.
     """
     with anyio.CancelScope(shield=True):
         own = None if job.error is None else f"{job.failed_stage}: {job.error.message}"
+        values: dict[str, float] | None = None
+        bad_metric: StateError | None = None
+        if job.error is None and job.rank == 0 and metrics:
+            try:
+                values = _metric_values(job, metrics, storage)
+            except StateError as exc:
+                bad_metric = exc
+                own = f"commit: {exc.message}"
         pushed: PushOutcome | None = None
         if job.push is not None:
             if job.error is None:
                 pushed = await in_thread(limiter, job.push.collect)
             else:
                 job.push.abort(f"the save failed on rank {job.rank}")
-        sent = None if pushed is None else {
+        sent: dict[str, Any] | None = None if pushed is None else {
             "acked": list(pushed.acked),
             "errors": {str(h): e for h, e in pushed.errors.items()}}
+        if values is not None:
+            sent = {**(sent or {}), "metrics": values}
         reports: list[Any] = []
         failures, _, first = await gather_outcome(
             coordinator, job.step, job.save_id, own, what="commit", extra=sent,
@@ -83,6 +102,8 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             replication.forget(job.step, job.save_id)
         if job.error is not None:
             return Replicas()
+        if bad_metric is not None:
+            raise bad_metric
         if failures:
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
             error = SaveError(f"rank(s) {sorted(failures)} failed this save ({detail}); no "
@@ -92,10 +113,11 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                               ranks=tuple(sorted(failures)))
             raise error
         crash_point("commit.voted")
-        record = encode_commit(CommitRecord(job.step, job.rank, job.world_size, job.save_id,
-                                            time.time()))
         written: CheckpointError | None = None
         try:
+            recorded = _recorded_metrics(job, first[0], metrics, storage)
+            record = encode_commit(CommitRecord(job.step, job.rank, job.world_size,
+                                                job.save_id, time.time(), recorded))
             await publish_small(job, storage, commit_name(job.rank), record, limiter=limiter)
         except CheckpointError as exc:
             written = exc
@@ -134,3 +156,61 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
         missing, reasons, holders = replication.missing(first, second)
         return Replicas(holders, missing, reasons, pushed)
     return Replicas()  # not reached: the shielded scope above is never cancelled itself
+
+
+def _metric_values(job: SaveJob, names: Sequence[str], storage: Storage) -> dict[str, float]:
+    """The values of ``names`` in this rank's TrainState.extra (rank 0's decide)."""
+    extra = job.train_state.get("extra")
+    extra = extra if isinstance(extra, Mapping) else {}
+    out: dict[str, float] = {}
+    path = os.path.join(storage.root, job.files.dir_name)
+    for name in names:
+        if name not in extra:
+            raise StateError(
+                f"the retention policy ranks steps by {name!r}, but rank 0's "
+                f"TrainState.extra at step {job.step} has no {name!r} (its keys: "
+                f"{sorted(map(str, extra))}); the save is not committed", step=job.step,
+                rank=job.rank, path=path,
+                hint=f"pass it with every save, e.g. TrainState(step=..., extra={{{name!r}: "
+                     "value}), or drop the KeepBest policy that names it; the previous "
+                     "checkpoint is intact")
+        value = extra[name]
+        number = _finite(value)
+        if number is None:
+            raise StateError(
+                f"the retention policy ranks steps by {name!r}, but rank 0's "
+                f"TrainState.extra[{name!r}] at step {job.step} is {value!r}, not a finite "
+                "int or float; the save is not committed", step=job.step, rank=job.rank,
+                path=path,
+                hint="pass a real number (a Python float, e.g. loss.item()); the previous "
+                     "checkpoint is intact")
+        out[name] = number
+    return out
+
+
+def _finite(value: object) -> float | None:
+    """``value`` as a float if it is a finite real number (an int or float, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _recorded_metrics(job: SaveJob, sent: Any, names: Sequence[str],
+                      storage: Storage) -> dict[str, float]:
+    """The metric values rank 0 sent with its vote, checked: what every rank records."""
+    values = sent.get("metrics", {}) if isinstance(sent, Mapping) else {}
+    if not isinstance(values, Mapping) or not all(
+        isinstance(k, str) and k and type(v) is float and math.isfinite(v)
+        for k, v in values.items()
+    ) or (names and not set(names) <= set(values)):
+        raise SaveError(f"rank 0 sent malformed or missing metric values {values!r} with its "
+                        f"commit vote (expected {list(names)})", step=job.step, rank=job.rank,
+                        path=os.path.join(storage.root, job.files.dir_name),
+                        hint="run the same version of ckpt_pipeline and the same retention "
+                             "policies on every rank; the previous checkpoint is intact",
+                        ranks=(0,))
+    return dict(values)

@@ -1,6 +1,10 @@
 """Stage 5, retain: prune the committed steps the retention policy does not keep, never the
 newest complete one.
 
+A policy that ranks steps by a metric (``MetricPolicy``) gets each step's values from its
+commit record (``recorded_metrics``), never from memory: every rank, and a pipeline opened
+after a restart, decides from the same values.
+
 A step that cannot be removed stays on disk and is reported, never silently: the stage emits
 ``RetentionFailed`` and leaves a marker file in the root (``.retain-failed-rNNNNN-step-…``,
 holding the error) that ``ckpt-pipeline ls`` shows, until a later prune removes the step.
@@ -10,18 +14,20 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Set
 from dataclasses import dataclass
 
 from .._crash import crash_point
+from .._format.documents import decode_commit
+from .._format.limits import MAX_SMALL_FILE_BYTES
 from .._format.names import step_dir_name
 from .._restore.scan import committed_steps, owned_sets, step_dirs, tidy_step_dir
 from ..errors import CheckpointError
-from ..retention import RetentionPolicy
+from ..retention import MetricPolicy, RetentionPolicy, StepInfo
 from ..storage import Storage
 
 __all__ = ("PruneFailed", "Pruned", "clear_marker", "marker_name", "prune", "read_markers",
-           "write_marker")
+           "recorded_metrics", "write_marker")
 
 _MARKER = re.compile(r"^\.retain-failed-r([0-9]{5,})-(step-[0-9]{10,})$")
 _MARKER_MAX_BYTES = 4096
@@ -57,7 +63,7 @@ def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int,
     uploaded to the persistent tier) are kept until a later prune. Runs in a worker thread.
     """
     steps = {**_held_steps(storage, rank), **committed_steps(storage, rank)}
-    keep = policy.keep(tuple(sorted(steps, reverse=True)))
+    keep = _kept(storage, rank, policy, steps)
     out: list[Pruned] = []
     failed: list[PruneFailed] = []
     for step, dir_name in sorted(steps.items(), reverse=True):
@@ -71,6 +77,44 @@ def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int,
             continue
         out.append(Pruned(step, path, size))
     return out, failed
+
+
+def _kept(storage: Storage, rank: int, policy: RetentionPolicy,
+          steps: Mapping[int, str]) -> Set[int]:
+    """Ask the policy (see ``ckpt_pipeline.retention`` for the call order)."""
+    newest_first = sorted(steps, reverse=True)
+    if not isinstance(policy, MetricPolicy):
+        return policy.keep(tuple(newest_first))
+    return policy.keep_infos(tuple(
+        StepInfo(step, recorded_metrics(storage, rank, step, steps[step]))
+        for step in newest_first))
+
+
+def recorded_metrics(storage: Storage, rank: int, step: int,
+                     dir_name: str) -> dict[str, float]:
+    """The metric values in the commit record of ``step`` that this rank holds: its own, else
+    a copy's. Empty when no record has any, or none can be read (such a step is never among
+    the best; another policy may still keep it)."""
+    names = {e.name for e in storage.list_dir(dir_name)}
+    for files in owned_sets(names, rank):  # its own first
+        if files.commit not in names:
+            continue
+        rel = os.path.join(dir_name, files.commit)
+        try:
+            fd, size = storage.open_read(rel)
+            try:
+                if size > MAX_SMALL_FILE_BYTES:
+                    continue
+                buf = bytearray(size)
+                storage.pread_into(fd, memoryview(buf), 0)
+            finally:
+                storage.close(fd)
+            record = decode_commit(bytes(buf), os.path.join(str(storage.root), rel))
+        except CheckpointError:
+            continue
+        if record.step == step and record.metrics:
+            return dict(record.metrics)
+    return {}
 
 
 def _held_steps(storage: Storage, rank: int) -> dict[int, str]:
