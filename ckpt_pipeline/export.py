@@ -293,24 +293,23 @@ def _safetensors() -> Any:
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], to: Format,
            metadata: dict[str, str]) -> None:
-    temp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
-    try:
-        if to == "safetensors":
-            _safetensors().save_file(tensors, str(temp), metadata=metadata)
-        else:
-            torch.save(tensors, str(temp))
-        _fsync(temp)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    _fsync(path.parent)
+    if to == "safetensors":
+        save_file = _safetensors().save_file
+        _atomic(path, lambda temp: save_file(tensors, str(temp), metadata=metadata))
+    else:
+        _atomic(path, lambda temp: torch.save(tensors, str(temp)))
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
+    _atomic(path, lambda temp: temp.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def _atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the
+    directory; nothing is left behind when it fails."""
     temp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
     try:
-        temp.write_text(json.dumps(data, indent=2) + "\n")
+        write(temp)
         _fsync(temp)
         os.replace(temp, path)
     except BaseException:

@@ -33,7 +33,7 @@ from typing import Literal, Protocol, runtime_checkable
 from .errors import ConfigError
 
 __all__ = ("KeepAny", "KeepBest", "KeepEvery", "KeepLast", "MetricPolicy", "RetentionPolicy",
-           "StepInfo")
+           "StepInfo", "metric_value")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,11 +139,13 @@ class KeepBest:
     def keep_infos(self, infos: Sequence[StepInfo]) -> Set[int]:
         sign = 1.0 if self.mode == "min" else -1.0
         scored = [(sign * value, -info.step, info.step) for info in infos
-                  if (value := _real(info.metrics.get(self.metric))) is not None]
+                  if (value := metric_value(info.metrics.get(self.metric))) is not None]
         return frozenset(step for _, _, step in sorted(scored)[:self.count])
 
 
-def _real(value: object) -> float | None:
+def metric_value(value: object) -> float | None:
+    """A metric as retention ranks it: a finite int or float (not a bool), as a float; None
+    for anything else (a step without a usable value is never among the best)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:

@@ -32,6 +32,7 @@ from .._threads import in_thread
 from ..coordination import Coordinator
 from ..coordination._agree import gather_outcome
 from ..errors import CheckpointError, SaveError, StateError
+from ..retention import metric_value
 from ..storage import Storage
 from .job import SaveJob
 from .seal import publish_small
@@ -175,7 +176,7 @@ def _metric_values(job: SaveJob, names: Sequence[str], storage: Storage) -> dict
                      "value}), or drop the KeepBest policy that names it; the previous "
                      "checkpoint is intact")
         value = extra[name]
-        number = _finite(value)
+        number = metric_value(value)
         if number is None:
             raise StateError(
                 f"the retention policy ranks steps by {name!r}, but rank 0's "
@@ -186,17 +187,6 @@ def _metric_values(job: SaveJob, names: Sequence[str], storage: Storage) -> dict
                      "checkpoint is intact")
         out[name] = number
     return out
-
-
-def _finite(value: object) -> float | None:
-    """``value`` as a float if it is a finite real number (an int or float, not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _recorded_metrics(job: SaveJob, sent: Any, names: Sequence[str],
