@@ -12,9 +12,11 @@ just committed on every rank) and anything newer are never removed, whatever the
 Both methods must be pure functions of their argument, so that every rank keeps the same steps.
 
 Where the metrics come from: at each save, the values named by the configured policies'
-``metrics`` are read from **rank 0's** ``TrainState.extra`` (each must be an int or a float,
-not a bool, and finite, or the save fails before anything is committed), sent with rank 0's
-commit vote, and written by every rank into its commit record (docs/format.md). The retain
+``metrics`` are read from **rank 0's** ``TrainState.extra`` (each must be there and be an int
+or a float, not a bool, or the save fails before anything is committed; a NaN or infinite
+float, as a diverging loss gives, is saved without a value and logged), sent with rank 0's
+commit vote, and written by every rank into its commit record, and into the commit records
+of the copies it holds (docs/format.md). The retain
 stage reads them back from the records: every rank sees the same values, and so does a
 pipeline opened after a restart. A step saved while no policy asked for a metric has no value
 for it: it is never among the best, and is kept only if another policy keeps it.
@@ -110,8 +112,9 @@ class KeepBest:
 
     ``mode``: ``"min"`` (lowest is best, as for a loss) or ``"max"``. Of two steps with the
     same value, the newer one is better. A step without a recorded value is never among the
-    best. Every save must then carry the metric in rank 0's ``TrainState.extra`` (a finite
-    int or float), else it fails before it is committed.
+    best. Every save must then carry the metric in rank 0's ``TrainState.extra`` (an int or
+    float), else it fails before it is committed; a NaN or infinite value saves the step
+    without a value (never the best).
     """
 
     count: int

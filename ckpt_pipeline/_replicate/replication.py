@@ -110,9 +110,11 @@ class Replication:
                     save_id=save_id, rank=self.rank,
                     timeout_s=self.config.replication_timeout_s)
 
-    def settle(self, step: int, save_id: str, commit: Sequence[int]) -> dict[int, str]:
+    def settle(self, step: int, save_id: str, commit: Sequence[int],
+               metrics: Mapping[str, float] | None = None) -> dict[int, str]:
         """Commit the copies this rank holds of the sources in ``commit``, remove the others
-        (worker thread; see ``Receptions.settle``)."""
+        (worker thread; see ``Receptions.settle``). ``metrics``: what the copies' commit
+        records carry, as the owners' do (retention ranks a held copy by them too)."""
         if self.server is None:
             return {src: f"rank {self.rank} runs no copy server" for src in commit}
         world = self.config.world_size
@@ -120,7 +122,8 @@ class Replication:
         def record(source: int) -> bytes:
             import time
 
-            return encode_commit(CommitRecord(step, source, world, save_id, time.time()))
+            return encode_commit(CommitRecord(step, source, world, save_id, time.time(),
+                                              dict(metrics or {})))
 
         return self.server.receptions.settle(step, save_id, commit, record)
 

@@ -26,6 +26,7 @@ import anyio
 from .._crash import crash_point
 from .._format.documents import CommitRecord, encode_commit
 from .._format.names import commit_name
+from .._logging import log
 from .._replicate.push import PushOutcome
 from .._replicate.replication import Replication
 from .._threads import in_thread
@@ -73,7 +74,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
     """
     with anyio.CancelScope(shield=True):
         own = None if job.error is None else f"{job.failed_stage}: {job.error.message}"
-        values: dict[str, float] | None = None
+        values: dict[str, float | None] | None = None
         bad_metric: StateError | None = None
         if job.error is None and job.rank == 0 and metrics:
             try:
@@ -115,6 +116,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             raise error
         crash_point("commit.voted")
         written: CheckpointError | None = None
+        recorded: dict[str, float] = {}
         try:
             recorded = _recorded_metrics(job, first[0], metrics, storage)
             record = encode_commit(CommitRecord(job.step, job.rank, job.world_size,
@@ -130,7 +132,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                               if isinstance(extra, dict)
                               and job.rank in (extra.get("acked") or ())]
             copy_failed = await in_thread(limiter, replication.settle, job.step, job.save_id,
-                                          commit_sources)
+                                          commit_sources, recorded)
         # Second vote: the step is complete only once every rank's commit record is durable.
         # Until then no rank prunes an older step for it.
         failures, _, second = await gather_outcome(
@@ -159,11 +161,14 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
     return Replicas()  # not reached: the shielded scope above is never cancelled itself
 
 
-def _metric_values(job: SaveJob, names: Sequence[str], storage: Storage) -> dict[str, float]:
-    """The values of ``names`` in this rank's TrainState.extra (rank 0's decide)."""
+def _metric_values(job: SaveJob, names: Sequence[str], storage: Storage
+                   ) -> dict[str, float | None]:
+    """The values of ``names`` in this rank's TrainState.extra (rank 0's decide). A NaN or
+    infinite float (a diverging loss) is sent as None: the step commits, without a value for
+    that metric, so it is never among the best (logged as ``ckpt.retention.metric_not_finite``)."""
     extra = job.train_state.get("extra")
     extra = extra if isinstance(extra, Mapping) else {}
-    out: dict[str, float] = {}
+    out: dict[str, float | None] = {}
     path = os.path.join(storage.root, job.files.dir_name)
     for name in names:
         if name not in extra:
@@ -177,11 +182,16 @@ def _metric_values(job: SaveJob, names: Sequence[str], storage: Storage) -> dict
                      "checkpoint is intact")
         value = extra[name]
         number = metric_value(value)
+        if number is None and type(value) is float:  # NaN or inf: saved, never the best
+            log.warning("ckpt.retention.metric_not_finite", step=job.step, rank=job.rank,
+                        metric=name, value=repr(value), path=path)
+            out[name] = None
+            continue
         if number is None:
             raise StateError(
                 f"the retention policy ranks steps by {name!r}, but rank 0's "
-                f"TrainState.extra[{name!r}] at step {job.step} is {value!r}, not a finite "
-                "int or float; the save is not committed", step=job.step, rank=job.rank,
+                f"TrainState.extra[{name!r}] at step {job.step} is {value!r}, not an int or "
+                "float; the save is not committed", step=job.step, rank=job.rank,
                 path=path,
                 hint="pass a real number (a Python float, e.g. loss.item()); the previous "
                      "checkpoint is intact")
@@ -194,7 +204,7 @@ def _recorded_metrics(job: SaveJob, sent: Any, names: Sequence[str],
     """The metric values rank 0 sent with its vote, checked: what every rank records."""
     values = sent.get("metrics", {}) if isinstance(sent, Mapping) else {}
     if not isinstance(values, Mapping) or not all(
-        isinstance(k, str) and k and type(v) is float and math.isfinite(v)
+        isinstance(k, str) and k and (v is None or (type(v) is float and math.isfinite(v)))
         for k, v in values.items()
     ) or (names and not set(names) <= set(values)):
         raise SaveError(f"rank 0 sent malformed or missing metric values {values!r} with its "
@@ -203,4 +213,4 @@ def _recorded_metrics(job: SaveJob, sent: Any, names: Sequence[str],
                         hint="run the same version of ckpt_pipeline and the same retention "
                              "policies on every rank; the previous checkpoint is intact",
                         ranks=(0,))
-    return dict(values)
+    return {k: v for k, v in values.items() if v is not None}
