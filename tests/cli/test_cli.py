@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -15,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 from conftest import child_env
+from conftest import run_cli as _cli
 
 import ckpt_pipeline as cp
-from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.cli._output import _progress_text, _ranks_text
 
 
@@ -30,18 +29,6 @@ def _save_steps(root: Path, steps: list[int]) -> None:
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:010d}"
-
-
-def _cli(*args: object) -> subprocess.CompletedProcess[str]:
-    """Run the command in this process (its ``main``), with its output captured.
-
-    ``test_the_command_runs_as_its_own_process`` checks the real process once.
-    """
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main(argv)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def test_the_command_runs_as_its_own_process(root: Path) -> None:
@@ -211,7 +198,6 @@ def test_progress_text_shows_bar_percent_and_sizes_in_the_unit_of_the_total() ->
 
 
 def test_progress_bar_on_a_closed_terminal_never_stops_verification() -> None:
-    import io
 
     from ckpt_pipeline.cli._output import _Progress
 

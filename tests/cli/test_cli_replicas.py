@@ -9,22 +9,19 @@ agrees), so that the holder's root has its own shard next to the copy, as a real
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_cli as _cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_commit
 from ckpt_pipeline._restore.scan import scan, scan_replicas
-from ckpt_pipeline.cli import main as cli_main
 
 COPY = "replica-00000-on-00001"
 """The names of rank 0's files as rank 1 holds them."""
@@ -77,15 +74,6 @@ def roots(tmp_path: Path) -> tuple[Path, Path]:
     for step in (10, 20):
         _replicate(source, holder, step)
     return source, holder
-
-
-def _cli(*args: object) -> subprocess.CompletedProcess[str]:
-    """Run the command in this process, its output captured."""
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main(argv)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def _json(*args: object, code: int = 0) -> dict[str, Any]:

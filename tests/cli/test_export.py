@@ -4,9 +4,7 @@ model taken to safetensors and back."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import subprocess
 import sys
@@ -16,22 +14,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import child_env
+from conftest import run_cli as _cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.limits import DTYPES
-from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.export import export
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: object) -> subprocess.CompletedProcess[str]:
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main(argv)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def _sample(dtype: torch.dtype, n: int = 37) -> torch.Tensor:
