@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,21 +82,22 @@ def main() -> None:
             if not all(torch.equal(live[k], expected[k]) for k in expected):
                 raise SystemExit("a restore gave other bytes")
 
-        def streamed() -> float:
-            shutil.rmtree(local, ignore_errors=True)
+        def timed_restore(persistent: str | None, downloaded: tuple[int, ...],
+                          fetch: Callable[[], None] | None = None) -> float:
+            """Seconds of ``fetch()`` (if any) and a restore_latest, checked bit-exact."""
             live = zeros_like(expected)
             started = time.perf_counter()
-            with cp.CheckpointPipeline(local, persistent=str(tier)) as pipe:
+            if fetch is not None:
+                fetch()
+            options = {} if persistent is None else {"persistent": persistent}
+            with cp.CheckpointPipeline(local, **options) as pipe:
                 result = pipe.restore_latest(live)
             seconds = time.perf_counter() - started
-            assert result is not None and result.downloaded == (0,)
+            assert result is not None and result.downloaded == downloaded
             check(live)
             return seconds
 
-        def download_then_load() -> float:
-            shutil.rmtree(local, ignore_errors=True)
-            live = zeros_like(expected)
-            started = time.perf_counter()
+        def download() -> None:
             remote = open_remote(str(tier))
             try:
                 record = complete_steps(remote)[1]
@@ -103,22 +105,17 @@ def main() -> None:
                 download_rank(remote, LocalStorage(local), record, 0)
             finally:
                 remote.close()
-            with cp.CheckpointPipeline(local) as pipe:
-                result = pipe.restore_latest(live)
-            seconds = time.perf_counter() - started
-            assert result is not None and result.downloaded == ()
-            check(live)
-            return seconds
+
+        def streamed() -> float:
+            shutil.rmtree(local, ignore_errors=True)
+            return timed_restore(str(tier), (0,))
+
+        def download_then_load() -> float:
+            shutil.rmtree(local, ignore_errors=True)
+            return timed_restore(None, (), download)
 
         def local_only() -> float:
-            live = zeros_like(expected)
-            started = time.perf_counter()
-            with cp.CheckpointPipeline(local) as pipe:
-                result = pipe.restore_latest(live)
-            seconds = time.perf_counter() - started
-            assert result is not None and result.downloaded == ()
-            check(live)
-            return seconds
+            return timed_restore(None, ())
 
         methods = {"streamed": streamed, "download_then_load": download_then_load,
                    "local": local_only}

@@ -203,7 +203,6 @@ class PipelineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")
 
-
     def _check_retention(self) -> None:
         policy = self.retention
         if policy is None:

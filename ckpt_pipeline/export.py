@@ -80,7 +80,7 @@ def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
                           "(torch.bfloat16, torch.float16, torch.float32)")
     if to == "safetensors":
         _safetensors()  # fail before reading anything
-    loaded = _load_all(root, step)
+    loaded = load(root, step, consolidate=True)  # one rank's own, or every rank's assembled
     tree = _subtree(loaded, only)
     tensors, skipped = flatten_tensors(tree)
     if not tensors:
@@ -158,13 +158,6 @@ def flatten_tensors(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def _load_all(root: str | os.PathLike[str], step: int | None) -> LoadedCheckpoint:
-    first = load(root, step)
-    if first.world_size == 1:
-        return first
-    return load(root, first.step, consolidate=True)
 
 
 def _subtree(loaded: LoadedCheckpoint, only: str | None) -> Any:

@@ -14,9 +14,11 @@ assembled into full tensors (the mesh is taken to be the ranks in order, laid ou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +34,7 @@ from .errors import CheckpointError, CheckpointIntegrityError
 from .storage import LocalStorage
 from .train_state import TrainState
 
-__all__ = ("LoadedCheckpoint", "load")
+__all__ = ("LoadedCheckpoint", "load", "pick_step")
 
 _THREADS = 8
 
@@ -101,12 +103,10 @@ def _run(coro: Any) -> Any:
     return out["value"]
 
 
-async def _load(storage: LocalStorage, step: int | None, rank: int, device: torch.device,
-                consolidate: bool) -> LoadedCheckpoint:
-    limiter = anyio.CapacityLimiter(_THREADS)
-    steps = await anyio.to_thread.run_sync(_scan.committed_steps, storage, rank,
-                                           limiter=limiter)
-    root = str(storage.root)
+def pick_step(steps: Mapping[int, str], step: int | None, rank: int,
+              root: str) -> tuple[int, str]:
+    """``(step, directory)`` out of ``committed_steps``: ``step``, or the newest when None;
+    CheckpointError naming the root (and what is committed) when there is none."""
     if not steps:
         raise CheckpointError(f"no committed step of rank {rank} under {root}", rank=rank,
                               path=root, hint="check the root (ckpt-pipeline ls ROOT)")
@@ -117,12 +117,21 @@ async def _load(storage: LocalStorage, step: int | None, rank: int, device: torc
         raise CheckpointError(f"step {step} is not committed by rank {rank} under {root} "
                               f"(committed: {listed})", step=step, rank=rank, path=root,
                               hint="pick one of the committed steps (ckpt-pipeline ls ROOT)")
-    own, parts = await _read_rank(storage, step, steps[step], rank, device, limiter)
+    return step, steps[step]
+
+
+async def _load(storage: LocalStorage, step: int | None, rank: int, device: torch.device,
+                consolidate: bool) -> LoadedCheckpoint:
+    limiter = anyio.CapacityLimiter(_THREADS)
+    steps = await anyio.to_thread.run_sync(_scan.committed_steps, storage, rank,
+                                           limiter=limiter)
+    step, dir_name = pick_step(steps, step, rank, str(storage.root))
+    own, parts = await _read_rank(storage, step, dir_name, rank, device, limiter)
     if not consolidate:
         return own
     if own.world_size == 1:
-        return _replace_rank(own, None)
-    loads = [(own, parts) if r == rank else await _read_rank(storage, step, steps[step], r,
+        return dataclasses.replace(own, rank=None)
+    loads = [(own, parts) if r == rank else await _read_rank(storage, step, dir_name, r,
                                                              device, limiter)
              for r in range(own.world_size)]
     if len({loaded.save_id for loaded, _ in loads}) != 1:
@@ -160,11 +169,6 @@ async def _read_rank(storage: LocalStorage, step: int, dir_name: str, rank: int,
                               status.path, materialize(tree, shard.tensors), train_state,
                               status.data_bytes)
     return loaded, _Parts(tree, shard.tensors, [rec.dist for rec in header.tensors])
-
-
-def _replace_rank(loaded: LoadedCheckpoint, rank: int | None) -> LoadedCheckpoint:
-    return LoadedCheckpoint(loaded.step, rank, loaded.world_size, loaded.save_id, loaded.path,
-                            loaded.tree, loaded.train_state, loaded.bytes)
 
 
 # ------------------------------------------------------------------------- consolidation

@@ -32,8 +32,6 @@ from typing import Any
 
 from .._format.names import parse_step_dir, step_dir_name
 from .._logging import log
-from .._replicate.incoming import Incoming
-from .._restore.scan import FileSet
 from ..config import PipelineConfig
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..events import (
@@ -54,7 +52,7 @@ from .layout import (
     rank_keys,
 )
 from .remote import ObjectSum, Remote, open_remote
-from .stream import ShardStream, fetch_small
+from .stream import ShardStream
 
 __all__ = ("Promoter", "complete_steps", "download_rank", "read_step_record")
 
@@ -401,18 +399,13 @@ def download_rank(remote: Remote, storage: Storage, record: StepRecord, rank: in
     """Download ``rank``'s files of ``record``'s step into ``storage``, each part checked
     against the commit object, published as a save publishes them (commit record last).
     Returns (path of the shard, bytes). Runs in a worker thread."""
-    step, files = record.step, FileSet(rank)
-    small = fetch_small(remote, record, rank)
-    keys = rank_keys(step, rank)
-    shard = record.rank_objects(rank)[files.shard]
-    incoming = Incoming(storage, step_dir_name(step), files, shard.size)
+    stream = ShardStream(remote, storage, record, rank)
     try:
-        remote.download(keys[files.shard], incoming.fd, shard)
-        incoming.publish(small[files.manifest], small[files.commit])
+        path, size, _ = stream.publish()
     except BaseException:
-        incoming.discard()
+        stream.discard()
         raise
-    return incoming.path, shard.size + len(small[files.manifest]) + len(small[files.commit])
+    return path, size
 
 
 def _items(value: Any) -> list[tuple[Any, Any]]:

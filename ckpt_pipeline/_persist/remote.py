@@ -219,7 +219,7 @@ class Remote:
 
         ranges = part_ranges(size, expected.part_bytes)
         early = [i for i in dict.fromkeys(first) if 0 <= i < len(ranges)]
-        order = early + [i for i in range(len(ranges)) if i not in set(early)]
+        order = early + sorted(set(range(len(ranges))) - set(early))
         self._run_parts(one, ranges, gated=False, order=order)
 
     def list_steps(self) -> list[str]:

@@ -38,6 +38,7 @@ __all__ = (
     "decode_contents",
     "owned_sets",
     "quarantine",
+    "read_commit",
     "read_header",
     "scan",
     "scan_replicas",
@@ -150,8 +151,10 @@ def _read_small(storage: Storage, rel: str) -> bytes:
         storage.close(fd)
 
 
-def _read_commit(storage: Storage, dir_name: str, step: int, rank: int,
+def read_commit(storage: Storage, dir_name: str, step: int, rank: int,
                  files: FileSet | None = None) -> CommitRecord:
+    """The commit record of ``rank``'s files of ``step`` (``files``: a copy's), checked to be
+    for that step and rank; CheckpointIntegrityError or StorageError otherwise."""
     rel = os.path.join(dir_name, (files or FileSet(rank)).commit)
     return _check_commit(_read_small(storage, rel), os.path.join(storage.root, rel), step, rank)
 
@@ -173,7 +176,7 @@ def committed_steps(storage: Storage, rank: int) -> dict[int, str]:
         if commit_name(rank) not in names:
             continue
         try:
-            record = _read_commit(storage, dir_name, step, rank)
+            record = read_commit(storage, dir_name, step, rank)
         except (CheckpointIntegrityError, StorageError):
             continue
         out[record.step] = dir_name
@@ -259,7 +262,7 @@ def scan_files(storage: Storage, files: FileSet, step: int, dir_name: str,
         return StepStatus(step, dir_name, path, complete=False, valid=False,
                           reason=f"no commit record for rank {rank}{what}", files=files)
     try:
-        record = _read_commit(storage, dir_name, step, rank, files)
+        record = read_commit(storage, dir_name, step, rank, files)
         manifest = _read_manifest(storage, dir_name, step, rank, record, files)
         header = read_header(storage, dir_name, rank, manifest, files)
     except (CheckpointIntegrityError, StorageError) as exc:

@@ -18,10 +18,8 @@ from collections.abc import Collection, Mapping, Set
 from dataclasses import dataclass
 
 from .._crash import crash_point
-from .._format.documents import decode_commit
-from .._format.limits import MAX_SMALL_FILE_BYTES
 from .._format.names import step_dir_name
-from .._restore.scan import committed_steps, owned_sets, step_dirs, tidy_step_dir
+from .._restore.scan import committed_steps, owned_sets, read_commit, step_dirs, tidy_step_dir
 from ..errors import CheckpointError
 from ..retention import MetricPolicy, RetentionPolicy, StepInfo
 from ..storage import Storage
@@ -99,20 +97,11 @@ def recorded_metrics(storage: Storage, rank: int, step: int,
     for files in owned_sets(names, rank):  # its own first
         if files.commit not in names:
             continue
-        rel = os.path.join(dir_name, files.commit)
         try:
-            fd, size = storage.open_read(rel)
-            try:
-                if size > MAX_SMALL_FILE_BYTES:
-                    continue
-                buf = bytearray(size)
-                storage.pread_into(fd, memoryview(buf), 0)
-            finally:
-                storage.close(fd)
-            record = decode_commit(bytes(buf), os.path.join(str(storage.root), rel))
+            record = read_commit(storage, dir_name, step, files.source, files)
         except CheckpointError:
             continue
-        if record.step == step and record.metrics:
+        if record.metrics:
             return dict(record.metrics)
     return {}
 

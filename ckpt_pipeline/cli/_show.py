@@ -9,7 +9,8 @@ from typing import Any
 
 from .._format.limits import DTYPES
 from .._restore import scan as _recovery
-from ..errors import CheckpointError, CheckpointIntegrityError
+from ..errors import CheckpointIntegrityError
+from ..loading import pick_step
 from ..storage import Storage
 from ._output import _human_bytes, _print_json, _table
 from ._status import EXIT_OK
@@ -19,16 +20,9 @@ __all__ = ("_cmd_show",)
 
 def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
     rank: int = args.rank
-    steps = _recovery.committed_steps(storage, rank)
-    if not steps:
-        raise CheckpointError(f"no committed step of rank {rank} under {storage.root}",
-                              rank=rank, path=str(storage.root))
-    step = max(steps) if args.step is None else args.step
-    if step not in steps:
-        listed = ", ".join(str(s) for s in sorted(steps, reverse=True)[:20])
-        raise CheckpointError(f"step {step} is not committed by rank {rank} (committed: "
-                              f"{listed})", step=step, rank=rank, path=str(storage.root))
-    status = _recovery.scan_files(storage, _recovery.FileSet(rank), step, steps[step])
+    step, dir_name = pick_step(_recovery.committed_steps(storage, rank), args.step, rank,
+                               str(storage.root))
+    status = _recovery.scan_files(storage, _recovery.FileSet(rank), step, dir_name)
     if not status.valid or status.header is None:
         raise CheckpointIntegrityError(f"step {step} does not verify: {status.reason}",
                                        step=step, rank=rank, path=status.path)
