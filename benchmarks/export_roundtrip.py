@@ -35,20 +35,35 @@ def _example() -> object:
     return module
 
 
-def _train(root: Path, steps: int, device: str, *, kill_after_s: float | None = None) -> str:
+def _steps(root: Path) -> list[int]:
+    listing = subprocess.run([sys.executable, "-m", "ckpt_pipeline.cli", "ls", str(root),
+                              "--json"], capture_output=True, text=True, timeout=60, check=False)
+    if listing.returncode != 0:
+        return []
+    return [entry["step"] for entry in json.loads(listing.stdout)["steps"]
+            if entry["status"] == "complete"]
+
+
+def _train(root: Path, steps: int, device: str, *, kill: bool = False) -> str:
+    """Run the example to `steps`; with `kill`, SIGKILL it once a step is committed."""
     cmd = [sys.executable, str(REPO / "examples" / "train_resume.py"), "--root", str(root),
            "--steps", str(steps), "--save-every", "50", "--device", device]
-    if kill_after_s is None:
+    if not kill:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         if done.returncode != 0:
             raise SystemExit(f"training failed:\n{done.stderr[-3000:]}")
         return done.stdout.strip().splitlines()[-1]
-    cmd += ["--sleep-per-step", "0.01"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(kill_after_s)
+    proc = subprocess.Popen([*cmd, "--sleep-per-step", "0.05"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not any(root.glob("step-*/rank-00000.commit")) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    return f"killed with SIGKILL after {kill_after_s:.0f} s"
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode != -signal.SIGKILL:
+        raise SystemExit(f"training ended before the kill ({proc.returncode}):\n{err[-3000:]}")
+    return "killed with SIGKILL once a step was committed"
 
 
 def main() -> None:
@@ -68,15 +83,9 @@ def main() -> None:
         report["gpu"] = torch.cuda.get_device_name(device)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "ckpt"
-        print(_train(root, args.steps, args.device, kill_after_s=5.0))
-        listing = subprocess.run([sys.executable, "-m", "ckpt_pipeline.cli", "ls", str(root),
-                                  "--json"], capture_output=True, text=True, timeout=60,
-                                 check=False)
-        if listing.returncode != 0:
-            raise SystemExit(f"ls failed after the kill:\n{listing.stderr}")
-        steps = [entry["step"] for entry in json.loads(listing.stdout)["steps"]]
-        report["steps_after_kill"] = steps
-        print(f"after the kill: steps {steps}")
+        print(_train(root, args.steps, args.device, kill=True))
+        report["steps_after_kill"] = _steps(root)
+        print(f"after the kill: steps {report['steps_after_kill']}")
         last = _train(root, args.steps, args.device)
         print(last)
         report["training"] = last
