@@ -3,7 +3,8 @@
 Reads one rank's committed files of a step (the newest by default) from a local root, verifies
 every byte (commit record, manifest, header, every checksummed range of the data) and returns
 the saved structure as nested dicts and lists of tensors and plain values: what ``state_dict()``
-gave at save time. Nothing is written into the root and no RNG state is touched; the RNG states
+gave at save time. A rank whose own files are missing or do not verify is read from a copy
+another rank holds of them (``replicas=``), when the root has one. Nothing is written into the root and no RNG state is touched; the RNG states
 the checkpoint holds are in ``train_state``.
 
 With ``consolidate=True`` every rank's shard of the step is read and the DTensor shards are
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -30,7 +32,7 @@ from ._format.shard import DistLayout
 from ._restore import scan as _scan
 from ._restore.read import read_shard
 from ._tree import materialize
-from .errors import CheckpointError, CheckpointIntegrityError
+from .errors import CheckpointError, CheckpointIntegrityError, StorageError
 from .storage import LocalStorage
 from .train_state import TrainState
 
@@ -46,7 +48,8 @@ class LoadedCheckpoint:
     ``tree``: the saved structure, tensors on ``map_location``; ``train_state``: the TrainState
     saved with it (step, samples, RNG states, ``extra``); ``rank``: whose shard this is (None
     when consolidated); ``world_size``: how many ranks saved the step; ``path``: the step's
-    directory; ``bytes``: the data bytes read.
+    directory; ``bytes``: the data bytes read; ``copies``: the ranks whose shard was read from
+    a copy (their own files missing or damaged), each with the rank holding that copy.
     """
 
     step: int
@@ -57,6 +60,7 @@ class LoadedCheckpoint:
     tree: dict[str, Any]
     train_state: TrainState
     bytes: int
+    copies: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 def load(root: str | os.PathLike[str], step: int | None = None, *, rank: int = 0,
@@ -123,8 +127,8 @@ def pick_step(steps: Mapping[int, str], step: int | None, rank: int,
 async def _load(storage: LocalStorage, step: int | None, rank: int, device: torch.device,
                 consolidate: bool) -> LoadedCheckpoint:
     limiter = anyio.CapacityLimiter(_THREADS)
-    steps = await anyio.to_thread.run_sync(_scan.committed_steps, storage, rank,
-                                           limiter=limiter)
+    steps = await anyio.to_thread.run_sync(functools.partial(
+        _scan.committed_steps, storage, rank, copies=True), limiter=limiter)
     step, dir_name = pick_step(steps, step, rank, str(storage.root))
     own, parts = await _read_rank(storage, step, dir_name, rank, device, limiter)
     if not consolidate:
@@ -138,8 +142,9 @@ async def _load(storage: LocalStorage, step: int | None, rank: int, device: torc
         raise CheckpointIntegrityError(f"the ranks' files of step {step} come from different "
                                        "saves", step=step, path=own.path)
     tree = _consolidate([p for _, p in loads], step, own.path)
+    copies = {r: h for loaded, _ in loads for r, h in loaded.copies.items()}
     return LoadedCheckpoint(step, None, own.world_size, own.save_id, own.path, tree,
-                            own.train_state, sum(loaded.bytes for loaded, _ in loads))
+                            own.train_state, sum(loaded.bytes for loaded, _ in loads), copies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,21 +159,35 @@ class _Parts:
 async def _read_rank(storage: LocalStorage, step: int, dir_name: str, rank: int,
                      device: torch.device, limiter: anyio.CapacityLimiter
                      ) -> tuple[LoadedCheckpoint, _Parts]:
-    status = await anyio.to_thread.run_sync(_scan.scan_files, storage, _scan.FileSet(rank),
-                                            step, dir_name, limiter=limiter)
-    if not status.valid or status.header is None:
-        raise CheckpointIntegrityError(f"step {step} of rank {rank} does not verify: "
-                                       f"{status.reason}", step=step, rank=rank,
-                                       path=status.path,
-                                       hint="load another step (ckpt-pipeline ls ROOT)")
-    header = status.header
-    shard = await read_shard(storage, status, rank, devices=[device] * len(header.tensors),
-                             threads=_THREADS, limiter=limiter)
-    tree, train_state = _scan.decode_contents(status, rank)
-    loaded = LoadedCheckpoint(step, rank, status.world_size or 1, status.save_id or "",
-                              status.path, materialize(tree, shard.tensors), train_state,
-                              status.data_bytes)
-    return loaded, _Parts(tree, shard.tensors, [rec.dist for rec in header.tensors])
+    """``rank``'s shard of ``step``: its own files, else the first copy that verifies."""
+    names = await anyio.to_thread.run_sync(
+        lambda: {e.name for e in storage.list_dir(dir_name)}, limiter=limiter)
+    failures: list[str] = []
+    for files in _scan.rank_sets(names, rank):
+        status = await anyio.to_thread.run_sync(_scan.scan_files, storage, files, step,
+                                                dir_name, names, limiter=limiter)
+        if not status.valid or status.header is None:
+            failures.append(str(status.reason))  # names the copy's holder itself
+            continue
+        header = status.header
+        try:
+            shard = await read_shard(storage, status, rank,
+                                     devices=[device] * len(header.tensors),
+                                     threads=_THREADS, limiter=limiter)
+            tree, train_state = _scan.decode_contents(status, rank)
+        except (CheckpointIntegrityError, StorageError) as exc:
+            held = "" if files.holder is None else f" (copy held by rank {files.holder})"
+            failures.append(f"{files.shard}{held}: {exc.message}")
+            continue
+        copies = {} if files.holder is None else {rank: files.holder}
+        loaded = LoadedCheckpoint(step, rank, status.world_size or 1, status.save_id or "",
+                                  status.path, materialize(tree, shard.tensors), train_state,
+                                  status.data_bytes, copies)
+        return loaded, _Parts(tree, shard.tensors, [rec.dist for rec in header.tensors])
+    raise CheckpointIntegrityError(
+        f"step {step} of rank {rank} does not verify: {'; '.join(failures)}", step=step,
+        rank=rank, path=os.path.join(storage.root, dir_name),
+        hint="load another step (ckpt-pipeline ls ROOT)")
 
 
 # ------------------------------------------------------------------------- consolidation

@@ -17,7 +17,6 @@ from typing import Any
 from .._crash import crash_point
 from .._format.documents import CommitRecord, Manifest, decode_commit, decode_manifest, decode_tree
 from .._format.names import (
-    commit_name,
     parse_rank_file,
     parse_replica_file,
     parse_step_dir,
@@ -38,6 +37,7 @@ __all__ = (
     "decode_contents",
     "owned_sets",
     "quarantine",
+    "rank_sets",
     "read_commit",
     "read_header",
     "scan",
@@ -168,19 +168,32 @@ def _check_commit(raw: bytes, path: str, step: int, rank: int) -> CommitRecord:
     return record
 
 
-def committed_steps(storage: Storage, rank: int) -> dict[int, str]:
-    """Steps with this rank's commit record, keyed by the step recorded inside it."""
+def committed_steps(storage: Storage, rank: int, *, copies: bool = False) -> dict[int, str]:
+    """Steps with this rank's commit record, keyed by the step recorded inside it; with
+    ``copies``, also the steps where only a copy of the rank's files, held by another rank,
+    is committed."""
     out: dict[int, str] = {}
     for step, dir_name in step_dirs(storage).items():
         names = {e.name for e in storage.list_dir(dir_name)}
-        if commit_name(rank) not in names:
-            continue
-        try:
-            record = read_commit(storage, dir_name, step, rank)
-        except (CheckpointIntegrityError, StorageError):
-            continue
-        out[record.step] = dir_name
+        sets = rank_sets(names, rank) if copies else [FileSet(rank)]
+        for files in sets:
+            if files.commit not in names:
+                continue
+            try:
+                record = read_commit(storage, dir_name, step, rank, files)
+            except (CheckpointIntegrityError, StorageError):
+                continue
+            out[record.step] = dir_name
+            break
     return out
+
+
+def rank_sets(names: Collection[str], rank: int) -> list[FileSet]:
+    """The file sets of ``rank``'s shard in a step directory holding ``names``: its own
+    first, then each committed copy another rank holds of it, by holder."""
+    holders = sorted(parsed[1] for parsed in map(parse_replica_file, names)
+                     if parsed is not None and parsed[0] == rank and parsed[2] == "commit")
+    return [FileSet(rank), *(FileSet(rank, holder) for holder in holders)]
 
 
 def scrub(storage: Storage, rank: int) -> list[tuple[str, int]]:

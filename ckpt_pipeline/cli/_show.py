@@ -20,12 +20,17 @@ __all__ = ("_cmd_show",)
 
 def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
     rank: int = args.rank
-    step, dir_name = pick_step(_recovery.committed_steps(storage, rank), args.step, rank,
-                               str(storage.root))
-    status = _recovery.scan_files(storage, _recovery.FileSet(rank), step, dir_name)
+    step, dir_name = pick_step(_recovery.committed_steps(storage, rank, copies=True),
+                               args.step, rank, str(storage.root))
+    names = {e.name for e in storage.list_dir(dir_name)}
+    looked = [_recovery.scan_files(storage, files, step, dir_name, names)
+              for files in _recovery.rank_sets(names, rank)]
+    status = next((s for s in looked if s.valid and s.header is not None), looked[0])
     if not status.valid or status.header is None:
-        raise CheckpointIntegrityError(f"step {step} does not verify: {status.reason}",
+        reasons = "; ".join(str(s.reason) for s in looked)
+        raise CheckpointIntegrityError(f"step {step} does not verify: {reasons}",
                                        step=step, rank=rank, path=status.path)
+    holder = status.files.holder if status.files is not None else None
     _tree, train_state = _recovery.decode_contents(status, rank)
     rows = []
     for record in status.header.tensors:
@@ -43,11 +48,13 @@ def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"root": str(storage.root), "step": step, "rank": rank,
                      "world_size": status.world_size, "save_id": status.save_id,
+                     "copy_held_by": holder,
                      "path": status.path, "tensors": rows, "train_state": state,
                      "bytes": sum(r["bytes"] for r in rows)})
         return EXIT_OK
+    held = "" if holder is None else f", from the copy rank {holder} holds"
     print(f"step {step} of {status.path} (rank {rank} of {status.world_size}, save "
-          f"{status.save_id})")
+          f"{status.save_id}{held})")
     table = [[r["path"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar",
               _human_bytes(r["bytes"]),
               ("" if "global_shape" not in r else

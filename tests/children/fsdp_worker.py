@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--shared-root", action="store_true",
                         help="every rank saves into --root itself (one root for the job), and "
                              "rank 0 writes the full tensors of the saved model to full.npz")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="keep this many copies of each shard (each rank its own node)")
     args = parser.parse_args()
     cp.enable_logging(logging.WARNING)
     rank = int(os.environ["RANK"])
@@ -81,7 +83,9 @@ def main() -> None:
     model, opt = build(args.kind, device, seed=0)
     train_step(model, opt, device, seed=1)
     blocking = []
-    with cp.CheckpointPipeline(root, coordination_timeout_s=60) as pipe:
+    copies: dict[str, Any] = ({} if not args.replicas else
+                              {"replicas": args.replicas, "node_name": f"node-{rank}"})
+    with cp.CheckpointPipeline(root, coordination_timeout_s=60, **copies) as pipe:
         for step in (1, 2):
             started = time.perf_counter()
             handle = pipe.save(step, {"model": model, "optim": opt}, cp.TrainState(step=step))
@@ -96,7 +100,7 @@ def main() -> None:
         if rank == 0:
             np.savez(os.path.join(os.path.dirname(args.out), "full.npz"), **full)
     fresh, fresh_opt = build(args.kind, device, seed=1)
-    with cp.CheckpointPipeline(root, coordination_timeout_s=60) as pipe:
+    with cp.CheckpointPipeline(root, coordination_timeout_s=60, **copies) as pipe:
         result = pipe.restore_latest({"model": fresh, "optim": fresh_opt})
     equal_after_restore = same(model, fresh)
     first_state = next(iter(fresh_opt.state_dict()["state"].values()))

@@ -329,3 +329,69 @@ def test_verify_of_a_root_without_copies_is_unchanged(roots: tuple[Path, Path]) 
     assert [r.split()[:2] for r in rows] == [["20", "OK"]]
     (result,) = _json("verify", source)["results"]
     assert result["copies"] == []
+
+
+# ------------------------------------------------------------------- cp.load and show
+
+
+def _assert_same_tree(a: Any, b: Any) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            _assert_same_tree(a[key], b[key])
+        else:
+            assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.timeout(60)
+def test_load_reads_a_rank_from_the_copy_another_rank_holds(roots: tuple[Path, Path]) -> None:
+    """Rank 0's own files are not in rank 1's root (rank 0's node is gone): ``cp.load`` of
+    rank 0 there reads rank 1's copy, verified, and says so."""
+    source, holder = roots
+    own = cp.load(source, rank=0)
+    from_copy = cp.load(holder, rank=0)
+    assert (from_copy.step, from_copy.rank, dict(from_copy.copies)) == (20, 0, {0: 1})
+    assert dict(own.copies) == {}
+    _assert_same_tree(from_copy.tree, own.tree)
+    assert cp.load(holder, 10, rank=0).step == 10
+    assert dict(cp.load(holder, rank=1).copies) == {}
+
+
+@pytest.mark.timeout(60)
+def test_load_falls_back_to_the_copy_when_the_own_shard_is_damaged(tmp_path: Path) -> None:
+    """Rank 0's root holds a copy of its own shard under a holder's name; flipping a data byte
+    of the own shard makes ``cp.load`` read the copy; damaging the copy too gives an error
+    that names both."""
+    source = tmp_path / "rank0"
+    _save_steps(source, [10])
+    want = cp.load(source)
+    for kind in ("shard", "manifest", "commit"):
+        shutil.copyfile(_step_dir(source, 10) / f"rank-00000.{kind}",
+                        _step_dir(source, 10) / f"{COPY}.{kind}")
+    status = scan(cp.LocalStorage(source), 0)[0]
+    assert status.header is not None
+    start = min(s for s, _, _ in status.header.checks())
+    _flip_byte(_step_dir(source, 10) / "rank-00000.shard", start + 100)
+    got = cp.load(source)
+    assert dict(got.copies) == {0: 1}
+    _assert_same_tree(got.tree, want.tree)
+
+    _flip_byte(_step_dir(source, 10) / f"{COPY}.shard", start + 100)
+    with pytest.raises(cp.CheckpointIntegrityError) as info:
+        cp.load(source)
+    message = str(info.value)
+    assert "step 10 of rank 0 does not verify" in message
+    assert "rank-00000.shard" in message and "copy held by rank 1" in message
+
+
+@pytest.mark.timeout(60)
+def test_show_reads_the_header_of_a_copy_when_the_own_files_are_gone(
+        roots: tuple[Path, Path]) -> None:
+    _, holder = roots
+    done = _cli("show", holder, "--rank", 0)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "from the copy rank 1 holds" in done.stdout.splitlines()[0]
+    data = _json("show", holder, "--rank", 0)
+    assert (data["step"], data["copy_held_by"]) == (20, 1)
+    assert [t["path"] for t in data["tensors"]] == ["w", "opt/m"]
+    assert _json("show", holder, "--rank", 1)["copy_held_by"] is None

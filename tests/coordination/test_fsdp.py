@@ -53,13 +53,15 @@ def test_fsdp2_sharded_state_restores_into_the_same_mesh(tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_load_consolidates_fsdp2_shards_into_full_tensors(tmp_path: Path) -> None:
-    """Two gloo ranks save FSDP2 (DTensor) shards into one root; ``cp.load(consolidate=True)``
-    in this process assembles every parameter and optimizer moment in full, bit-exact."""
+    """Two gloo ranks save FSDP2 (DTensor) shards into one root, each keeping a copy of the
+    other's (``replicas=1``); ``cp.load(consolidate=True)`` in this process assembles every
+    parameter and optimizer moment in full, bit-exact, and still does with rank 1's own files
+    gone (its node lost), from the copy rank 0 holds."""
     import numpy as np
 
     import ckpt_pipeline as cp
 
-    results = _launch("fsdp", tmp_path, 2, "cpu", "--shared-root")
+    results = _launch("fsdp", tmp_path, 2, "cpu", "--shared-root", "--replicas", "1")
     assert all(r["restored_step"] == 2 for r in results)
     full = np.load(tmp_path / "full.npz")
     loaded = cp.load(tmp_path / "ckpt", consolidate=True)
@@ -75,6 +77,19 @@ def test_load_consolidates_fsdp2_shards_into_full_tensors(tmp_path: Path) -> Non
     moments = loaded.tree["optim"]["state"]
     assert all(v["exp_avg"].shape == model[k].shape
                for k, v in zip(model, moments.values(), strict=False))
+    assert dict(loaded.copies) == {}
+
+    step_dir = tmp_path / "ckpt" / "step-0000000002"
+    assert sorted(p.name for p in step_dir.glob("replica-*.commit")) == [
+        "replica-00000-on-00001.commit", "replica-00001-on-00000.commit"]
+    for own in step_dir.glob("rank-00001.*"):
+        own.unlink()
+    survived = cp.load(tmp_path / "ckpt", consolidate=True)
+    assert (survived.step, dict(survived.copies)) == (2, {1: 0})
+    for name in full.files:
+        assert torch.equal(survived.tree["model"][name], torch.from_numpy(full[name])), name
+    for key, moment in survived.tree["optim"]["state"].items():
+        assert torch.equal(moment["exp_avg"], moments[key]["exp_avg"]), key
 
 
 @pytest.mark.slow
