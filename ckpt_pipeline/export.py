@@ -67,9 +67,11 @@ def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
            step: int | None = None, to: Format = "safetensors", only: str | None = None,
            strip_prefix: str | None = None, dtype: torch.dtype | None = None,
            max_shard_bytes: int | None = None, force: bool = False,
-           progress: Callable[[int, int], None] | None = None) -> ExportResult:
-    """Write the tensors of ``step`` (None: the newest) under ``root`` to ``out`` (see the
-    module docstring). ``progress(done, total)`` is called with bytes written."""
+           progress: Callable[[int, int], None] | None = None,
+           options: Mapping[str, Any] | None = None) -> ExportResult:
+    """Write the tensors of ``step`` (None: the newest) under ``root`` (a local root, or a
+    persistent tier's URL with its ``options``, as ``cp.load`` takes them) to ``out`` (see
+    the module docstring). ``progress(done, total)`` is called with bytes written."""
     if to not in ("safetensors", "torch"):
         raise ConfigError(f"to={to!r}: export to 'safetensors' or 'torch'")
     if max_shard_bytes is not None and (type(max_shard_bytes) is not int
@@ -80,7 +82,8 @@ def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
                           "(torch.bfloat16, torch.float16, torch.float32)")
     if to == "safetensors":
         _safetensors()  # fail before reading anything
-    loaded = load(root, step, consolidate=True)  # one rank's own, or every rank's assembled
+    # one rank's own, or every rank's assembled
+    loaded = load(root, step, consolidate=True, options=options)
     tree = _subtree(loaded, only)
     tensors, skipped = flatten_tensors(tree)
     if not tensors:

@@ -7,6 +7,12 @@ gave at save time. A rank whose own files are missing or do not verify is read f
 another rank holds of them (``replicas=``), when the root has one. Nothing is written into the root and no RNG state is touched; the RNG states
 the checkpoint holds are in ``train_state``.
 
+``root`` may also be the URL of a persistent tier (``s3://bucket/run``, ``file://PATH`` of a
+shared directory, another fsspec protocol; ``options`` as ``persistent_options``): only
+complete steps (those with a commit object) are loaded. Each rank's files are downloaded into a
+temporary directory (under ``TMPDIR``), every part checked against the commit object, while
+the load reads them, and removed afterwards; nothing under the URL is written.
+
 With ``consolidate=True`` every rank's shard of the step is read and the DTensor shards are
 assembled into full tensors (the mesh is taken to be the ranks in order, laid out row-major, as
 ``init_device_mesh`` builds it; each sharded dimension split as ``torch.chunk`` splits it).
@@ -19,26 +25,30 @@ import dataclasses
 import functools
 import math
 import os
+import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
 
 from ._format.documents import TensorRef
+from ._format.names import step_dir_name
 from ._format.shard import DistLayout
+from ._persist.remote import is_url
 from ._restore import scan as _scan
 from ._restore.read import read_shard
 from ._tree import materialize
-from .errors import CheckpointError, CheckpointIntegrityError, StorageError
+from .errors import CheckpointError, CheckpointIntegrityError, ConfigError, StorageError
 from .storage import LocalStorage
 from .train_state import TrainState
 
 __all__ = ("LoadedCheckpoint", "load", "pick_step")
 
 _THREADS = 8
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,24 +74,34 @@ class LoadedCheckpoint:
 
 
 def load(root: str | os.PathLike[str], step: int | None = None, *, rank: int = 0,
-         map_location: str | torch.device = "cpu", consolidate: bool = False
-         ) -> LoadedCheckpoint:
+         map_location: str | torch.device = "cpu", consolidate: bool = False,
+         options: Mapping[str, Any] | None = None) -> LoadedCheckpoint:
     """Read ``rank``'s shard of ``step`` (None: the newest step committed by that rank) from
     the local root ``root``, every byte verified, into ``map_location``.
 
-    ``consolidate=True`` reads every rank's shard and assembles DTensor shards into full
-    tensors (``rank`` is then ignored). Raises CheckpointError naming the step and path when
-    the step does not exist, is incomplete, or does not verify; the root is never changed.
+    ``root`` may be a persistent tier's URL (``options``: its store's settings, as
+    ``persistent_options``); its complete steps are downloaded to a temporary directory while
+    they are read. ``consolidate=True`` reads every rank's shard and assembles DTensor shards
+    into full tensors (``rank`` is then ignored). Raises CheckpointError naming the step and
+    path when the step does not exist, is incomplete, or does not verify; the root is never
+    changed.
     """
     device = torch.device(map_location)
+    if type(rank) is not int or rank < 0:
+        raise CheckpointError(f"rank={rank!r}: give a rank number (0, 1, ...)", path=str(root))
+    if isinstance(root, str) and is_url(root):
+        remote: LoadedCheckpoint = _run(_load_remote(root, options, step, rank, device,
+                                                     consolidate))
+        return remote
+    if options is not None:
+        raise ConfigError(f"options= applies to a persistent tier's URL, not to the local "
+                          f"root {os.fspath(root)}", path=os.fspath(root),
+                          hint="leave options out, or name the tier by URL (file://PATH)")
     storage = LocalStorage(root)
     if not os.path.isdir(storage.root):
         raise CheckpointError(f"{storage.root} is not a checkpoint root (no such directory)",
                               path=str(storage.root), hint="pass the directory given as root")
-    if type(rank) is not int or rank < 0:
-        raise CheckpointError(f"rank={rank!r}: give a rank number (0, 1, ...)",
-                              path=str(storage.root))
-    loaded: LoadedCheckpoint = _run(_load(storage, step, rank, device, consolidate))
+    loaded: LoadedCheckpoint = _run(_load_local(storage, step, rank, device, consolidate))
     return loaded
 
 
@@ -107,37 +127,96 @@ def _run(coro: Any) -> Any:
     return out["value"]
 
 
-def pick_step(steps: Mapping[int, str], step: int | None, rank: int,
-              root: str) -> tuple[int, str]:
-    """``(step, directory)`` out of ``committed_steps``: ``step``, or the newest when None;
-    CheckpointError naming the root (and what is committed) when there is none."""
+def pick_step(steps: Mapping[int, _T], step: int | None, rank: int | None,
+              root: str) -> tuple[int, _T]:
+    """``(step, value)`` out of ``steps`` (``committed_steps``, or a tier's complete steps
+    when ``rank`` is None): ``step``, or the newest when None; CheckpointError naming the root
+    (and what is there) when there is none."""
+    whose = "committed step" if rank is None else f"committed step of rank {rank}"
     if not steps:
-        raise CheckpointError(f"no committed step of rank {rank} under {root}", rank=rank,
-                              path=root, hint="check the root (ckpt-pipeline ls ROOT)")
+        raise CheckpointError(f"no {whose} under {root}", rank=rank, path=root,
+                              hint="check the root (ckpt-pipeline ls ROOT)")
     if step is None:
         step = max(steps)
     elif step not in steps:
         listed = ", ".join(str(s) for s in sorted(steps, reverse=True)[:20])
-        raise CheckpointError(f"step {step} is not committed by rank {rank} under {root} "
+        by = "" if rank is None else f" by rank {rank}"
+        raise CheckpointError(f"step {step} is not committed{by} under {root} "
                               f"(committed: {listed})", step=step, rank=rank, path=root,
                               hint="pick one of the committed steps (ckpt-pipeline ls ROOT)")
     return step, steps[step]
 
 
-async def _load(storage: LocalStorage, step: int | None, rank: int, device: torch.device,
-                consolidate: bool) -> LoadedCheckpoint:
+_Reader = Callable[[int], Awaitable[tuple["LoadedCheckpoint", "_Parts"]]]
+
+
+async def _load_local(storage: LocalStorage, step: int | None, rank: int,
+                      device: torch.device, consolidate: bool) -> LoadedCheckpoint:
     limiter = anyio.CapacityLimiter(_THREADS)
     steps = await anyio.to_thread.run_sync(functools.partial(
         _scan.committed_steps, storage, rank, copies=True), limiter=limiter)
     step, dir_name = pick_step(steps, step, rank, str(storage.root))
-    own, parts = await _read_rank(storage, step, dir_name, rank, device, limiter)
+
+    async def read(r: int) -> tuple[LoadedCheckpoint, _Parts]:
+        return await _read_rank(storage, step, dir_name, r, device, limiter)
+
+    return await _gather(read, rank, consolidate, step)
+
+
+async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | None,
+                       rank: int, device: torch.device, consolidate: bool
+                       ) -> LoadedCheckpoint:
+    """``load`` of a persistent tier's step: each rank's files stream into a temporary
+    directory (``ShardStream``) while they are read, and are removed afterwards."""
+    from ._persist.promote import complete_steps
+    from ._persist.remote import open_remote
+    from ._persist.stream import ShardStream
+
+    limiter = anyio.CapacityLimiter(_THREADS)
+    remote = await anyio.to_thread.run_sync(functools.partial(
+        open_remote, url, options=options, retries=2), limiter=limiter)
+    try:
+        records = await anyio.to_thread.run_sync(complete_steps, remote, limiter=limiter)
+        step, record = pick_step(records, step, None, remote.url)
+        where = f"{remote.url}/{step_dir_name(step)}"
+        if not consolidate and rank >= record.world_size:
+            raise CheckpointError(f"step {step} was saved by {record.world_size} rank(s); "
+                                  f"there is no rank {rank}", step=step, rank=rank, path=where)
+        with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
+            storage = LocalStorage(tmp)
+
+            async def read(r: int) -> tuple[LoadedCheckpoint, _Parts]:
+                stream: ShardStream | None = None
+                try:
+                    stream = await anyio.to_thread.run_sync(ShardStream, remote, storage,
+                                                            record, r, limiter=limiter)
+                    status = await anyio.to_thread.run_sync(stream.status, limiter=limiter)
+                    loaded, parts = await _read_status(storage, status, r, device, limiter,
+                                                       stream.shard_file, stream.wait)
+                except CheckpointError as exc:  # a remote error names the URL and key only
+                    exc.step = step if exc.step is None else exc.step
+                    exc.rank = r if exc.rank is None else exc.rank
+                    raise
+                finally:
+                    if stream is not None:
+                        with anyio.CancelScope(shield=True):
+                            await anyio.to_thread.run_sync(stream.discard, limiter=limiter)
+                return dataclasses.replace(loaded, path=where), parts
+
+            return await _gather(read, rank, consolidate, step)
+    finally:
+        await anyio.to_thread.run_sync(remote.close, limiter=limiter)
+
+
+async def _gather(read: _Reader, rank: int, consolidate: bool, step: int
+                  ) -> LoadedCheckpoint:
+    """``rank``'s shard, or with ``consolidate`` every rank's, assembled."""
+    own, parts = await read(rank)
     if not consolidate:
         return own
     if own.world_size == 1:
         return dataclasses.replace(own, rank=None)
-    loads = [(own, parts) if r == rank else await _read_rank(storage, step, dir_name, r,
-                                                             device, limiter)
-             for r in range(own.world_size)]
+    loads = [(own, parts) if r == rank else await read(r) for r in range(own.world_size)]
     if len({loaded.save_id for loaded, _ in loads}) != 1:
         raise CheckpointIntegrityError(f"the ranks' files of step {step} come from different "
                                        "saves", step=step, path=own.path)
@@ -169,25 +248,38 @@ async def _read_rank(storage: LocalStorage, step: int, dir_name: str, rank: int,
         if not status.valid or status.header is None:
             failures.append(str(status.reason))  # names the copy's holder itself
             continue
-        header = status.header
         try:
-            shard = await read_shard(storage, status, rank,
-                                     devices=[device] * len(header.tensors),
-                                     threads=_THREADS, limiter=limiter)
-            tree, train_state = _scan.decode_contents(status, rank)
+            loaded, parts = await _read_status(storage, status, rank, device, limiter)
         except (CheckpointIntegrityError, StorageError) as exc:
             held = "" if files.holder is None else f" (copy held by rank {files.holder})"
             failures.append(f"{files.shard}{held}: {exc.message}")
             continue
-        copies = {} if files.holder is None else {rank: files.holder}
-        loaded = LoadedCheckpoint(step, rank, status.world_size or 1, status.save_id or "",
-                                  status.path, materialize(tree, shard.tensors), train_state,
-                                  status.data_bytes, copies)
-        return loaded, _Parts(tree, shard.tensors, [rec.dist for rec in header.tensors])
+        if files.holder is not None:
+            loaded = dataclasses.replace(loaded, copies={rank: files.holder})
+        return loaded, parts
     raise CheckpointIntegrityError(
         f"step {step} of rank {rank} does not verify: {'; '.join(failures)}", step=step,
         rank=rank, path=os.path.join(storage.root, dir_name),
         hint="load another step (ckpt-pipeline ls ROOT)")
+
+
+async def _read_status(storage: LocalStorage, status: _scan.StepStatus, rank: int,
+                       device: torch.device, limiter: anyio.CapacityLimiter,
+                       shard_file: str | None = None,
+                       arrived: Callable[[int, int], None] | None = None
+                       ) -> tuple[LoadedCheckpoint, _Parts]:
+    """Read and decode the files ``status`` validated (a download: ``shard_file`` arriving,
+    ``arrived`` waiting for its bytes)."""
+    header = status.header
+    assert header is not None
+    shard = await read_shard(storage, status, rank, devices=[device] * len(header.tensors),
+                             threads=_THREADS, limiter=limiter, shard_file=shard_file,
+                             arrived=arrived)
+    tree, train_state = _scan.decode_contents(status, rank)
+    loaded = LoadedCheckpoint(status.step, rank, status.world_size or 1, status.save_id or "",
+                              status.path, materialize(tree, shard.tensors), train_state,
+                              status.data_bytes)
+    return loaded, _Parts(tree, shard.tensors, [rec.dist for rec in header.tensors])
 
 
 # ------------------------------------------------------------------------- consolidation

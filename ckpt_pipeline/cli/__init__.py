@@ -5,9 +5,8 @@ them.
 reads every byte of tensor data and checks it against its checksum, as a restore would;
 ``show`` prints a step's tensors and TrainState from its header; ``export`` writes a step's
 tensors as safetensors or torch files. All only read the root: nothing under it is created,
-changed or removed. Given a URL (a persistent
-tier, ``_remote``), they list its steps, and download and verify them in a temporary
-directory.
+changed or removed. Given a URL (a persistent tier, ``_remote``), they list its steps, and
+download, verify, show or export its complete steps through a temporary directory.
 
 This module is the entry point (``main``, the console script ``ckpt_pipeline.cli:main``) and
 the command line: it parses the arguments, opens the root and runs the command (``_ls``,
@@ -28,7 +27,7 @@ from ..storage import LocalStorage, Storage
 from ._export import _cmd_export
 from ._ls import _cmd_ls
 from ._remote import _cmd_ls_remote, _cmd_verify_remote
-from ._show import _cmd_show
+from ._show import _cmd_show, _cmd_show_remote
 from ._status import EXIT_FAILED, EXIT_USAGE, _UsageError
 from ._verify import _cmd_verify
 
@@ -82,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Print every tensor of the newest step (or --step N) with its path, "
                     "dtype, shape and bytes, and the TrainState with its extra fields. Reads "
                     "the step's header only.")
-    show.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
+    show.add_argument("root", metavar="ROOT", help="the checkpoint root directory, or the URL "
+                      "of a persistent tier (its complete steps)")
     show.add_argument("--step", type=_nonneg_int, metavar="N", help="show step N")
     show.set_defaults(handler=_cmd_show)
 
@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                     "past --max-shard-size) or as a torch file that torch.load(..., "
                     "weights_only=True) reads. Tied weights are stored once. The root is "
                     "only read.")
-    export.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
+    export.add_argument("root", metavar="ROOT", help="the checkpoint root directory, or the "
+                        "URL of a persistent tier (its complete steps)")
     export.add_argument("out", metavar="OUT",
                         help="the file to write (model.safetensors, pytorch_model.bin); shards "
                              "and the index file go beside it")
@@ -117,7 +118,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="the files of rank R (default 0)" if sub is show else
                          argparse.SUPPRESS)
         sub.add_argument("--json", action="store_true", help="print JSON for scripts")
-        sub.set_defaults(option=None)
+        sub.add_argument("--option", action="append", metavar="KEY=VALUE",
+                         help="for a URL: a setting of its store, such as "
+                              "endpoint=http://host:9000 for S3 (repeatable)")
 
     for sub in (ls, verify):
         sub.add_argument("root", metavar="ROOT",
@@ -146,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     handler: Callable[[Storage, argparse.Namespace], int] = args.handler
     try:
         if is_url(args.root):
-            if handler not in (_cmd_ls, _cmd_verify):
-                raise _UsageError(f"{args.command} reads a local root, not a URL")
+            if handler is _cmd_export:
+                return _cmd_export(args.root, args)
+            if handler is _cmd_show:
+                args.rank = 0 if args.rank is None else args.rank
+                return _cmd_show_remote(args.root, args)
             remote = _cmd_ls_remote if handler is _cmd_ls else _cmd_verify_remote
             return remote(args.root, args)
         if args.option:

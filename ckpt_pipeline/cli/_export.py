@@ -1,4 +1,4 @@
-"""``ckpt-pipeline export ROOT OUT``: a step's tensors as safetensors or torch files
+"""``ckpt-pipeline export ROOT|URL OUT``: a step's tensors as safetensors or torch files
 (``ckpt_pipeline.export``), with a progress bar on a terminal."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from ..export import ExportResult, export
 from ..storage import Storage
 from ._output import _human_bytes, _print_json, _Progress
+from ._remote import parse_options
 from ._status import EXIT_OK, _UsageError
 
 __all__ = ("_cmd_export", "parse_size")
@@ -33,7 +34,10 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _cmd_export(storage: Storage, args: argparse.Namespace) -> int:
+def _cmd_export(storage: Storage | str, args: argparse.Namespace) -> int:
+    """Export from a local root (``storage``) or a persistent tier's URL."""
+    root = storage if isinstance(storage, str) else str(storage.root)
+    options = parse_options(args.option) if isinstance(storage, str) else None
     dtype = None
     if args.dtype is not None:
         if args.dtype.lower() not in _DTYPES:
@@ -51,9 +55,9 @@ def _cmd_export(storage: Storage, args: argparse.Namespace) -> int:
         seen[0] = done
 
     try:
-        result = export(storage.root, args.out, step=args.step, to=args.to, only=args.only,
+        result = export(root, args.out, step=args.step, to=args.to, only=args.only,
                         strip_prefix=args.strip_prefix, dtype=dtype, max_shard_bytes=limit,
-                        force=args.force, progress=progress)
+                        force=args.force, progress=progress, options=options)
     finally:
         if bar is not None:
             bar.close()

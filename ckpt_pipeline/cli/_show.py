@@ -1,21 +1,29 @@
-"""``ckpt-pipeline show ROOT``: what one step holds, from its header alone (no tensor data is
-read): every tensor with its path, dtype, shape and bytes, and the TrainState with ``extra``."""
+"""``ckpt-pipeline show ROOT|URL``: what one step holds, from its header alone (no tensor data
+is read): every tensor with its path, dtype, shape and bytes, and the TrainState with
+``extra``. A rank whose own files are missing or damaged is shown from a copy another rank
+holds; a persistent tier's step from its downloaded header."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 from typing import Any
 
 from .._format.limits import DTYPES
+from .._format.names import step_dir_name
+from .._persist.promote import complete_steps
+from .._persist.remote import open_remote
+from .._persist.stream import ShardStream
 from .._restore import scan as _recovery
 from ..errors import CheckpointIntegrityError
 from ..loading import pick_step
-from ..storage import Storage
+from ..storage import LocalStorage, Storage
 from ._output import _human_bytes, _print_json, _table
-from ._status import EXIT_OK
+from ._remote import parse_options
+from ._status import EXIT_OK, _UsageError
 
-__all__ = ("_cmd_show",)
+__all__ = ("_cmd_show", "_cmd_show_remote")
 
 
 def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
@@ -31,6 +39,35 @@ def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
         raise CheckpointIntegrityError(f"step {step} does not verify: {reasons}",
                                        step=step, rank=rank, path=status.path)
     holder = status.files.holder if status.files is not None else None
+    return _show(status, str(storage.root), status.path, rank, holder, args)
+
+
+def _cmd_show_remote(url: str, args: argparse.Namespace) -> int:
+    """``show URL``: the header of a complete step of a persistent tier. Its first and last
+    parts (preamble and header) are downloaded into a temporary directory, the rest of the
+    download is stopped."""
+    rank: int = args.rank
+    remote = open_remote(url, options=parse_options(args.option), retries=2)
+    try:
+        step, record = pick_step(complete_steps(remote), args.step, None, remote.url)
+        if rank >= record.world_size:
+            raise _UsageError(f"step {step} was saved by {record.world_size} rank(s), there "
+                              f"is no rank {rank}")
+        with tempfile.TemporaryDirectory(prefix="ckpt-show-") as tmp:
+            stream = ShardStream(remote, LocalStorage(tmp), record, rank)
+            try:
+                status = stream.status()
+            finally:
+                stream.discard()
+    finally:
+        remote.close()
+    return _show(status, remote.url, f"{remote.url}/{step_dir_name(step)}", rank, None, args)
+
+
+def _show(status: _recovery.StepStatus, root: str, where: str, rank: int, holder: int | None,
+          args: argparse.Namespace) -> int:
+    step = status.step
+    assert status.header is not None
     _tree, train_state = _recovery.decode_contents(status, rank)
     rows = []
     for record in status.header.tensors:
@@ -46,14 +83,14 @@ def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
                              "consumed_train_samples": train_state.consumed_train_samples,
                              "extra": dict(train_state.extra), "rng": repr(train_state.rng)}
     if args.json:
-        _print_json({"root": str(storage.root), "step": step, "rank": rank,
+        _print_json({"root": root, "step": step, "rank": rank,
                      "world_size": status.world_size, "save_id": status.save_id,
                      "copy_held_by": holder,
-                     "path": status.path, "tensors": rows, "train_state": state,
+                     "path": where, "tensors": rows, "train_state": state,
                      "bytes": sum(r["bytes"] for r in rows)})
         return EXIT_OK
     held = "" if holder is None else f", from the copy rank {holder} holds"
-    print(f"step {step} of {status.path} (rank {rank} of {status.world_size}, save "
+    print(f"step {step} of {where} (rank {rank} of {status.world_size}, save "
           f"{status.save_id}{held})")
     table = [[r["path"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar",
               _human_bytes(r["bytes"]),

@@ -78,6 +78,17 @@ def test_four_ranks_promote_into_one_prefix_and_restore_after_every_root_is_lost
         rank_writes = [i for i, p in enumerate(writes) if f"{name}/rank-" in p]
         assert rank_writes and max(rank_writes) < commits[0], writes
 
+    # cp.load by URL reads any rank's shard of the tier, and all four with consolidate=True
+    # (plain tensors: rank 0's values), in this process.
+    for rank in range(4):
+        got = cp.load(url, rank=rank, options=options)
+        assert (got.step, got.rank, got.world_size) == (30, rank, 4)
+        assert torch.equal(got.tree["model"]["bias"], torch.full((4,), 3000.0 + rank))
+    whole = cp.load(url, 20, consolidate=True, options=options)
+    assert (whole.step, whole.rank) == (20, None)
+    assert torch.equal(whole.tree["w"], torch.arange(1_000_000, dtype=torch.float32).add_(320))
+    assert whole.bytes == 4 * cp.load(url, 20, options=options).bytes
+
     shutil.rmtree(tmp_path / "root")  # every node replaced
     env = {r: {"CKPT_TEST_PERSIST_OPTIONS": json.dumps(options)} for r in range(4)}
     restored = launch("restore", tmp_path / "root", tmp_path / "logs2", world=4, nodes=4,
