@@ -93,6 +93,43 @@ def test_load_consolidates_fsdp2_shards_into_full_tensors(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+def test_load_consolidates_dtensors_of_a_two_dimensional_mesh(tmp_path: Path) -> None:
+    """Four gloo ranks on a 2x2 DeviceMesh save DTensors sharded on rows and columns, HSDP
+    style (replicated on one mesh dimension), uneven and with an empty shard;
+    ``cp.load(consolidate=True)`` assembles each bit-exact. A tensor dimension sharded by both
+    mesh dimensions is refused with an error naming it."""
+    import numpy as np
+
+    import ckpt_pipeline as cp
+
+    port = _free_port()
+    procs = [spawn_child(child_script("mesh_worker.py"), "--root", tmp_path / "ckpt",
+                         env={"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                              "OMP_NUM_THREADS": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(4)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    full = np.load(tmp_path / "full.npz")
+    loaded = cp.load(tmp_path / "ckpt", consolidate=True)
+    assert (loaded.step, loaded.world_size) == (5, 4)
+    model = loaded.tree["model"]
+    for name in full.files:
+        assert torch.equal(model[name], torch.from_numpy(full[name])), name
+    assert torch.equal(model["plain"], torch.arange(4.0))
+    shard = cp.load(tmp_path / "ckpt", rank=3).tree["model"]
+    assert shard["rows_and_cols"].shape == (3, 2) and shard["one_row"].shape == (0, 3)
+    with pytest.raises(cp.CheckpointError, match="two mesh dimensions shard tensor dimension 0"):
+        cp.load(tmp_path / "ckpt-twice", consolidate=True)
+
+
+@pytest.mark.slow
 def test_ddp_state_restores_on_every_rank(tmp_path: Path) -> None:
     results = _launch("ddp", tmp_path, world=2)
     for r in results:
