@@ -151,3 +151,19 @@ def test_show_and_export_take_a_url_with_its_options(
     assert missing.returncode != 0
     assert list(temp_dir.glob("ckpt-*")) == []
     assert os.path.exists(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(120)
+def test_load_by_url_onto_the_gpu(tmp_path: Path, temp_dir: Path) -> None:
+    """A directory tier's step streamed straight into GPU memory (``map_location="cuda"``),
+    every tensor equal to what was saved."""
+    url = f"file://{tmp_path / 'shared' / 'run'}"
+    saved = _save_steps(tmp_path / "local", (url, None), [10], settle=True)
+    shutil.rmtree(tmp_path / "local")
+    loaded = cp.load(url, map_location="cuda")
+    got = _flat_loaded(loaded.tree)
+    assert all(t.is_cuda for t in got.values())
+    assert all(torch.equal(got[k].cpu(), saved[10][k]) for k in saved[10])
+    assert list(temp_dir.glob("ckpt-*")) == []
