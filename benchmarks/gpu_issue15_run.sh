@@ -4,13 +4,8 @@
 # compare outputs). Results under $OUT. Wheels the image lacks come from
 #   ../shared/tools/gpu-wheels.sh pytest-timeout==2.4.0        (into .whl/, carried along)
 set -uo pipefail
-OUT="${OUT:-$PWD/gpu-out}"
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+# shellcheck source=benchmarks/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rs > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"
 python3 benchmarks/export_roundtrip.py --device cuda --out "$OUT/export_roundtrip.json" \

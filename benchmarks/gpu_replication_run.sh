@@ -3,13 +3,8 @@
 # (bench_replication_fsdp.py, on the local disk), then the control plane's cost per save at
 # 8 to 64 CPU ranks (bench_scale.py, /dev/shm), results under $OUT. Wheels: see gpu_run.sh.
 set -uo pipefail
-OUT="${OUT:-$PWD/gpu-out}"
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+# shellcheck source=benchmarks/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"
 nproc >> "$OUT/gpu.txt"
 timeout "${FSDP_LIMIT_S:-330}" python3 -m torch.distributed.run --nproc-per-node 2 \
   benchmarks/bench_replication_fsdp.py ${FSDP_ARGS:---steps 600 --every 200} \

@@ -6,16 +6,11 @@
 # Environment: VARIANTS (default: the pipeline's own variants; "all" for every peer),
 # BENCH_ARGS (extra arguments for bench_training.py), TESTS (default: the CUDA test set).
 set -uo pipefail
-OUT="${OUT:-$PWD/gpu-out}"
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"
-fi
+# shellcheck source=benchmarks/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"
 if [ -z "${CKPT_BENCH_COMMIT:-}" ] && [ -f commit.txt ]; then
   export CKPT_BENCH_COMMIT="$(cat commit.txt)"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 TESTS="${TESTS:-tests/test_gpu.py tests/save/test_streamed.py tests/save/test_direct_io.py tests/save/test_dtypes.py tests/save/test_layout.py tests/restore/test_restore_atomic.py tests/restore/test_adopt.py tests/format/test_format_v1.py tests/pipeline/test_concurrent_use.py tests/pipeline/test_save_restore.py}"
 # shellcheck disable=SC2086
 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" $TESTS -rs > "$OUT/gpu_tests.log" 2>&1

@@ -21,17 +21,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(kind: str, root: Path, world: int, device: str = "cpu",
-            *extra: str) -> list[dict[str, Any]]:
+def _run_ranks(script: Path, world: int, *args: object, per_rank: Any = None) -> None:
+    """Run ``world`` processes of ``script`` as the ranks of one gloo/NCCL job and wait for
+    all; ``per_rank(rank)`` gives a rank's extra arguments."""
     port = _free_port()
     procs = []
-    outs = [root / f"out-{r}.json" for r in range(world)]
     for rank in range(world):
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(spawn_child(
-            WORKER, kind, "--root", root / "ckpt", "--device", device, "--out", outs[rank],
-            *extra, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        extra = [] if per_rank is None else per_rank(rank)
+        procs.append(spawn_child(script, *args, *extra, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True))
     try:
         logs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
@@ -39,6 +39,13 @@ def _launch(kind: str, root: Path, world: int, device: str = "cpu",
             p.kill()
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
+
+
+def _launch(kind: str, root: Path, world: int, device: str = "cpu",
+            *extra: str) -> list[dict[str, Any]]:
+    outs = [root / f"out-{r}.json" for r in range(world)]
+    _run_ranks(WORKER, world, kind, "--root", root / "ckpt", "--device", device, *extra,
+               per_rank=lambda rank: ["--out", outs[rank]])
     return [json.loads(o.read_text()) for o in outs]
 
 
@@ -102,20 +109,7 @@ def test_load_consolidates_dtensors_of_a_two_dimensional_mesh(tmp_path: Path) ->
 
     import ckpt_pipeline as cp
 
-    port = _free_port()
-    procs = [spawn_child(child_script("mesh_worker.py"), "--root", tmp_path / "ckpt",
-                         env={"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
-                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                              "OMP_NUM_THREADS": "1"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(4)]
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-3000:]
+    _run_ranks(child_script("mesh_worker.py"), 4, "--root", tmp_path / "ckpt")
     full = np.load(tmp_path / "full.npz")
     loaded = cp.load(tmp_path / "ckpt", consolidate=True)
     assert (loaded.step, loaded.world_size) == (5, 4)
