@@ -4,8 +4,8 @@ Reads one rank's committed files of a step (the newest by default) from a local 
 every byte (commit record, manifest, header, every checksummed range of the data) and returns
 the saved structure as nested dicts and lists of tensors and plain values: what ``state_dict()``
 gave at save time. A rank whose own files are missing or do not verify is read from a copy
-another rank holds of them (``replicas=``), when the root has one. Nothing is written into the root and no RNG state is touched; the RNG states
-the checkpoint holds are in ``train_state``.
+another rank holds of them (``replicas=``), when the root has one. Nothing is written into the
+root and no RNG state is touched; the RNG states the checkpoint holds are in ``train_state``.
 
 ``root`` may also be the URL of a persistent tier (``s3://bucket/run``, ``file://PATH`` of a
 shared directory, another fsspec protocol; ``options`` as ``persistent_options``): only
@@ -37,7 +37,8 @@ import torch
 from ._format.documents import TensorRef
 from ._format.names import step_dir_name
 from ._format.shard import DistLayout
-from ._persist.remote import is_url
+from ._persist.layout import StepRecord
+from ._persist.remote import Remote, is_url
 from ._restore import scan as _scan
 from ._restore.read import read_shard
 from ._tree import materialize
@@ -45,7 +46,7 @@ from .errors import CheckpointError, CheckpointIntegrityError, ConfigError, Stor
 from .storage import LocalStorage
 from .train_state import TrainState
 
-__all__ = ("LoadedCheckpoint", "load", "pick_step")
+__all__ = ("LoadedCheckpoint", "load", "pick_step", "tier_step")
 
 _THREADS = 8
 _T = TypeVar("_T")
@@ -147,6 +148,20 @@ def pick_step(steps: Mapping[int, _T], step: int | None, rank: int | None,
     return step, steps[step]
 
 
+def tier_step(remote: Remote, step: int | None, rank: int | None) -> StepRecord:
+    """The commit object of a persistent tier's complete ``step`` (None: the newest), checked
+    to have a rank ``rank`` (None: not checked); CheckpointError naming what is there
+    otherwise. Worker thread."""
+    from ._persist.promote import complete_steps
+
+    step, record = pick_step(complete_steps(remote), step, None, remote.url)
+    if rank is not None and rank >= record.world_size:
+        raise CheckpointError(f"step {step} was saved by {record.world_size} rank(s); there "
+                              f"is no rank {rank}", step=step, rank=rank,
+                              path=f"{remote.url}/{step_dir_name(step)}")
+    return record
+
+
 _Reader = Callable[[int], Awaitable[tuple["LoadedCheckpoint", "_Parts"]]]
 
 
@@ -168,7 +183,6 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
                        ) -> LoadedCheckpoint:
     """``load`` of a persistent tier's step: each rank's files stream into a temporary
     directory (``ShardStream``) while they are read, and are removed afterwards."""
-    from ._persist.promote import complete_steps
     from ._persist.remote import open_remote
     from ._persist.stream import ShardStream
 
@@ -176,12 +190,10 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
     remote = await anyio.to_thread.run_sync(functools.partial(
         open_remote, url, options=options, retries=2), limiter=limiter)
     try:
-        records = await anyio.to_thread.run_sync(complete_steps, remote, limiter=limiter)
-        step, record = pick_step(records, step, None, remote.url)
+        record = await anyio.to_thread.run_sync(tier_step, remote, step,
+                                                None if consolidate else rank, limiter=limiter)
+        step = record.step
         where = f"{remote.url}/{step_dir_name(step)}"
-        if not consolidate and rank >= record.world_size:
-            raise CheckpointError(f"step {step} was saved by {record.world_size} rank(s); "
-                                  f"there is no rank {rank}", step=step, rank=rank, path=where)
         with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
             storage = LocalStorage(tmp)
 
@@ -193,10 +205,6 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
                     status = await anyio.to_thread.run_sync(stream.status, limiter=limiter)
                     loaded, parts = await _read_status(storage, status, r, device, limiter,
                                                        stream.shard_file, stream.wait)
-                except CheckpointError as exc:  # a remote error names the URL and key only
-                    exc.step = step if exc.step is None else exc.step
-                    exc.rank = r if exc.rank is None else exc.rank
-                    raise
                 finally:
                     if stream is not None:
                         with anyio.CancelScope(shield=True):

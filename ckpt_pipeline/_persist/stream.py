@@ -21,7 +21,7 @@ from .._format.names import step_dir_name
 from .._format.shard import PREAMBLE_SIZE, decode_preamble
 from .._replicate.incoming import Incoming
 from .._restore import scan as _scan
-from ..errors import CheckpointIntegrityError, StorageError
+from ..errors import CheckpointError, CheckpointIntegrityError, StorageError
 from ..storage import Storage
 from .layout import MAX_COMMIT_BYTES, StepRecord, rank_keys
 from .remote import ObjectSum, Remote
@@ -66,11 +66,14 @@ class ShardStream:
         self.rank = rank
         self.files = _scan.FileSet(rank)
         self.dir_name = step_dir_name(record.step)
-        self.small = fetch_small(remote, record, rank)
-        self.shard = record.rank_objects(rank)[self.files.shard]
-        self.key = rank_keys(record.step, rank)[self.files.shard]
-        self.started = time.perf_counter()
-        self.incoming = Incoming(storage, self.dir_name, self.files, self.shard.size)
+        try:
+            self.small = fetch_small(remote, record, rank)
+            self.shard = record.rank_objects(rank)[self.files.shard]
+            self.key = rank_keys(record.step, rank)[self.files.shard]
+            self.started = time.perf_counter()
+            self.incoming = Incoming(storage, self.dir_name, self.files, self.shard.size)
+        except CheckpointError as exc:
+            raise self._named(exc) from None
         try:
             os.ftruncate(self.incoming.fd, self.shard.size)  # reads may start at any offset
         except OSError as exc:
@@ -96,7 +99,7 @@ class ShardStream:
                                  first=(0, len(self.shard.parts) - 1), on_part=self._landed)
         except BaseException as exc:
             with self._cond:
-                self._error = exc
+                self._error = self._named(exc)
         finally:
             with self._cond:
                 self._ended = True
@@ -150,9 +153,21 @@ class ShardStream:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        self.incoming.publish(self.small[self.files.manifest], self.small[self.files.commit])
+        try:
+            self.incoming.publish(self.small[self.files.manifest],
+                                  self.small[self.files.commit])
+        except CheckpointError as exc:
+            raise self._named(exc) from None
         size = self.shard.size + sum(len(v) for v in self.small.values())
         return self.incoming.path, size, time.perf_counter() - self.started
+
+    def _named(self, exc: BaseException) -> BaseException:
+        """``exc`` with this stream's step and rank where it names neither (an error of the
+        store names only its URL and key)."""
+        if isinstance(exc, CheckpointError):
+            exc.step = self.step if exc.step is None else exc.step
+            exc.rank = self.rank if exc.rank is None else exc.rank
+        return exc
 
     def discard(self) -> None:
         """Stop the download (parts in flight end first) and remove what it wrote."""

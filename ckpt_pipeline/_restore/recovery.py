@@ -300,9 +300,7 @@ class Recovery:
             if stream is not None:
                 with anyio.CancelScope(shield=True):
                     await in_thread(limiter, stream.discard)
-            if isinstance(exc, CheckpointError):
-                exc.step = step if exc.step is None else exc.step  # a remote error names the
-                exc.rank = self.rank if exc.rank is None else exc.rank  # url and key
+            if isinstance(exc, CheckpointError):  # named by the stream (step, rank)
                 _log.warning("ckpt.recovery.download_failed", step=step, rank=self.rank,
                              url=promoter.url, error=exc.message)
             raise

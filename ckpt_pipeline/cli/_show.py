@@ -12,16 +12,15 @@ from typing import Any
 
 from .._format.limits import DTYPES
 from .._format.names import step_dir_name
-from .._persist.promote import complete_steps
 from .._persist.remote import open_remote
 from .._persist.stream import ShardStream
 from .._restore import scan as _recovery
 from ..errors import CheckpointIntegrityError
-from ..loading import pick_step
+from ..loading import pick_step, tier_step
 from ..storage import LocalStorage, Storage
 from ._output import _human_bytes, _print_json, _table
 from ._remote import parse_options
-from ._status import EXIT_OK, _UsageError
+from ._status import EXIT_OK
 
 __all__ = ("_cmd_show", "_cmd_show_remote")
 
@@ -49,10 +48,7 @@ def _cmd_show_remote(url: str, args: argparse.Namespace) -> int:
     rank: int = args.rank
     remote = open_remote(url, options=parse_options(args.option), retries=2)
     try:
-        step, record = pick_step(complete_steps(remote), args.step, None, remote.url)
-        if rank >= record.world_size:
-            raise _UsageError(f"step {step} was saved by {record.world_size} rank(s), there "
-                              f"is no rank {rank}")
+        record = tier_step(remote, args.step, rank)
         with tempfile.TemporaryDirectory(prefix="ckpt-show-") as tmp:
             stream = ShardStream(remote, LocalStorage(tmp), record, rank)
             try:
@@ -61,7 +57,8 @@ def _cmd_show_remote(url: str, args: argparse.Namespace) -> int:
                 stream.discard()
     finally:
         remote.close()
-    return _show(status, remote.url, f"{remote.url}/{step_dir_name(step)}", rank, None, args)
+    return _show(status, remote.url, f"{remote.url}/{step_dir_name(record.step)}", rank, None,
+                 args)
 
 
 def _show(status: _recovery.StepStatus, root: str, where: str, rank: int, holder: int | None,
