@@ -8,8 +8,10 @@ Usage::
 The first form opens ``CheckpointPipeline(ROOT, keep_last=1)`` (the test saved step
 ``FIRST - 1`` there already, so every save has an older step to prune) and saves steps
 ``FIRST..LAST``, waiting for each commit; once ``result()`` returned it appends the step to
-``ROOT.ack`` and fsyncs it: the ack file is what the test knows to be acknowledged. The crash
-point is armed from the start of the process, so ``LABEL:N`` dies during the N-th save (every
+``ROOT.ack`` and fsyncs it: the ack file is what the test knows to be acknowledged. It then
+waits for the save's retention (``pipe.wait``), which otherwise runs on after ``result()``
+and, on a loaded machine, can reach its crash point after the next save was acknowledged.
+The crash point is armed from the start of the process, so ``LABEL:N`` dies during the N-th save (every
 label but ``scrub.removed`` is reached once per save). ``--open-only`` only opens the pipeline:
 its start-up scrub removes the leftovers the test planted, and ``scrub.removed:N`` dies after
 the N-th removal.
@@ -57,6 +59,7 @@ def main(argv: list[str]) -> int:
             ack.write(f"{step}\n")
             ack.flush()
             os.fsync(ack.fileno())
+            pipe.wait(60)  # its retention too, so that the N-th save's crash is in that save
     return 0
 
 
