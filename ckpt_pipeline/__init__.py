@@ -13,6 +13,7 @@ from .errors import CheckpointIntegrityError as CheckpointIntegrityError
 from .errors import ConfigError as ConfigError
 from .errors import CoordinationError as CoordinationError
 from .errors import ForkedProcessError as ForkedProcessError
+from .errors import PersistentInUseError as PersistentInUseError
 from .errors import PipelineBusyError as PipelineBusyError
 from .errors import PipelineClosedError as PipelineClosedError
 from .errors import PoolBusyError as PoolBusyError
@@ -29,6 +30,7 @@ from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
 from .events import Event as Event
+from .events import PersistentTakenOver as PersistentTakenOver
 from .events import PersistFailed as PersistFailed
 from .events import PersistPruned as PersistPruned
 from .events import PersistSkipped as PersistSkipped
@@ -96,6 +98,8 @@ __all__ = (
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",
+    "PersistentInUseError",
+    "PersistentTakenOver",
     "PipelineBusyError",
     "PipelineClosedError",
     "PipelineConfig",

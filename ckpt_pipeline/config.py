@@ -92,6 +92,15 @@ class PipelineConfig:
       arguments of its fsspec file system. Never logged, never written into a checkpoint.
     - ``persist_retries``: retries of each failed upload or download request, with exponential
       backoff, before the promotion fails (``PersistFailed``; training goes on).
+    - ``persistent_lease_s``: the URL belongs to one open at a time: rank 0 writes an owner
+      object at open and refreshes its heartbeat every third of this. A second job is refused
+      (``PersistentInUseError``) while the holder's heartbeat advances; a holder whose
+      heartbeat is older than its lease, or does not advance while watched for one lease,
+      is taken over (``PersistentTakenOver``). Clocks of the hosts must agree to well within
+      it. Docs: docs/distributed.md, "Persistent tier".
+    - ``persistent_takeover``: take the URL over at open whatever its holder's heartbeat says,
+      for when you know the other job is dead (its uploads in flight are never committed as
+      this run's; a live holder stops promoting at its next commit).
     """
 
     keep_last: int = 3
@@ -123,6 +132,8 @@ class PipelineConfig:
     persistent_keep: int | None = 3
     persistent_options: Mapping[str, Any] | None = field(default=None, repr=False)
     persist_retries: int = 5
+    persistent_lease_s: float = 60.0
+    persistent_takeover: bool = False
 
     @property
     def retention_policy(self) -> RetentionPolicy:
@@ -246,6 +257,16 @@ class PipelineConfig:
             self.persistent_options, Mapping
         ):
             raise ConfigError("persistent_options must be a mapping of keyword arguments")
+        lease = self.persistent_lease_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not (
+            0 < lease < 86400
+        ):
+            raise ConfigError(f"persistent_lease_s={lease!r} must be a positive number of "
+                              "seconds below a day", hint="for example 60; a shorter lease "
+                              "lets a restarted job take a dead job's URL over sooner")
+        if not isinstance(self.persistent_takeover, bool):
+            raise ConfigError("persistent_takeover must be True or False",
+                              hint="True only when you know the job holding the URL is dead")
 
 
 def _positive_int(name: str, value: object, hint: str) -> None:
@@ -289,3 +310,5 @@ class PipelineOptions(TypedDict, total=False):
     persistent_keep: int | None
     persistent_options: Mapping[str, Any] | None
     persist_retries: int
+    persistent_lease_s: float
+    persistent_takeover: bool

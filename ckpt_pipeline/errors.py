@@ -15,6 +15,7 @@ __all__ = (
     "ConfigError",
     "CoordinationError",
     "ForkedProcessError",
+    "PersistentInUseError",
     "PipelineBusyError",
     "PipelineClosedError",
     "PoolBusyError",
@@ -97,6 +98,10 @@ class ForkedProcessError(CheckpointError):
 
 class RootInUseError(CheckpointError):
     """Another live process holds this rank's lock on the checkpoint root."""
+
+
+class PersistentInUseError(CheckpointError):
+    """Another live job holds the persistent URL: its owner object's heartbeat advances."""
 
 
 class SnapshotTornError(CheckpointError):

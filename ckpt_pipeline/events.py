@@ -20,6 +20,7 @@ __all__ = (
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",
+    "PersistentTakenOver",
     "ReplicaStored",
     "ReplicationDegraded",
     "RetentionFailed",
@@ -300,6 +301,24 @@ class PersistPruned(Event):
     log_level: ClassVar[str] = "info"
     url: str
     complete: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PersistentTakenOver(Event):
+    """Rank 0 took the persistent URL over from another job's open (``holder``: its run id,
+    ``host``, ``pid``, ``root``): its heartbeat was older than its lease or stopped while
+    watched (``heartbeat_age_s`` by this host's clock), or ``persistent_takeover`` was set
+    (``forced``). Uploads of that job still in flight are never committed as this run's."""
+
+    log_name: ClassVar[str] = "ckpt.persist.taken_over"
+    log_level: ClassVar[str] = "warning"
+    url: str
+    holder: str
+    host: str
+    pid: int
+    root: str
+    heartbeat_age_s: float
+    forced: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,14 @@ exchange at close), so every rank takes the same decisions in the same order:
 - a rank that failed (after the remote layer's retries) reports its error: every rank emits
   ``PersistFailed`` and rank 0 removes what was uploaded of the step.
 
+The URL belongs to one open (``owner.Ownership``, rank 0's): before each commit object rank 0
+re-reads the owner object, and checks that every object of the step is the one its rank
+uploaded (the stamp the rank reported: an S3 ETag, a file's inode and modification time;
+where a store has none, the content of each rank's commit record). A step whose objects are
+another job's is not committed. Once the URL is another job's, rank 0 commits, prunes and
+removes nothing more and says so in its next report: every rank then emits ``PersistFailed``
+for its steps in flight and stops promoting (logged once, at ERROR).
+
 A step being uploaded is kept in the local tier until its upload ends (``protected``). Saves
 come first: while a save of this rank writes its shard, uploads wait between parts
 (``writing``), so the disk is shared in the gaps between saves, not during them.
@@ -51,6 +59,7 @@ from .layout import (
     encode_step_record,
     rank_keys,
 )
+from .owner import Ownership
 from .remote import ObjectSum, Remote, open_remote
 from .stream import ShardStream
 
@@ -101,6 +110,9 @@ class Promoter:
         # Saves first: while a save of this rank writes its shard, uploads wait between parts.
         self._writing = 0
         self._quiet = threading.Condition()
+        # Rank 0's hold on the URL; ``_stopped``: agreed, why promotion stopped.
+        self._owner: Ownership | None = None
+        self._stopped: str | None = None
 
     # ------------------------------------------------------------------ open and close
 
@@ -113,6 +125,26 @@ class Promoter:
         self.url = self.remote.url
         self.remote.gate = self._wait_for_quiet
         self.remote.list_steps()
+        self.acquire()
+
+    def acquire(self) -> None:
+        """Rank 0: take the URL for this open (``Ownership.acquire``: refused with
+        ``PersistentInUseError`` while another job's heartbeat advances) and start its
+        heartbeat. One step of opening, callable once the store is reachable. Runs in a
+        worker thread."""
+        if self.rank != 0 or self._owner is not None:
+            return
+        assert self.remote is not None
+        self._owner = Ownership.acquire(
+            self.remote, root=str(self.storage.root), lease_s=self.config.persistent_lease_s,
+            takeover=self.config.persistent_takeover, emit=self._emit, rank=self.rank)
+        self._owner.start_heartbeat()
+
+    def release(self) -> None:
+        """Rank 0, at a clean close: release the URL (``Ownership.release``). Runs in a
+        worker thread."""
+        if self._owner is not None:
+            self._owner.release()
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -154,6 +186,8 @@ class Promoter:
         committed (the next promotion, or rank 0's pruning, removes them)."""
         self._uploads.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
+        if self._owner is not None:
+            self._owner.stop()
         if self.remote is not None:
             with contextlib.suppress(Exception):
                 self.remote.close()
@@ -167,11 +201,20 @@ class Promoter:
             failed = {str(s): e for s, e in self._failures.items()}
             self._finished.clear()
             self._failures.clear()
-            return {"unfinished": len(self._unfinished), "done": done, "failed": failed}
+            report: dict[str, Any] = {"unfinished": len(self._unfinished), "done": done,
+                                      "failed": failed}
+        if self._owner is not None and self._owner.lost is not None:
+            report["lost"] = self._owner.lost
+        return report
 
     def on_reports(self, reports: Sequence[Any]) -> None:
         """Every rank's ``report()`` of one exchange: record finished uploads, commit the
         steps every rank finished, give up the steps a rank failed. Same on every rank."""
+        lost = reports[0].get("lost") if reports and isinstance(reports[0], dict) else None
+        if isinstance(lost, str) and self._stopped is None:
+            self._stop_promoting(lost)
+        if self._stopped is not None:
+            return
         busiest = (0, 0)
         failed: dict[int, dict[int, str]] = {}
         for rank, report in enumerate(reports):
@@ -204,6 +247,18 @@ class Promoter:
                 if self.rank == 0:
                     self._submit(self._meta, self._commit_step, step, assigned)
 
+    def _stop_promoting(self, reason: str) -> None:
+        """The URL is another job's (rank 0 said so): give up every step in flight and
+        promote nothing more. Same on every rank."""
+        self._stopped = reason
+        log.error("ckpt.persist.stopped", rank=self.rank, url=self.url, reason=reason,
+                  hint="another job promotes to this URL; give each job its own persistent "
+                       "URL. The local tier keeps every committed step")
+        for step, assigned in sorted(self._assigned.items()):
+            self._emit(PersistFailed(step=step, rank=self.rank, save_id=assigned.save_id,
+                                     url=self.url, error=f"not committed: {reason}"))
+        self._assigned.clear()
+
     def committed(self, step: int, save_id: str) -> None:
         """A step committed on every rank: assign it when it is due (same on every rank)."""
         self._commits += 1
@@ -223,7 +278,7 @@ class Promoter:
             return set(self._unfinished)
 
     def _assign(self, step: int, save_id: str, *, closing: bool) -> None:
-        if step <= self._last_assigned:
+        if step <= self._last_assigned or self._stopped is not None:
             return
         most, rank = self._busy
         if most >= _QUEUED_MAX and not closing:
@@ -256,15 +311,17 @@ class Promoter:
         dir_name = step_dir_name(step)
         try:
             sums: dict[str, list[Any]] = {}
+            stamps: dict[str, str | None] = {}
             for name, key in rank_keys(step, self.rank).items():
                 local = os.path.join(str(self.storage.root), dir_name, name)
                 sums[name] = remote.upload(local, key).to_msg()
+                stamps[name] = remote.stamp(key)
             size = sum(int(s[0]) for s in sums.values())
             self._emit(ShardUploaded(step=step, rank=self.rank, save_id=save_id,
                                      url=self.url, bytes=size,
                                      seconds=time.perf_counter() - started))
             with self._lock:
-                self._finished[step] = sums
+                self._finished[step] = {"sums": sums, "stamps": stamps}
         except Exception as exc:
             error = exc.message if isinstance(exc, CheckpointError) else (
                 f"{type(exc).__name__}: {exc}")
@@ -277,23 +334,27 @@ class Promoter:
                 self._unfinished.pop(step, None)
 
     def _commit_step(self, step: int, assigned: _Assigned) -> None:
-        """Rank 0: check every rank's objects are there, write ``step.commit`` last."""
+        """Rank 0: check the URL is still this open's and every object of the step is the
+        one its rank uploaded, then write ``step.commit`` last."""
         remote = self.remote
         assert remote is not None
         dir_name = step_dir_name(step)
         try:
-            objects: dict[str, ObjectSum] = {}
-            for rank, sums in sorted(assigned.reports.items()):
-                for name in rank_keys(step, rank):
-                    if name not in sums:
-                        raise CheckpointIntegrityError(f"rank {rank} did not report {name}")
-                    objects[name] = ObjectSum.from_msg(sums[name])
-            present = remote.list_dir(dir_name)
-            for name, expected in objects.items():
-                if present.get(name) != expected.size:
-                    raise CheckpointIntegrityError(
-                        f"{dir_name}/{name} is {present.get(name, 'missing')} bytes in the "
-                        f"persistent tier, {expected.size} were uploaded")
+            lost = self._lost()
+        except Exception as exc:
+            lost = None
+            error = exc.message if isinstance(exc, CheckpointError) else (
+                f"{type(exc).__name__}: {exc}")
+            self._emit(PersistFailed(step=step, rank=self.rank, save_id=assigned.save_id,
+                                     url=self.url, error=f"owner object: {error}"))
+            return  # what it could not read is no reason to remove the step's objects
+        if lost is not None:  # the objects may be the new holder's now: leave them
+            self._emit(PersistFailed(step=step, rank=self.rank, save_id=assigned.save_id,
+                                     url=self.url, error=f"not committed: {lost}"))
+            return
+        try:
+            objects, stamps = self._reported(step, assigned)
+            self._check_objects(remote, dir_name, objects, stamps)
             record = StepRecord(step, assigned.save_id, self.world_size, objects)
             remote.put_small(f"{dir_name}/{STEP_COMMIT}", encode_step_record(record))
         except Exception as exc:
@@ -306,31 +367,106 @@ class Promoter:
         self._emit(StepPersisted(step=step, rank=self.rank, save_id=assigned.save_id,
                                  url=self.url,
                                  seconds=time.monotonic() - assigned.committed_at))
+        self._sweep(step)
         self._prune(step)
 
+    def _lost(self) -> str | None:
+        """Rank 0: None while the URL is this open's (its owner object re-read), else why
+        not."""
+        if self._owner is None:
+            return f"this open does not hold the persistent URL {self.url}"
+        return self._owner.check()
+
+    def _reported(self, step: int, assigned: _Assigned
+                  ) -> tuple[dict[str, ObjectSum], dict[str, str | None]]:
+        """Every rank's reported checksum and stamp of each of its objects of ``step``."""
+        objects: dict[str, ObjectSum] = {}
+        stamps: dict[str, str | None] = {}
+        for rank, report in sorted(assigned.reports.items()):
+            sums, marks = report.get("sums"), report.get("stamps")
+            if not isinstance(sums, dict) or not isinstance(marks, dict):
+                raise CheckpointIntegrityError(f"rank {rank} sent a malformed report")
+            for name in rank_keys(step, rank):
+                if name not in sums:
+                    raise CheckpointIntegrityError(f"rank {rank} did not report {name}")
+                objects[name] = ObjectSum.from_msg(sums[name])
+                mark = marks.get(name)
+                stamps[name] = mark if isinstance(mark, str) else None
+        return objects, stamps
+
+    def _check_objects(self, remote: Remote, dir_name: str, objects: dict[str, ObjectSum],
+                       stamps: dict[str, str | None]) -> None:
+        """Every object is there with its size, and is the one its rank uploaded: the same
+        stamp, or (where the store gives none) a rank commit record of the same content, so
+        that another job's objects of the same step number cannot pass."""
+        present = remote.list_dir(dir_name)
+        for name, expected in objects.items():
+            if present.get(name) != expected.size:
+                raise CheckpointIntegrityError(
+                    f"{dir_name}/{name} is {present.get(name, 'missing')} bytes in the "
+                    f"persistent tier, {expected.size} were uploaded")
+        stored = remote.stamps(dir_name) if any(v is not None for v in stamps.values()) else {}
+        for name, expected in objects.items():
+            mark = stamps.get(name)
+            if mark is not None:
+                same = stored.get(name) == mark
+            elif name.endswith(".commit"):
+                data = remote.get_small(f"{dir_name}/{name}", expected.size)
+                same = data is not None and ObjectSum.of(data, expected.part_bytes) == expected
+            else:
+                continue
+            if not same:
+                raise CheckpointIntegrityError(
+                    f"{dir_name}/{name} in the persistent tier is not the object this run "
+                    "uploaded: another job wrote it since")
+
     def _remove_step(self, step: int) -> None:
-        """Rank 0: take a step off the persistent tier, its commit object first."""
+        """Rank 0: take a step off the persistent tier, its commit object first, and what
+        killed uploads left of it. Nothing once the URL is another job's."""
         remote = self.remote
         assert remote is not None
+        if self._owner is None or self._owner.lost is not None:
+            return
         dir_name = step_dir_name(step)
         try:
             names = remote.list_dir(dir_name)
             if STEP_COMMIT in names:
                 remote.delete([f"{dir_name}/{STEP_COMMIT}"])
-            remote.delete([f"{dir_name}/{n}" for n in names if n != STEP_COMMIT])
+            leftovers = remote.leftovers(dir_name)
+            remote.delete([f"{dir_name}/{n}" for n in [*names, *leftovers]
+                           if n != STEP_COMMIT])
         except Exception as exc:
             log.warning("ckpt.persist.remove_failed", step=step, rank=self.rank, url=self.url,
                         error=f"{type(exc).__name__}: {exc}")
             return
-        if names:
+        if names or leftovers:
             self._emit(PersistPruned(step=step, rank=self.rank, url=self.url,
                                      complete=STEP_COMMIT in names))
 
-    def _prune(self, newest: int) -> None:
-        """Rank 0, after committing ``newest``: keep the newest ``persistent_keep`` complete
-        steps; remove the others, and unfinished promotions older than ``newest``."""
+    def _sweep(self, step: int) -> None:
+        """Rank 0: remove what killed uploads left in a complete step's prefix (temporaries
+        of another attempt at the same step). Failures are logged."""
         remote = self.remote
         assert remote is not None
+        dir_name = step_dir_name(step)
+        try:
+            leftovers = remote.leftovers(dir_name)
+            if leftovers:
+                remote.delete([f"{dir_name}/{n}" for n in leftovers])
+                log.info("ckpt.persist.leftovers_removed", step=step, rank=self.rank,
+                         url=self.url, names=leftovers)
+        except Exception as exc:
+            log.warning("ckpt.persist.remove_failed", step=step, rank=self.rank, url=self.url,
+                        error=f"{type(exc).__name__}: {exc}")
+
+    def _prune(self, newest: int) -> None:
+        """Rank 0, after committing ``newest``: keep the newest ``persistent_keep`` complete
+        steps; remove the others, and unfinished promotions older than ``newest``, and what
+        killed uploads left in the steps kept."""
+        remote = self.remote
+        assert remote is not None
+        if self._owner is None or self._owner.lost is not None:
+            return
         keep = self.config.persistent_keep
         try:
             steps = sorted((s for s in map(parse_step_dir, remote.list_steps())
@@ -342,9 +478,12 @@ class Promoter:
             return
         kept = set(complete if keep is None else complete[:keep])
         for step in steps:
-            if step in kept or step >= newest or step in self._assigned:
+            if step >= newest or step in self._assigned:
                 continue
-            self._remove_step(step)
+            if step in kept:
+                self._sweep(step)
+            else:
+                self._remove_step(step)
 
     # ------------------------------------------------------------------ restore
 

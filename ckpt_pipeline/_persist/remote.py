@@ -39,7 +39,8 @@ import xxhash
 from .._logging import log, report_once
 from ..errors import CheckpointIntegrityError, ConfigError, StorageError
 
-__all__ = ("PART_BYTES_DEFAULT", "ObjectSum", "Remote", "RemoteError", "is_url", "open_remote")
+__all__ = ("PART_BYTES_DEFAULT", "Conflict", "ObjectSum", "Remote", "RemoteError", "is_url",
+           "open_remote")
 
 PART_BYTES_DEFAULT = 64 * 1024 * 1024
 BACKOFF_CAP_S = 10.0
@@ -100,6 +101,11 @@ class RemoteError(StorageError):
         self.key = key
         self.op = op
         self.attempts = attempts
+
+
+class Conflict(RemoteError):
+    """A conditional write found another version of the object than it expected (or one
+    where it expected none)."""
 
 
 def check_key(key: str) -> str:
@@ -238,6 +244,37 @@ class Remote:
         check_key(key)
         return self._size(key) is not None
 
+    def get_versioned(self, key: str, limit: int) -> tuple[bytes, str | None] | None:
+        """The bytes of ``key`` (at most ``limit``) and its version (what ``put_versioned``
+        expects); None when it does not exist."""
+        check_key(key)
+        return self._get_versioned(key, limit)
+
+    def put_versioned(self, key: str, data: bytes, expected: str | None) -> str | None:
+        """Write ``key`` only if it is still at version ``expected`` (None: only if it does
+        not exist); return the new version. ``Conflict`` when it is not. Atomic where the
+        store has conditional writes (S3's If-None-Match and If-Match; a directory's
+        ``link`` and a lock); a compare-then-write elsewhere (fsspec)."""
+        check_key(key)
+        return self._put_versioned(key, bytes(data), expected)
+
+    def stamp(self, key: str) -> str | None:
+        """What identifies the stored version of ``key`` (an S3 ETag; a file's inode,
+        modification time and size); None when it does not exist or the store has none."""
+        check_key(key)
+        return self._stamp(key)
+
+    def stamps(self, prefix: str) -> dict[str, str | None]:
+        """``{name: stamp}`` of the objects directly under ``prefix``, as ``stamp``."""
+        check_key(prefix)
+        return self._stamps(prefix)
+
+    def leftovers(self, prefix: str) -> list[str]:
+        """Names of what killed uploads left under ``prefix`` that ``list_dir`` does not show
+        (a directory's temporaries); [] where the store keeps none visible."""
+        check_key(prefix)
+        return []
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -258,6 +295,26 @@ class Remote:
 
     def _read_range(self, key: str, start: int, end: int) -> bytes | memoryview:
         raise NotImplementedError
+
+    def _get_versioned(self, key: str, limit: int) -> tuple[bytes, str | None] | None:
+        data = self._get_small(key, limit)
+        return None if data is None else (data, f"xxh3:{xxh(data):016x}")
+
+    def _put_versioned(self, key: str, data: bytes, expected: str | None) -> str | None:
+        """Compare, then write: a store without conditional writes (see ``put_versioned``)."""
+        current = self._get_versioned(key, len(data) + (1 << 20))
+        if (None if current is None else current[1]) != expected:
+            raise Conflict(f"{self._where(key)} changed since it was read",
+                           path=self._where(key), key=key, op="upload")
+        self._put_small(key, data)
+        return f"xxh3:{xxh(data):016x}"
+
+    def _stamp(self, key: str) -> str | None:
+        prefix, _, name = key.rpartition("/")
+        return self._stamps(prefix).get(name)
+
+    def _stamps(self, prefix: str) -> dict[str, str | None]:
+        return dict.fromkeys(self.list_dir(prefix))
 
     def _explain(self, exc: BaseException) -> Failure:
         """What the exception of a failed request means (a backend knows its client's)."""

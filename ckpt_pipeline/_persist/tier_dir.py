@@ -3,13 +3,21 @@ temporary name, parts copied in parallel, fsync, rename, fsync of the directory;
 directories 0700, opened with ``O_NOFOLLOW``. The rename replaces an object of the same key:
 in this tier a key is only written again by a retried promotion of the same committed file,
 so the content is the same.
+
+A killed upload leaves its temporary (``.NAME.tmp-HEX``) behind: ``leftovers`` names them, so
+that the promoter removes them with the step's other objects. A versioned write (the owner
+object) is exclusive by ``link`` when the object must not exist yet, and compares the inode,
+modification time and size of the current file under an ``flock`` of ``.NAME.lock`` before
+replacing it otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import re
 import secrets
 import stat
 import threading
@@ -20,6 +28,7 @@ import xxhash
 
 from .remote import (
     KEY_PART,
+    Conflict,
     ObjectSum,
     OnRetry,
     Remote,
@@ -31,6 +40,9 @@ from .remote import (
 )
 
 __all__ = ("DirRemote",)
+
+_TEMPORARY = re.compile(r"^\.[A-Za-z0-9._-]+\.tmp-[0-9a-f]{12}$")
+"""The name of a temporary that ``_write`` makes (``.NAME.tmp-`` and 6 random bytes)."""
 
 
 class DirRemote(Remote):
@@ -57,8 +69,11 @@ class DirRemote(Remote):
                     os.mkdir(d, 0o700)
                 _fsync_dir(os.path.dirname(d))
 
-    def _write(self, key: str, size: int,
-               fill: Callable[[int], ObjectSum | None]) -> ObjectSum | None:
+    def _write(self, key: str, size: int, fill: Callable[[int], ObjectSum | None],
+               publish: Callable[[str, str, os.stat_result], None] | None = None
+               ) -> ObjectSum | None:
+        """Write ``key`` through a temporary; ``publish(temp, final, stat of temp)`` puts
+        it in place (default: ``os.replace``)."""
         final = self._path(key)
         directory = os.path.dirname(final)
         self._make_dirs(directory)
@@ -71,11 +86,14 @@ class DirRemote(Remote):
                 os.fsync(out)
             finally:
                 os.close(out)
-            written = os.stat(temp, follow_symlinks=False).st_size
-            if written != size:
-                raise RemoteError(f"{self._where(key)} was written with {written} bytes, not "
-                                  f"{size}", path=self._where(key), key=key, op="upload")
-            os.replace(temp, final)
+            info = os.stat(temp, follow_symlinks=False)
+            if info.st_size != size:
+                raise RemoteError(f"{self._where(key)} was written with {info.st_size} bytes, "
+                                  f"not {size}", path=self._where(key), key=key, op="upload")
+            if publish is None:
+                os.replace(temp, final)
+            else:
+                publish(temp, final, info)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
@@ -111,6 +129,89 @@ class DirRemote(Remote):
     def _put_small(self, key: str, data: bytes) -> None:
         self._retry("upload", key, lambda: self._write(
             key, len(data), lambda out: pwrite_all(out, data, 0)))
+
+    def _get_versioned(self, key: str, limit: int) -> tuple[bytes, str | None] | None:
+        def read() -> tuple[bytes, str | None] | None:
+            try:
+                fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            try:
+                info = os.fstat(fd)
+                if info.st_size > limit:
+                    raise self._too_large(key, info.st_size, limit)
+                data = pread_exact(fd, 0, info.st_size) if info.st_size else b""
+                return data, _stamp(info)
+            finally:
+                os.close(fd)
+
+        result: tuple[bytes, str | None] | None = self._retry("download", key, read)
+        return result
+
+    def _put_versioned(self, key: str, data: bytes, expected: str | None) -> str | None:
+        stamps: list[str] = []
+
+        def publish(temp: str, final: str, info: os.stat_result) -> None:
+            lock = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.lock")
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if expected is None:
+                    try:
+                        os.link(temp, final)
+                    except FileExistsError:
+                        raise Conflict(f"{self._where(key)} exists", path=self._where(key),
+                                       key=key, op="upload") from None
+                    os.unlink(temp)
+                else:
+                    try:
+                        current: str | None = _stamp(os.stat(final, follow_symlinks=False))
+                    except FileNotFoundError:
+                        current = None
+                    if current != expected:
+                        raise Conflict(f"{self._where(key)} changed since it was read",
+                                       path=self._where(key), key=key, op="upload")
+                    os.replace(temp, final)
+            finally:
+                os.close(fd)  # releases the lock
+            stamps.append(_stamp(info))
+
+        self._retry("upload", key, lambda: self._write(
+            key, len(data), lambda out: pwrite_all(out, data, 0), publish))
+        return stamps[-1]
+
+    def _stamp(self, key: str) -> str | None:
+        try:
+            info = os.stat(self._path(key), follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return _stamp(info) if stat.S_ISREG(info.st_mode) else None
+
+    def _stamps(self, prefix: str) -> dict[str, str | None]:
+        try:
+            with os.scandir(self._path(prefix)) as it:
+                entries = list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except OSError as exc:
+            raise RemoteError(f"listing {self._where(prefix)} failed: {exc.strerror}",
+                              path=self._where(prefix), key=prefix, op="list") from exc
+        out: dict[str, str | None] = {}
+        for e in entries:
+            if e.is_file(follow_symlinks=False) and not e.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    out[e.name] = _stamp(e.stat(follow_symlinks=False))
+        return out
+
+    def leftovers(self, prefix: str) -> list[str]:
+        check_key(prefix)
+        try:
+            return sorted(n for n in os.listdir(self._path(prefix)) if _TEMPORARY.match(n))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise RemoteError(f"listing {self._where(prefix)} failed: {exc.strerror}",
+                              path=self._where(prefix), key=prefix, op="list") from exc
 
     def _get_small(self, key: str, limit: int) -> bytes | None:
         def read() -> bytes | None:
@@ -252,6 +353,11 @@ def _flush_range(fd: int) -> None:
     into one long fsync at the end that a save would have to share the disk with (uploads
     wait for saves between parts, see ``Remote.gate``); the final fsync still follows."""
     os.fdatasync(fd)
+
+
+def _stamp(info: os.stat_result) -> str:
+    """A file's identity: a rename keeps it, a replacing rename or rewrite changes it."""
+    return f"{info.st_ino}.{info.st_mtime_ns}.{info.st_size}"
 
 
 def _fsync_dir(path: str) -> None:

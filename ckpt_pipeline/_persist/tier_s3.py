@@ -13,6 +13,12 @@
   the pipeline's retry count and backoff (a multipart upload is one call to it, and one failed
   part must not restart the object). Every other request is sent once by obstore and retried
   here, each retry logged (``Remote._retry``).
+- **Conditional writes.** The owner object is written with ``If-None-Match: *`` (create) or
+  ``If-Match: ETag`` (update), through obstore's ``mode``: the store decides between two jobs.
+- **Leftovers.** A process killed during a multipart upload leaves the upload open, invisible
+  to listings (obstore cannot list or abort it afterwards): give the bucket a lifecycle rule
+  ``AbortIncompleteMultipartUpload`` (docs/distributed.md). What a killed promotion completed
+  is listed and removed by the promoter with the step.
 - **Settings.** ``options`` are obstore's S3 settings (``endpoint``, ``region``,
   ``access_key_id``, ``secret_access_key``, ``session_token``, ...; the ``AWS_*`` environment
   variables are read too) and ``client_options`` (obstore's HTTP client settings). An ``http://``
@@ -36,6 +42,7 @@ from .remote import (
     BACKOFF_CAP_S,
     KEY_PART,
     TRANSIENT_CODES,
+    Conflict,
     Failure,
     ObjectSum,
     OnRetry,
@@ -209,6 +216,57 @@ class S3Remote(Remote):
 
         data: bytes | None = self._retry("download", key, get)
         return data
+
+    def _get_versioned(self, key: str, limit: int) -> tuple[bytes, str | None] | None:
+        def get() -> tuple[bytes, str | None] | None:
+            try:
+                result = self._ob.get(self._store, key)
+            except FileNotFoundError:
+                return None
+            size = int(result.meta["size"])
+            if size > limit:
+                raise self._too_large(key, size, limit)
+            tag = result.meta.get("e_tag")
+            return bytes(result.bytes()), None if tag is None else str(tag)
+
+        found: tuple[bytes, str | None] | None = self._retry("download", key, get)
+        return found
+
+    def _put_versioned(self, key: str, data: bytes, expected: str | None) -> str | None:
+        errors = self._ob.exceptions
+        mode: Any = "create" if expected is None else {"e_tag": expected}
+
+        def put() -> Any:
+            try:
+                return self._ob.put(self._store, key, data, mode=mode, use_multipart=False)
+            except (errors.AlreadyExistsError, errors.PreconditionError):
+                raise Conflict(f"{self._where(key)} "
+                               f"{'exists' if expected is None else 'changed since it was read'}",
+                               path=self._where(key), key=key, op="upload") from None
+
+        result = self._retry("upload", key, put)
+        tag = result.get("e_tag") if isinstance(result, Mapping) else None
+        return None if tag is None else str(tag)
+
+    def _stamp(self, key: str) -> str | None:
+        def head() -> str | None:
+            try:
+                tag = self._ob.head(self._store, key).get("e_tag")
+            except FileNotFoundError:
+                return None
+            return None if tag is None else str(tag)
+
+        found: str | None = self._retry("stat", key, head)
+        return found
+
+    def _stamps(self, prefix: str) -> dict[str, str | None]:
+        out: dict[str, str | None] = {}
+        for entry in self._listing(prefix or None)["objects"]:
+            name = str(entry["path"]).rsplit("/", 1)[-1]
+            if not name.startswith("."):
+                tag = entry.get("e_tag")
+                out[name] = None if tag is None else str(tag)
+        return out
 
     def _size(self, key: str) -> int | None:
         def head() -> int | None:

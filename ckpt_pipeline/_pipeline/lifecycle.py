@@ -35,7 +35,13 @@ from .._threads import in_thread
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
 from ..coordination._agree import gather_shared
-from ..errors import CheckpointError, ConfigError, PipelineClosedError, StepOrderError
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    PersistentInUseError,
+    PipelineClosedError,
+    StepOrderError,
+)
 from ..events import TemporariesScrubbed
 from ..handle import RestoreResult, SaveHandle
 from ..storage import LocalStorage, Storage
@@ -198,9 +204,29 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                                           what="persist at close")
             promoter.on_reports(reports)
             await anyio.to_thread.run_sync(promoter.wait, timeout, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(promoter.release, abandon_on_cancel=True)
         except CheckpointError as exc:
             log.error("ckpt.persist.close_failed", rank=self.rank, url=promoter.url,
                       error=exc.message)
+
+    async def _open_persistent(self, promoter: Promoter) -> None:
+        """Open the persistent tier on every rank (rank 0 takes the URL: its owner object).
+        A refusal (``PersistentInUseError``) is raised on every rank, so that none waits for
+        rank 0 in the next agreement."""
+        refused: PersistentInUseError | None = None
+        try:
+            await in_thread(self._limiter, promoter.open)
+        except PersistentInUseError as exc:
+            refused = exc
+        answers = await gather_shared(self.coordinator,
+                                      None if refused is None else refused.message,
+                                      what="persistent owner")
+        if refused is not None:
+            raise refused
+        if answers and isinstance(answers[0], str):
+            raise PersistentInUseError(answers[0], rank=self.rank,
+                                       hint="rank 0 was refused the persistent URL; see its "
+                                            "error")
 
     async def _prepare(self) -> RootLock:
         """Check the root, take the root lock, scrub, agree on the run id; return the lock."""
@@ -216,7 +242,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             # can create a step directory that another rank's scrub (of a shared root) removes.
             # It also tells every rank where the others' copy servers are (replication).
             if self.promoter is not None:
-                await in_thread(self._limiter, self.promoter.open)
+                await self._open_persistent(self.promoter)
             self.admission.run_id = await self.replication.start(self.coordinator,
                                                                  self._limiter)
             committed = await in_thread(self._limiter, _scan.committed_steps, self.storage,
