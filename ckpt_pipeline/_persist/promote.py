@@ -310,6 +310,10 @@ class Promoter:
         assert remote is not None
         dir_name = step_dir_name(step)
         try:
+            # Once the URL is known to be another job's, nothing more is written into it.
+            lost = self._stopped if self.rank != 0 else self._lost()
+            if lost is not None:
+                raise CheckpointError(f"not uploaded: {lost}")
             sums: dict[str, list[Any]] = {}
             stamps: dict[str, str | None] = {}
             for name, key in rank_keys(step, self.rank).items():

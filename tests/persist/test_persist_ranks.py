@@ -112,7 +112,8 @@ def test_sigkill_during_an_upload_leaves_no_step_that_looks_complete(
     local = tmp_path / "local"
     child = spawn_child("persist_child.py", local, url, stdout=subprocess.PIPE,
                         stderr=tmp_path / "child.log", text=True,
-                        env={"CKPT_TEST_PERSIST_OPTIONS": json.dumps(proxy.options)})
+                        env={"CKPT_TEST_PERSIST_OPTIONS": json.dumps(proxy.options),
+                             "CKPT_TEST_PERSIST_LEASE": "1"})
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "committed 10", (
