@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import spawn_child
+from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._persist.layout import STEP_COMMIT
@@ -33,6 +33,10 @@ from ckpt_pipeline._persist.promote import read_step_record
 from ckpt_pipeline._persist.remote import open_remote
 
 Tier = tuple[str, "dict[str, Any] | None"]
+
+launch = load_script(Path(__file__).resolve().parents[1] / "replicate" /
+                     "test_replication.py").launch
+"""The multi-process launcher of the replication tests (gloo ranks)."""
 
 
 @pytest.fixture(params=["dir", "s3"])
@@ -295,3 +299,24 @@ def test_a_killed_upload_leaves_nothing_in_a_directory_tier_once_a_newer_step_is
         "owner", "step-0000000020"]
     assert not any(".tmp-" in p.name for p in Path(tier[0]).rglob("*"))
     assert (Path(tier[0]) / "step-0000000020" / STEP_COMMIT).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_every_rank_of_a_job_refused_the_url_raises_the_refusal_and_none_waits(
+    tmp_path: Path
+) -> None:
+    tier: Tier = (str(tmp_path / "shared"), None)
+    with _pipe(tmp_path / "holder", tier, persistent_lease_s=3.0) as holder:
+        # Rank 0 is refused; rank 1 learns it from the agreement that follows, not after
+        # the 60 s coordination timeout of the next one (a CoordinationError).
+        results = launch("save", tmp_path / "root", tmp_path / "logs", world=2, nodes=2,
+                         replicas=0, steps="10",
+                         args=["--persistent", tier[0], "--coordination-timeout", "60"],
+                         codes={0: 1, 1: 1})
+        _save(holder, 1, 1.0)
+    for rank in (0, 1):
+        fatal = results[rank]["fatal"]
+        assert fatal["type"] == "PersistentInUseError", (rank, fatal)
+        assert str(tmp_path / "holder") in fatal["message"], (rank, fatal)
+    assert not (tmp_path / "root" / "rank-0" / "step-0000000010").exists()
