@@ -249,6 +249,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                                         self.rank)
             self.ledger.resume_at(max(committed, default=None))
         except BaseException:
+            if self.promoter is not None:
+                self.promoter.close()  # its heartbeat stops: the URL is not held any more
             self.replication.close()
             lock.release()
             raise

@@ -39,13 +39,26 @@ launch = load_script(Path(__file__).resolve().parents[1] / "replicate" /
 """The multi-process launcher of the replication tests (gloo ranks)."""
 
 
+def _tier(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+    if kind == "dir":
+        return str(tmp_path / "shared" / "run"), None
+    if kind == "memory":
+        return f"memory://owner-{os.getpid()}-{id(tmp_path)}/run", None
+    url, options = request.getfixturevalue("s3_url")
+    return url, options
+
+
 @pytest.fixture(params=["dir", "s3"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
     """(persistent URL or path, its options) of an empty persistent tier."""
-    if request.param == "dir":
-        return str(tmp_path / "shared" / "run"), None
-    url, options = request.getfixturevalue("s3_url")
-    return url, options
+    return _tier(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["dir", "s3", "memory"])
+def any_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+    """As ``tier``, and fsspec's in-memory file system: a store without conditional writes
+    (ownership there is compare-then-write)."""
+    return _tier(request.param, request, tmp_path)
 
 
 def _pipe(root: Path, tier: Tier, **options: Any) -> cp.CheckpointPipeline:
@@ -96,8 +109,9 @@ def _steps(kind: type, events: list[cp.Event]) -> list[int]:
 
 @pytest.mark.timeout(120)
 def test_a_second_job_on_a_url_whose_holder_is_alive_is_refused_naming_the_holder(
-    tmp_path: Path, tier: Tier
+    tmp_path: Path, any_tier: Tier
 ) -> None:
+    tier = any_tier
     events: list[cp.Event] = []
     with _pipe(tmp_path / "a", tier, persistent_lease_s=3.0) as first:
         first.subscribe(events.append)
@@ -178,8 +192,9 @@ def test_a_holder_whose_heartbeat_does_not_advance_for_one_lease_is_taken_over(
 
 @pytest.mark.timeout(120)
 def test_a_job_that_lost_its_url_to_a_takeover_never_reports_the_other_jobs_step(
-    tmp_path: Path, tier: Tier, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, any_tier: Tier, caplog: pytest.LogCaptureFixture
 ) -> None:
+    tier = any_tier
     first_events: list[cp.Event] = []
     second_events: list[cp.Event] = []
     first = _pipe(tmp_path / "a", tier, persistent_lease_s=3.0)
