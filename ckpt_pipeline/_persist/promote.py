@@ -20,7 +20,8 @@ uploaded (the stamp the rank reported: an S3 ETag, a file's inode and modificati
 where a store has none, the content of each rank's commit record). A step whose objects are
 another job's is not committed. Once the URL is another job's, rank 0 commits, prunes and
 removes nothing more and says so in its next report: every rank then emits ``PersistFailed``
-for its steps in flight and stops promoting (logged once, at ERROR).
+for its steps in flight, and for every step due later, and stops promoting (logged once, at
+ERROR).
 
 A step being uploaded is kept in the local tier until its upload ends (``protected``). Saves
 come first: while a save of this rank writes its shard, uploads wait between parts
@@ -41,7 +42,7 @@ from typing import Any
 from .._format.names import parse_step_dir, step_dir_name
 from .._logging import log
 from ..config import PipelineConfig
-from ..errors import CheckpointError, CheckpointIntegrityError
+from ..errors import CheckpointError, CheckpointIntegrityError, PersistentInUseError
 from ..events import (
     Event,
     PersistFailed,
@@ -112,6 +113,7 @@ class Promoter:
         self._quiet = threading.Condition()
         # Rank 0's hold on the URL; ``_stopped``: agreed, why promotion stopped.
         self._owner: Ownership | None = None
+        self._refused: str | None = None  # rank 0: why acquire() was refused
         self._stopped: str | None = None
 
     # ------------------------------------------------------------------ open and close
@@ -135,10 +137,16 @@ class Promoter:
         if self.rank != 0 or self._owner is not None:
             return
         assert self.remote is not None
-        self._owner = Ownership.acquire(
-            self.remote, root=str(self.storage.root), lease_s=self.config.persistent_lease_s,
-            takeover=self.config.persistent_takeover, emit=self._emit, rank=self.rank)
-        self._owner.start_heartbeat()
+        try:
+            owner = Ownership.acquire(
+                self.remote, root=str(self.storage.root),
+                lease_s=self.config.persistent_lease_s,
+                takeover=self.config.persistent_takeover, emit=self._emit, rank=self.rank)
+        except PersistentInUseError as exc:
+            self._refused = exc.message  # reported, so that every rank stops promoting
+            raise
+        self._owner = owner
+        owner.start_heartbeat()
 
     def release(self) -> None:
         """Rank 0, at a clean close: release the URL (``Ownership.release``). Runs in a
@@ -203,8 +211,9 @@ class Promoter:
             self._failures.clear()
             report: dict[str, Any] = {"unfinished": len(self._unfinished), "done": done,
                                       "failed": failed}
-        if self._owner is not None and self._owner.lost is not None:
-            report["lost"] = self._owner.lost
+        lost = self._refused if self._owner is None else self._owner.lost
+        if lost is not None:
+            report["lost"] = lost
         return report
 
     def on_reports(self, reports: Sequence[Any]) -> None:
@@ -278,7 +287,12 @@ class Promoter:
             return set(self._unfinished)
 
     def _assign(self, step: int, save_id: str, *, closing: bool) -> None:
-        if step <= self._last_assigned or self._stopped is not None:
+        if step <= self._last_assigned:
+            return
+        if self._stopped is not None:  # never silent: each step due fails, naming why
+            self._last_assigned = step
+            self._emit(PersistFailed(step=step, rank=self.rank, save_id=save_id,
+                                     url=self.url, error=f"not promoted: {self._stopped}"))
             return
         most, rank = self._busy
         if most >= _QUEUED_MAX and not closing:

@@ -208,15 +208,19 @@ def test_a_job_that_lost_its_url_to_a_takeover_never_reports_the_other_jobs_step
         second.subscribe(second_events.append)
         with second:
             _save(second, 6, 6.0)
-            # The job that lost the URL saves the same step number, with other data.
-            _save(first, 6, -6.0)
+            # The job that lost the URL saves the same step number, with other data, and more.
+            for step in (6, 7, 8):
+                _save(first, step, -float(step))
     # The second job's close committed its step 6 (and released the URL).
     assert _steps(cp.StepPersisted, second_events) == [6]
     over = [e for e in second_events if isinstance(e, cp.PersistentTakenOver)]
     assert len(over) == 1 and over[0].forced and over[0].root == str(tmp_path / "a"), over
-    assert 6 not in _steps(cp.StepPersisted, first_events), first_events
-    failed = [e for e in first_events if isinstance(e, cp.PersistFailed) and e.step == 6]
-    assert len(failed) == 1 and "taken over by run" in failed[0].error, first_events
+    assert _steps(cp.StepPersisted, first_events) == [1], first_events
+    # Each of its steps after the takeover fails once, naming the new holder, whether it was
+    # in flight or due when the job learnt it.
+    for step in (6, 7, 8):
+        failed = [e for e in first_events if isinstance(e, cp.PersistFailed) and e.step == step]
+        assert len(failed) == 1 and "taken over by run" in failed[0].error, (step, first_events)
     stopped = [r for r in caplog.records if "ckpt.persist.stopped" in r.getMessage()]
     assert len(stopped) == 1 and stopped[0].levelno == logging.ERROR, caplog.text
     # The tier's step 6 is the second job's, whole: a restore from it alone gets its data.
