@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from ckpt_pipeline._persist.owner import (
     MAX_OWNER_BYTES,
     OWNER_KEY,
     OwnerRecord,
+    Ownership,
     decode_owner,
     encode_owner,
 )
@@ -339,3 +341,64 @@ def test_every_rank_of_a_job_refused_the_url_raises_the_refusal_and_none_waits(
         assert fatal["type"] == "PersistentInUseError", (rank, fatal)
         assert str(tmp_path / "holder") in fatal["message"], (rank, fatal)
     assert not (tmp_path / "root" / "rank-0" / "step-0000000010").exists()
+
+
+@pytest.mark.timeout(60)
+def test_two_openers_racing_for_a_free_url_get_one_owner(tier: Tier) -> None:
+    # A directory and S3 have conditional creates; fsspec's compare-then-write does not.
+    remotes = [open_remote(tier[0], options=tier[1]) for _ in range(2)]
+    barrier = threading.Barrier(2)
+    won: list[Ownership] = []
+    refused: list[cp.PersistentInUseError] = []
+
+    def opener(index: int) -> None:
+        barrier.wait()
+        try:
+            owner = Ownership.acquire(remotes[index], root=f"/root-{index}", lease_s=1.0,
+                                      takeover=False, emit=lambda event: None)
+        except cp.PersistentInUseError as exc:
+            refused.append(exc)
+            return
+        owner.start_heartbeat()  # the winner stays alive: the loser sees it advance
+        won.append(owner)
+
+    threads = [threading.Thread(target=opener, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    try:
+        assert not any(t.is_alive() for t in threads)
+        assert len(won) == 1 and len(refused) == 1, (won, refused)
+        assert won[0].record.root in refused[0].message
+        assert won[0].check() is None
+    finally:
+        for owner in won:
+            owner.release()
+        for remote in remotes:
+            remote.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_after_a_takeover_reports_the_loss_naming_the_new_holder(
+    any_tier: Tier
+) -> None:
+    remote = open_remote(any_tier[0], options=any_tier[1])
+    try:
+        first = Ownership.acquire(remote, root="/first", lease_s=60.0, takeover=False,
+                                  emit=lambda event: None)
+        assert first.beat() is None and first.check() is None
+        taken: list[cp.Event] = []
+        second = Ownership.acquire(remote, root="/second", lease_s=60.0, takeover=True,
+                                   emit=taken.append)
+        assert [type(e) for e in taken] == [cp.PersistentTakenOver]
+        lost = first.beat()
+        assert lost is not None and second.record.run_id in lost and "/second" in lost, lost
+        assert first.check() == lost
+        first.release()  # not the holder any more: writes nothing
+        assert second.check() is None
+        second.release()
+        owner = _owner(any_tier)
+        assert owner is not None and owner.run_id == second.record.run_id and owner.released
+    finally:
+        remote.close()
