@@ -184,10 +184,7 @@ class Ownership:
                 continue
             if holder is None or not holder.released:
                 age = -1.0 if holder is None else max(0.0, now - holder.heartbeat_at)
-                log.warning("ckpt.persist.taken_over", rank=rank, url=remote.url,
-                            holder=None if holder is None else holder.describe(now),
-                            forced=takeover)
-                emit(PersistentTakenOver(
+                emit(PersistentTakenOver(  # logged at WARNING as ckpt.persist.taken_over
                     step=-1, rank=rank, url=remote.url,
                     holder="" if holder is None else holder.run_id,
                     host="" if holder is None else holder.host,
