@@ -5,6 +5,8 @@ the application's logging configuration decides what is shown (``logging.basicCo
 handler on ``ckpt_pipeline``, or :func:`ckpt_pipeline.enable_logging`). Each record's message
 is the event name followed by ``key=value`` pairs; the record also carries the event name and
 the fields as ``record.ckpt_event`` and ``record.ckpt_fields`` for structured handlers.
+A failed save must be seen even so: ``warn_unless_shown`` issues it through ``warnings`` where
+no handler shows its line.
 
 Emitting never fails and never blocks a save: a handler that raises (a closed pipe, a full
 disk under the log file) is reported once, through ``warnings``, and the line is dropped.
