@@ -33,8 +33,9 @@ class Ledger:
         self._latest_committed: int | None = None
         self._failures_in_row = 0
         self._unreported: CheckpointError | None = None
-        self._since_wait: dict[int, CheckpointError] = {}
-        """The saves that failed since ``wait()`` last returned or raised, by step."""
+        self._first_since_wait: tuple[int, CheckpointError] | None = None
+        """The failed save of the lowest step since ``wait()`` last returned or raised (only
+        it: a run that never calls ``wait()`` keeps one error, not one per failure)."""
         self._degraded_in_row = 0
         """Of the failures in a row, the saves that committed without some of their copies."""
         self._restoring = False
@@ -118,8 +119,9 @@ class Ledger:
             self._failures_in_row += 1
             self._unreported = error
             key = step if step is not None else error.step
-            if key is not None:
-                self._since_wait.setdefault(key, error)
+            first = self._first_since_wait
+            if key is not None and (first is None or key < first[0]):
+                self._first_since_wait = (key, error)
 
     @property
     def failures_in_row(self) -> int:
@@ -146,8 +148,8 @@ class Ledger:
     def take_failures(self) -> CheckpointError | None:
         """For ``wait()``: the first failure (by step) since the last call, and forget them."""
         with self.lock:
-            failures, self._since_wait = self._since_wait, {}
-        return failures[min(failures)] if failures else None
+            first, self._first_since_wait = self._first_since_wait, None
+        return None if first is None else first[1]
 
     def reported(self) -> None:
         """The failures so far reached the caller (``wait()`` raised one)."""
@@ -166,7 +168,7 @@ class Ledger:
                 self._unreported = None
                 self._failures_in_row = 0
                 self._degraded_in_row = 0
-                self._since_wait = {}  # reported by this error: wait() does not raise them
+                self._first_since_wait = None  # reported by this error: wait() does not
         if not due:
             return
         if count >= self.config.max_failures_in_row:

@@ -5,8 +5,10 @@ keys, list lengths, tensor shapes, dtypes, DTensor or plain, whether each live t
 receive data in place (strided, memory of its own, not an inference tensor, not on ``meta``),
 modules against ``module.state_dict()`` as a strict ``load_state_dict`` would, optimizers'
 parameter groups (and state shapes, when the live optimizer has state), and the key sets of
-other stateful objects. It raises ``StateError`` naming the path. It runs before the apply
-(``apply.py``), so that a checkpoint that does not fit is refused with the live state untouched.
+other stateful objects, and whether live tensors that share memory can all receive their saved
+bytes (``aliasing.check_aliasing``). It raises ``StateError`` naming the path. It runs before
+the apply (``apply.py``), so that a checkpoint that does not fit is refused with the live state
+untouched.
 
 The helpers that say how the live state is walked (a DTensor's local shard, which tuples are
 walked element by element, how a tuple is rebuilt) live here too: the apply and its backups
