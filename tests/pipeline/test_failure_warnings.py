@@ -122,6 +122,17 @@ def test_a_warning_turned_into_an_error_does_not_break_the_pipeline(root: Path) 
     assert restored is not None and restored.step == 2
 
 
+def test_a_raising_showwarning_does_not_break_the_pipeline(root: Path) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("stderr is gone")
+
+    storage = FaultyStorage(root)
+    with _unlogged(), cp.CheckpointPipeline(root, storage=storage) as pipe:
+        warnings.showwarning = broken  # restored by the catch_warnings of _unlogged
+        _fail_save(pipe, storage, 1)
+        assert pipe.save(2, {"w": torch.ones(16)}).result(30).step == 2
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_readme_loop_with_default_logging_prints_every_failed_save(tmp_path: Path) -> None:
