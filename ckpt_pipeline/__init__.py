@@ -10,6 +10,7 @@ from .coordination import DistributedCoordinator as DistributedCoordinator
 from .coordination import LocalCoordinator as LocalCoordinator
 from .errors import CheckpointError as CheckpointError
 from .errors import CheckpointIntegrityError as CheckpointIntegrityError
+from .errors import CheckpointWarning as CheckpointWarning
 from .errors import ConfigError as ConfigError
 from .errors import CoordinationError as CoordinationError
 from .errors import ForkedProcessError as ForkedProcessError
@@ -80,6 +81,7 @@ __all__ = (
     "CheckpointPruned",
     "CheckpointRejected",
     "CheckpointRestored",
+    "CheckpointWarning",
     "CommitInfo",
     "ConfigError",
     "CoordinationError",

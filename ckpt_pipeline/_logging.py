@@ -5,6 +5,8 @@ the application's logging configuration decides what is shown (``logging.basicCo
 handler on ``ckpt_pipeline``, or :func:`ckpt_pipeline.enable_logging`). Each record's message
 is the event name followed by ``key=value`` pairs; the record also carries the event name and
 the fields as ``record.ckpt_event`` and ``record.ckpt_fields`` for structured handlers.
+A failed save must be seen even so: ``warn_unless_shown`` issues it through ``warnings`` where
+no handler shows its line.
 
 Emitting never fails and never blocks a save: a handler that raises (a closed pipe, a full
 disk under the log file) is reported once, through ``warnings``, and the line is dropped.
@@ -20,7 +22,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ("LOGGER_NAME", "EventLog", "log", "render_value", "report_once")
+__all__ = ("LOGGER_NAME", "EventLog", "log", "render_value", "report_once", "warn_unless_shown")
 
 LOGGER_NAME = "ckpt_pipeline"
 
@@ -43,6 +45,36 @@ def report_once(what: str, exc: BaseException) -> None:
         warnings.warn(f"ckpt_pipeline: {what} failed ({type(exc).__name__}: {exc}); "
                       "checkpointing goes on, further failures of this kind are not reported",
                       RuntimeWarning, stacklevel=2)
+
+
+def _shown(level: int) -> bool:
+    """Whether a record at ``level`` from the library's logger reaches a handler that is not
+    a ``NullHandler`` (the application's, ``enable_logging``'s, or logging's last resort)."""
+    if not _logger.isEnabledFor(level):
+        return False
+    found = False
+    logger: logging.Logger | None = _logger
+    while logger is not None:
+        for handler in logger.handlers:
+            found = True
+            if not isinstance(handler, logging.NullHandler) and level >= handler.level:
+                return True
+        logger = logger.parent if logger.propagate else None
+    last = logging.lastResort
+    return not found and last is not None and level >= last.level
+
+
+def warn_unless_shown(message: str, category: type[Warning], level: int = logging.ERROR
+                      ) -> None:
+    """Issue ``message`` through ``warnings`` when no logging handler shows the library's lines
+    at ``level``: a problem is then visible without any logging set-up, and not said twice
+    where there is one. Never raises: a filter that turns the warning into an exception (``-W
+    error``) cannot reach the pipeline's thread, and the warning is dropped."""
+    try:
+        if not _shown(level):
+            warnings.warn(message, category, stacklevel=2)
+    except Exception:  # the warning was made an error, or a showwarning failed
+        return
 
 
 def render_value(value: Any) -> str:

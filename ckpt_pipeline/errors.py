@@ -12,6 +12,7 @@ from pathlib import Path
 __all__ = (
     "CheckpointError",
     "CheckpointIntegrityError",
+    "CheckpointWarning",
     "ConfigError",
     "CoordinationError",
     "ForkedProcessError",
@@ -150,3 +151,8 @@ class CheckpointIntegrityError(CheckpointError):
 
 class RestoreError(CheckpointError):
     """Restoring failed: no checkpoint could be loaded into the given state."""
+
+
+class CheckpointWarning(UserWarning):
+    """A save failed, or committed without some of its copies, while no logging handler shows
+    the library's ERROR line: issued once per such save (filter it as any warning)."""

@@ -349,7 +349,8 @@ class CheckpointPipeline:
         self._pipe.admission.wait_snapshot(block_cpu=block_cpu)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is committed and retained; raise the first failure."""
+        """Block until every pending save is committed and retained; then raise the first
+        failure (by step) since the last ``wait()``, once (see the async face)."""
         self._call(self._pipe.wait, timeout)
 
     def restore_latest(self, state: MutableMapping[str, Any], *,

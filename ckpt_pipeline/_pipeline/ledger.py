@@ -33,6 +33,9 @@ class Ledger:
         self._latest_committed: int | None = None
         self._failures_in_row = 0
         self._unreported: CheckpointError | None = None
+        self._first_since_wait: tuple[int, CheckpointError] | None = None
+        """The failed save of the lowest step since ``wait()`` last returned or raised (only
+        it: a run that never calls ``wait()`` keeps one error, not one per failure)."""
         self._degraded_in_row = 0
         """Of the failures in a row, the saves that committed without some of their copies."""
         self._restoring = False
@@ -110,10 +113,43 @@ class Ledger:
             if self._latest_committed is None or step > self._latest_committed:
                 self._latest_committed = step
 
-    def failed(self, error: CheckpointError) -> None:
+    def failed(self, error: CheckpointError, step: int | None = None) -> None:
+        """The save of ``step`` (default: the error's) failed."""
         with self.lock:
             self._failures_in_row += 1
             self._unreported = error
+            key = step if step is not None else error.step
+            first = self._first_since_wait
+            if key is not None and (first is None or key < first[0]):
+                self._first_since_wait = (key, error)
+
+    @property
+    def failures_in_row(self) -> int:
+        with self.lock:
+            return self._failures_in_row
+
+    def policy_note(self, *, failed: bool = True) -> str:
+        """What the failure policy does next, for a warning about a failed save (``failed``)
+        or a save committed without some of its copies."""
+        with self.lock:
+            count, latest = self._failures_in_row, self._latest_committed
+        limit = self.config.max_failures_in_row
+        kept = ("no step is committed yet" if latest is None
+                else f"the newest committed step, {latest}, is intact")
+        if self.config.strict:
+            then = "strict=True: the next save() or wait() raises"
+        else:
+            then = (f"the next save() raises once {limit} saves in a row have failed "
+                    f"(max_failures_in_row; {count} so far)"
+                    + (", and wait() raises the first failure since the last wait()"
+                       if failed else ""))
+        return f"Training goes on and {kept}; {then}"
+
+    def take_failures(self) -> CheckpointError | None:
+        """For ``wait()``: the first failure (by step) since the last call, and forget them."""
+        with self.lock:
+            first, self._first_since_wait = self._first_since_wait, None
+        return None if first is None else first[1]
 
     def reported(self) -> None:
         """The failures so far reached the caller (``wait()`` raised one)."""
@@ -132,6 +168,7 @@ class Ledger:
                 self._unreported = None
                 self._failures_in_row = 0
                 self._degraded_in_row = 0
+                self._first_since_wait = None  # reported by this error: wait() does not
         if not due:
             return
         if count >= self.config.max_failures_in_row:

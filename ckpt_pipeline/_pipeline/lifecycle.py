@@ -282,14 +282,19 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
     async def wait(self, timeout: float | None = None) -> None:
         """Wait until every pending save is committed and retention after it is done.
 
-        Raises the first failure among those saves, or TimeoutError.
+        Then raise the first failure (by step) of the saves that failed since the last
+        ``wait()`` returned or raised, whether it settled before this call or during it; the
+        next ``wait()`` does not raise it again (nor a failure that ``save()`` already raised
+        under ``max_failures_in_row``). Raises TimeoutError if a save is still pending after
+        ``timeout`` seconds (its failure, if any, is then raised by a later ``wait()``). Under
+        ``strict``, a save committed without all its copies raises too.
         """
         self.admission.check_process()
-        try:
-            await self.runner.wait_pending(timeout, raise_errors=True)
-        except CheckpointError:
+        await self.runner.wait_pending(timeout, raise_errors=False)
+        first = self.ledger.take_failures()
+        if first is not None:
             self.ledger.reported()
-            raise
+            raise first
         if self.config.strict:
             self.ledger.raise_if_failures_due(None)
 

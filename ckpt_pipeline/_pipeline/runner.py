@@ -27,11 +27,11 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._crash import crash_point
-from .._logging import log
+from .._logging import log, warn_unless_shown
 from .._restore import scan as _scan
 from .._save.job import SaveJob
 from .._threads import in_thread
-from ..errors import CheckpointError, PipelineClosedError, SaveError
+from ..errors import CheckpointError, CheckpointWarning, PipelineClosedError, SaveError
 from ..events import Event, SaveFailed, TemporariesScrubbed
 from .ledger import Ledger
 from .stages import STAGES, StageName, Stages
@@ -252,9 +252,15 @@ class StageRunner:
         if job.handle.done():  # failed already (a skipped save): no second report
             self.ledger.settle(job.handle)
             return
-        self.ledger.failed(error)
+        self.ledger.failed(error, job.step)
         self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id, stage=stage,
                               error=str(error)))
+        warn_unless_shown(
+            f"ckpt_pipeline: the save of step {job.step} failed on rank {self.rank} "
+            f"(stage {stage}, root {self.storage.root}): {error}. "
+            f"{self.ledger.policy_note()}. (This warning stands in for the ckpt.save.failed "
+            "ERROR log line, which no logging handler shows: configure logging, or filter "
+            "ckpt_pipeline.CheckpointWarning.)", CheckpointWarning)
         job.handle._fail(error)
         self.ledger.settle(job.handle)
 

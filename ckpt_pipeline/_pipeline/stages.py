@@ -18,6 +18,7 @@ A committed step that is due is handed to the persistent tier (``Promoter``) aft
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from typing import Literal
 
 import anyio
 
-from .._logging import log
+from .._logging import log, warn_unless_shown
 from .._persist.promote import Promoter
 from .._replicate.replication import Replication
 from .._save.buffers import HostPool
@@ -37,7 +38,7 @@ from .._save.write_data import serialize
 from .._threads import in_thread
 from ..config import PipelineConfig
 from ..coordination import Coordinator
-from ..errors import SaveError
+from ..errors import CheckpointWarning, SaveError
 from ..events import (
     CheckpointCommitted,
     CheckpointPruned,
@@ -163,6 +164,13 @@ class Stages:
                      "the named peers (disk, network)",
                 ranks=tuple(sorted({h for _s, h in replicas.missing})))
         self.ledger.committed(job.step, degraded=degraded)
+        if degraded is not None:  # a failure for the policy: as visible as one
+            warn_unless_shown(
+                f"ckpt_pipeline: {degraded}. The failure policy counts it as a failed save: "
+                f"{self.ledger.policy_note(failed=False)}. (This warning stands in for the "
+                "ckpt.replicate.degraded log line, which no logging handler shows: configure "
+                "logging, or filter ckpt_pipeline.CheckpointWarning.)", CheckpointWarning,
+                logging.WARNING)
         info = CommitInfo(step=job.step, rank=self.rank, save_id=job.save_id, path=path,
                           bytes=job.shard_size, seconds=seconds,
                           replica_holders=replicas.holders,

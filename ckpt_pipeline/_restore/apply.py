@@ -7,7 +7,8 @@ live state is as it was. On success it returns an ``AppliedState`` whose ``undo(
 same later (another rank failed, the final agreement failed) and ``release()`` frees the
 copies.
 
-The rules for the live state: a tensor is loaded in place (``copy_``); an object with
+The rules for the live state: a tensor is loaded in place, bit for bit (``aliasing.copy_exact``;
+live tensors that share memory were checked to receive the same bytes where they overlap); an object with
 ``state_dict()``/``load_state_dict()`` through ``load_state_dict``; a dict or list in place,
 slot by slot (a key only the checkpoint has is added to a dict; at the top level, it is left
 out); a tuple that holds tensors or stateful objects (or a namedtuple) is walked like a list and
@@ -26,6 +27,7 @@ from .._format.documents import TensorRef
 from .._tree import _is_stateful, _join, materialize
 from ..errors import CheckpointError, RestoreError, StateError
 from ..train_state import RNGState
+from .aliasing import copy_exact
 from .rollback import (
     _ABSENT,
     AppliedState,
@@ -39,7 +41,7 @@ from .rollback import (
     _TensorBackup,
     adoptable,
 )
-from .validate import _rebuild_tuple, _walks_tuple
+from .validate import _local, _rebuild_tuple, _walks_tuple
 
 __all__ = ("apply_state",)
 
@@ -93,8 +95,7 @@ class _Applier:
             self._adopt(live, new, path)
             return
         self.journal.append(_TensorBackup(live, path, self.copies))
-        with torch.no_grad():
-            live.copy_(new)
+        copy_exact(_local(live), _local(new))
 
     def _adopt(self, live: torch.Tensor, new: torch.Tensor, path: str) -> None:
         """Give ``live`` the restored memory: no copy, and its old memory is the backup."""

@@ -29,6 +29,7 @@ import torch
 from .._tree import _is_dtensor, _is_stateful
 from ..errors import RestoreError
 from ..train_state import RNGState
+from .aliasing import copy_exact, exact_clone, written
 from .validate import _is_namedtuple, _local, _rebuild_tuple
 
 __all__ = ("AppliedState", "BackupCopies", "adoptable", "owns_memory", "undone_on_error")
@@ -37,11 +38,8 @@ __all__ = ("AppliedState", "BackupCopies", "adoptable", "owns_memory", "undone_o
 # ---------------------------------------------------------------- copies
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t``'s values in host memory (a CPU tensor is cloned, a CUDA one copied)."""
-    t = t.detach()
-    if t.device.type == "cpu":
-        return t.clone()
-    return t.to("cpu", copy=True)
+    """A copy of ``t``'s bits in host memory (a CPU tensor is cloned, a CUDA one copied)."""
+    return exact_clone(t, "cpu")
 
 
 ADOPT_MIN_BYTES = 1 << 20
@@ -129,7 +127,7 @@ class BackupCopies:
         if depth > 256:
             return
         if isinstance(obj, torch.Tensor):
-            self._take(_local(obj))
+            self._take(written(_local(obj)))
         elif _is_stateful(obj):
             if not _OptimizerBackup.applies_to(obj):
                 self._walk(obj.state_dict(), depth + 1)
@@ -157,7 +155,7 @@ class BackupCopies:
         index = t.device.index if t.device.type == "cuda" else None
         if index is not None and self._device_budget.get(index, 0) >= nbytes:
             self._device_budget[index] -= nbytes
-            copy_ = t.clone()
+            copy_ = exact_clone(t)
         else:
             copy_ = _host_copy(t)
         with self._lock:
@@ -173,7 +171,7 @@ class BackupCopies:
         """The prefetched copy of ``t`` if it is still current, else a fresh one."""
         t = t.detach()
         if t.is_cpu and t.numel() * t.element_size() < ADOPT_MIN_BYTES:
-            return t.clone()  # never prefetched nor kept (``_take``, ``keep``)
+            return exact_clone(t)  # never prefetched nor kept (``_take``, ``keep``)
         with self._lock:
             found = self._copies.pop(_view_key(t), None) if t.layout == torch.strided else None
         if found is not None and found[0] == t._version:
@@ -287,15 +285,16 @@ class _Backup:
 
 
 class _TensorBackup(_Backup):
+    """A copy of the live tensor's bits (of the part a copy writes, for an expanded one)."""
+
     def __init__(self, live: torch.Tensor, path: str, copies: BackupCopies) -> None:
         self.live = live
         self.path = path
-        self.old = copies.host_copy(_local(live))
+        self.old = copies.host_copy(written(_local(live)))
         self.nbytes = _nbytes(self.old)
 
     def undo(self) -> None:
-        with torch.no_grad():
-            _local(self.live).copy_(self.old)
+        copy_exact(written(_local(self.live)), self.old)
 
 
 class _AdoptedBackup(_Backup):

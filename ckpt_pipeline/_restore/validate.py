@@ -5,8 +5,10 @@ keys, list lengths, tensor shapes, dtypes, DTensor or plain, whether each live t
 receive data in place (strided, memory of its own, not an inference tensor, not on ``meta``),
 modules against ``module.state_dict()`` as a strict ``load_state_dict`` would, optimizers'
 parameter groups (and state shapes, when the live optimizer has state), and the key sets of
-other stateful objects. It raises ``StateError`` naming the path. It runs before the apply
-(``apply.py``), so that a checkpoint that does not fit is refused with the live state untouched.
+other stateful objects, and whether live tensors that share memory can all receive their saved
+bytes (``aliasing.check_aliasing``). It raises ``StateError`` naming the path. It runs before
+the apply (``apply.py``), so that a checkpoint that does not fit is refused with the live state
+untouched.
 
 The helpers that say how the live state is walked (a DTensor's local shard, which tuples are
 walked element by element, how a tuple is rebuilt) live here too: the apply and its backups
@@ -24,6 +26,7 @@ import torch
 from .._format.documents import TensorRef
 from .._tree import _is_dtensor, _is_stateful, _join
 from ..errors import CheckpointError, StateError
+from .aliasing import Target, check_aliasing, written
 
 __all__ = ("validate_state",)
 
@@ -125,6 +128,8 @@ class _Validator:
         self.tensors = tensors
         self.step = step
         self.rank = rank
+        self.targets: list[Target] = []
+        """The live tensors copied into, for the aliasing check once all are known."""
 
     def fail(self, message: str, path: str | None = None, hint: str | None = None
              ) -> NoReturn:
@@ -159,6 +164,7 @@ class _Validator:
                       hint="restore into the same state layout that was saved")
         for name, value in live.items():
             self.walk(value, tree[name], str(name), 1)
+        check_aliasing(self.targets, lambda message, path, hint: self.fail(message, path, hint))
 
     def walk(self, obj: Any, node: Any, path: str, depth: int) -> None:
         if depth > 256:
@@ -167,8 +173,10 @@ class _Validator:
             if not isinstance(node, TensorRef):
                 self.fail(f"the live state has a tensor here, the checkpoint {_kind(node)}",
                           path, hint="restore into the same state layout that was saved")
-            self.receivable(obj, path)
-            self.same_tensor(obj, self.saved(node, path), path)
+            self.receivable(obj, path, expanded=True)
+            saved = self.saved(node, path)
+            self.same_tensor(obj, saved, path)
+            self.targets.append(Target(path, _local(obj), _local(saved)))
         elif _is_stateful(obj):
             if isinstance(obj, torch.nn.Module):
                 self.module(obj, node, path)
@@ -208,8 +216,9 @@ class _Validator:
 
     # ------------------------------------------------------------ tensors
 
-    def receivable(self, t: torch.Tensor, path: str) -> None:
-        """The live tensor can take the loaded values in place, exactly."""
+    def receivable(self, t: torch.Tensor, path: str, *, expanded: bool = False) -> None:
+        """The live tensor can take the loaded values in place, exactly; ``expanded``: a
+        dimension of stride 0 is allowed (``aliasing.check_aliasing`` checks its values)."""
         local = _local(t)
         if torch.nn.parameter.is_lazy(local):
             self.fail("the live tensor is an uninitialized lazy parameter or buffer", path,
@@ -235,7 +244,7 @@ class _Validator:
             self.fail("the live tensor is an inference tensor (made under "
                       "torch.inference_mode): it cannot be updated in place", path,
                       hint="create the state outside torch.inference_mode()")
-        if _may_overlap(local):
+        if _may_overlap(written(local) if expanded else local):
             self.fail(f"the live tensor's elements share memory (strides {list(local.stride())}"
                       f" for shape {list(local.shape)}, e.g. an expanded tensor): it cannot "
                       "hold every value of the checkpoint", path,
@@ -293,7 +302,9 @@ class _Validator:
                 self.fail(f"the module has a tensor here, the checkpoint {_kind(node[key])}",
                           sub)
             self.receivable(value, sub)
-            self.same_tensor(value, self.saved(node[key], sub), sub)
+            saved = self.saved(node[key], sub)
+            self.same_tensor(value, saved, sub)
+            self.targets.append(Target(sub, _local(value), _local(saved)))
 
     def optimizer(self, opt: torch.optim.Optimizer, node: Any, path: str) -> None:
         """Parameter groups (count, parameters per group), as ``load_state_dict`` checks them,

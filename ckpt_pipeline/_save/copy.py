@@ -50,10 +50,17 @@ def _staging_layout(sources: Sequence[torch.Tensor]) -> tuple[list[int], int]:
 
 
 def item_sources(tensors: Sequence[torch.Tensor], layout: DataLayout) -> list[torch.Tensor]:
-    """What each stored item copies: the tensor itself, or the raw bytes of a shared span."""
-    return [tensors[item.source] if item.span is None
+    """What each stored item copies: the tensor itself, or the raw bytes of a shared span.
+
+    A bool tensor is copied as its bytes (a uint8 view): a copy as bool stores 0 or 1 for
+    any other byte, and the restore writes back exactly the bytes that were saved."""
+    return [_bits(tensors[item.source]) if item.span is None
             else span_source(tensors[item.source], item.span, item.nbytes)
             for item in layout.items]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
 @dataclass(slots=True)

@@ -322,6 +322,11 @@ def test_a_holder_that_refuses_copies_makes_the_step_commit_degraded_on_every_ra
         degraded = [e for e in out["events"] if e["type"] == "ReplicationDegraded"]
         assert [e["step"] for e in degraded] == [10, 20]
         assert "rank 1 refuses copies (injected)" in degraded[0]["reasons"][0], degraded
+        # No logging is configured in the workers: each degraded commit is a warning.
+        log = (tmp_path / "logs" / f"rank-{rank}.log").read_text(errors="replace")
+        for step in (10, 20):
+            assert (f"CheckpointWarning: ckpt_pipeline: step {step} committed without 1 of "
+                    "its copies") in log, log[-3000:]
     assert results[3]["saves"]["20"]["replica_holders"] == []
     assert results[0]["saves"]["20"]["replica_holders"] == [2]
     assert not list(step_dir(root, 1, 20).glob("replica-*"))

@@ -184,6 +184,9 @@ def test_a_save_without_a_usable_metric_fails_and_keeps_the_previous_steps(
         restored = pipe.restore_latest(state)
         assert restored is not None and restored.step == 2
         assert torch.equal(state["x"], torch.full((4,), 2.0))
+        with pytest.raises(cp.StateError) as again:  # the first failure since the last wait()
+            pipe.wait(30)
+        assert again.value is error
         _save(pipe, 4, {"loss": 1.0})  # the pipeline goes on
         assert _on_disk(root) == {2, 4}
 
