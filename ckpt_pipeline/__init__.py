@@ -29,6 +29,8 @@ from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
 from .events import Event as Event
+from .events import PersistentAvailable as PersistentAvailable
+from .events import PersistentUnavailable as PersistentUnavailable
 from .events import PersistFailed as PersistFailed
 from .events import PersistPruned as PersistPruned
 from .events import PersistSkipped as PersistSkipped
@@ -96,6 +98,8 @@ __all__ = (
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",
+    "PersistentAvailable",
+    "PersistentUnavailable",
     "PipelineBusyError",
     "PipelineClosedError",
     "PipelineConfig",

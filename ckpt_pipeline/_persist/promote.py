@@ -6,8 +6,9 @@ never on the event loop. Which steps are promoted, which are skipped and when a 
 are decided from what every rank reports in the first commit vote of each save (and in one more
 exchange at close), so every rank takes the same decisions in the same order:
 
-- every ``persist_every``-th committed step is assigned, unless some rank still has two
-  promotions unfinished (one uploading, one queued): then it is skipped (``PersistSkipped``);
+- every ``persist_every``-th committed step is assigned, unless some rank cannot reach the
+  tier, or still has two promotions unfinished (one uploading, one queued): then it is
+  skipped (``PersistSkipped``);
 - a rank reports each finished upload once, with the checksum of every object; once every rank
   has reported a step, rank 0 checks the objects are there and writes ``step.commit`` last
   (``StepPersisted``), then applies ``persistent_keep``;
@@ -17,6 +18,12 @@ exchange at close), so every rank takes the same decisions in the same order:
 A step being uploaded is kept in the local tier until its upload ends (``protected``). Saves
 come first: while a save of this rank writes its shard, uploads wait between parts
 (``writing``), so the disk is shared in the gaps between saves, not during them.
+
+The store never holds a job up (see ``connect`` and ``workers``): ``open`` waits at most
+``OPEN_WAIT_S`` for it and opens from the local tier when it is unreachable, trying again in
+the background; a restore waits at most ``LIST_WAIT_S`` for its steps; every thread that
+waits on the store is a daemon, and ``close`` gives up on what did not end in time: such a
+step never gets its commit object and is reported (``PersistFailed``).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from ..events import (
     StepPersisted,
 )
 from ..storage import Storage
+from .connect import Connection
 from .layout import (
     MAX_COMMIT_BYTES,
     STEP_COMMIT,
@@ -51,14 +59,24 @@ from .layout import (
     encode_step_record,
     rank_keys,
 )
-from .remote import ObjectSum, Remote, open_remote
+from .remote import UNAVAILABLE_HINT, ObjectSum, Remote, RemoteError, _display, open_remote
 from .stream import ShardStream
+from .workers import DaemonPool, bounded
 
-__all__ = ("Promoter", "complete_steps", "download_rank", "read_step_record")
+__all__ = ("LIST_WAIT_S", "OPEN_WAIT_S", "Promoter", "complete_steps", "download_rank",
+           "read_step_record")
 
 _PAUSE_MAX_S = 30.0
 _QUEUED_MAX = 2
 """Unfinished promotions a rank may have (one uploading, one waiting) before one is skipped."""
+OPEN_WAIT_S = 10.0
+"""How long ``open`` waits for the store before the pipeline opens from the local tier."""
+LIST_WAIT_S = 60.0
+"""How long a restore waits to reach the store and list its steps."""
+
+
+class _Stopped(Exception):
+    """Raised into an upload between two parts once the promoter is closed."""
 
 
 @dataclass(slots=True)
@@ -81,13 +99,14 @@ class Promoter:
         self._emit = emit
         self._spec = config.persistent
         self.remote: Remote | None = None
-        self.url = config.persistent
+        self.url = _display(config.persistent)
         self._lock = threading.Lock()
-        self._uploads = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"ckpt-persist-r{self.rank}")
-        self._meta = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"ckpt-persist-meta-r{self.rank}")
-        self._futures: list[concurrent.futures.Future[None]] = []
+        self._uploads = DaemonPool(1, f"ckpt-persist-r{self.rank}")
+        self._meta = DaemonPool(1, f"ckpt-persist-meta-r{self.rank}")
+        self._futures: list[tuple[bool, concurrent.futures.Future[None]]] = []  # (upload, f)
+        self._connection: Connection[Remote] = Connection(
+            self.url, self.rank, self._open_steps, self._connected, _close_quietly, emit)
+        self._stopped = False
         # This rank's uploads: unfinished, and finished or failed but not reported yet.
         self._unfinished: dict[int, str] = {}
         self._finished: dict[int, dict[str, Any]] = {}
@@ -98,6 +117,8 @@ class Promoter:
         self._commits = 0
         self._newest: tuple[int, str] | None = None
         self._busy: tuple[int, int] = (0, 0)  # (most unfinished promotions on a rank, rank)
+        self._unreachable = ""  # the ranks that cannot reach the tier ("": none)
+        self._committing: dict[int, str] = {}  # rank 0: steps whose commit object is due
         # Saves first: while a save of this rank writes its shard, uploads wait between parts.
         self._writing = 0
         self._quiet = threading.Condition()
@@ -105,14 +126,36 @@ class Promoter:
     # ------------------------------------------------------------------ open and close
 
     def open(self) -> None:
-        """Open the persistent root and list it once, so that a wrong URL or missing
-        credentials fail at open, not at the first promotion. Runs in a worker thread."""
-        self.remote = open_remote(self._spec, threads=self.config.io_threads,
-                                  retries=self.config.persist_retries,
-                                  options=self.config.persistent_options)
-        self.url = self.remote.url
-        self.remote.gate = self._wait_for_quiet
-        self.remote.list_steps()
+        """Open the persistent tier (``_open_steps``), waiting at most ``OPEN_WAIT_S``: a
+        configuration or permission error raises a ConfigError here; an unreachable store
+        does not keep the pipeline from opening from the local tier: it is tried again in
+        the background (``PersistentUnavailable``, ``PersistentAvailable``; see
+        ``connect``). Runs in a worker thread."""
+        self._connection.start(OPEN_WAIT_S)
+
+    def _open_steps(self) -> Remote:
+        """The steps of opening the persistent tier, at open and at every later attempt:
+        open the root and list it once, so that a wrong URL or missing credentials fail at
+        open, not at the first promotion. Runs in a daemon thread (``connect``)."""
+        remote = open_remote(self._spec, threads=self.config.io_threads,
+                             retries=self.config.persist_retries,
+                             options=self.config.persistent_options)
+        try:
+            remote.gate = self._wait_for_quiet
+            remote.list_steps()
+        except BaseException:
+            _close_quietly(remote)
+            raise
+        return remote
+
+    def _connected(self, remote: Remote) -> None:
+        self.url = remote.url
+        self.remote = remote
+
+    @property
+    def reachable(self) -> bool:
+        """Whether this rank has opened the persistent tier."""
+        return self.remote is not None
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -130,18 +173,22 @@ class Promoter:
 
     def _wait_for_quiet(self) -> None:
         """Before each part of an upload: wait while a save writes (at most
-        ``_PAUSE_MAX_S`` at a time, so that back-to-back saves cannot starve uploads)."""
+        ``_PAUSE_MAX_S`` at a time, so that back-to-back saves cannot starve uploads); once
+        closed, stop the upload."""
         with self._quiet:
-            self._quiet.wait_for(lambda: not self._writing, timeout=_PAUSE_MAX_S)
+            self._quiet.wait_for(lambda: not self._writing or self._stopped,
+                                 timeout=_PAUSE_MAX_S)
+        if self._stopped:
+            raise _Stopped
 
-    def wait(self, timeout: float) -> bool:
-        """Wait until this rank's uploads and rank 0's commit objects are done (True), or
-        ``timeout`` passed (False). Runs in a worker thread."""
+    def wait(self, timeout: float, *, uploads: bool = True) -> bool:
+        """Wait until this rank's uploads (unless not ``uploads``) and rank 0's commit
+        objects are done (True), or ``timeout`` passed (False). Runs in a worker thread."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                futures = [f for f in self._futures if not f.done()]
-                self._futures = futures
+                self._futures = [(u, f) for u, f in self._futures if not f.done()]
+                futures = [f for u, f in self._futures if uploads or not u]
             if not futures:
                 return True
             left = deadline - time.monotonic()
@@ -150,13 +197,27 @@ class Promoter:
             concurrent.futures.wait(futures, timeout=left)
 
     def close(self) -> None:
-        """Stop: an upload in flight is left to its thread and its objects are never
-        committed (the next promotion, or rank 0's pruning, removes them)."""
+        """Stop: uploads in flight stop at their next part and rank 0 writes no more commit
+        objects; a step whose promotion did not end is never committed (the next promotion,
+        or rank 0's pruning, removes its objects) and is reported (``PersistFailed``). The
+        threads still waiting on the store are daemons: they never keep the process alive."""
+        with self._quiet:
+            self._stopped = True
+            self._quiet.notify_all()
+        self._connection.close()
         self._uploads.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
+        unfinished = {**{s: a.save_id for s, a in self._assigned.items()}, **self._committing}
+        self._assigned.clear()
+        for step, save_id in sorted(unfinished.items()):
+            self._emit(PersistFailed(
+                step=step, rank=self.rank, save_id=save_id, url=self.url,
+                error="the promotion did not end before the pipeline closed (within "
+                      f"persist_timeout_s={self.config.persist_timeout_s:g} s at a clean "
+                      "close); the step was not committed in the persistent tier and stays "
+                      "in the local tier"))
         if self.remote is not None:
-            with contextlib.suppress(Exception):
-                self.remote.close()
+            _close_quietly(self.remote)
 
     # ------------------------------------------------------------------ agreement
 
@@ -167,17 +228,21 @@ class Promoter:
             failed = {str(s): e for s, e in self._failures.items()}
             self._finished.clear()
             self._failures.clear()
-            return {"unfinished": len(self._unfinished), "done": done, "failed": failed}
+            return {"unfinished": len(self._unfinished), "done": done, "failed": failed,
+                    "reachable": self.remote is not None}
 
     def on_reports(self, reports: Sequence[Any]) -> None:
         """Every rank's ``report()`` of one exchange: record finished uploads, commit the
         steps every rank finished, give up the steps a rank failed. Same on every rank."""
         busiest = (0, 0)
         failed: dict[int, dict[int, str]] = {}
+        unreachable = []
         for rank, report in enumerate(reports):
             if not isinstance(report, dict):  # a rank without the tier: nothing completes
                 busiest = max(busiest, (_QUEUED_MAX, rank), key=lambda b: b[0])
                 continue
+            if report.get("reachable") is False:
+                unreachable.append(rank)
             unfinished = report.get("unfinished")
             if isinstance(unfinished, int):
                 busiest = max(busiest, (unfinished, rank), key=lambda b: b[0])
@@ -190,6 +255,9 @@ class Promoter:
                 if step in self._assigned:
                     failed.setdefault(step, {})[rank] = str(value)
         self._busy = busiest
+        self._unreachable = "" if not unreachable else (
+            f"rank{'s' if len(unreachable) > 1 else ''} "
+            f"{', '.join(map(str, unreachable[:8]))}{', ...' if len(unreachable) > 8 else ''}")
         for step, errors in sorted(failed.items()):
             assigned = self._assigned.pop(step)
             error = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
@@ -202,6 +270,7 @@ class Promoter:
             if len(assigned.reports) == self.world_size:
                 del self._assigned[step]
                 if self.rank == 0:
+                    self._committing[step] = assigned.save_id
                     self._submit(self._meta, self._commit_step, step, assigned)
 
     def committed(self, step: int, save_id: str) -> None:
@@ -225,6 +294,12 @@ class Promoter:
     def _assign(self, step: int, save_id: str, *, closing: bool) -> None:
         if step <= self._last_assigned:
             return
+        if self._unreachable:
+            self._emit(PersistSkipped(
+                step=step, rank=self.rank,
+                reason=f"the persistent tier {self.url} is unreachable from "
+                       f"{self._unreachable} (retried in the background)"))
+            return
         most, rank = self._busy
         if most >= _QUEUED_MAX and not closing:
             self._emit(PersistSkipped(
@@ -237,14 +312,13 @@ class Promoter:
             self._unfinished[step] = save_id
         self._submit(self._uploads, self._upload, step, save_id)
 
-    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor,
-                fn: Callable[..., None], *args: Any) -> None:
+    def _submit(self, pool: DaemonPool, fn: Callable[..., None], *args: Any) -> None:
         try:
             future = pool.submit(fn, *args)
         except RuntimeError:  # closed
             return
         with self._lock:
-            self._futures.append(future)
+            self._futures.append((pool is self._uploads, future))
 
     # ------------------------------------------------------------------ worker threads
 
@@ -252,9 +326,11 @@ class Promoter:
         """Upload this rank's files of ``step``, commit record last."""
         started = time.perf_counter()
         remote = self.remote
-        assert remote is not None
         dir_name = step_dir_name(step)
         try:
+            if remote is None:  # not assigned while a rank cannot reach the tier
+                raise RemoteError(f"{self.url} is not reachable", path=self.url,
+                                  transient=True, hint=UNAVAILABLE_HINT)
             sums: dict[str, list[Any]] = {}
             for name, key in rank_keys(step, self.rank).items():
                 local = os.path.join(str(self.storage.root), dir_name, name)
@@ -266,6 +342,8 @@ class Promoter:
             with self._lock:
                 self._finished[step] = sums
         except Exception as exc:
+            if self._stopped:  # closed meanwhile: close() reports the step
+                return
             error = exc.message if isinstance(exc, CheckpointError) else (
                 f"{type(exc).__name__}: {exc}")
             log.warning("ckpt.persist.upload_failed", step=step, rank=self.rank, url=self.url,
@@ -277,9 +355,16 @@ class Promoter:
                 self._unfinished.pop(step, None)
 
     def _commit_step(self, step: int, assigned: _Assigned) -> None:
-        """Rank 0: check every rank's objects are there, write ``step.commit`` last."""
+        """Rank 0: check every rank's objects are there, write ``step.commit`` last (not
+        once closed: ``close`` reports the step instead)."""
+        try:
+            self._write_commit(step, assigned)
+        finally:
+            self._committing.pop(step, None)
+
+    def _write_commit(self, step: int, assigned: _Assigned) -> None:
         remote = self.remote
-        assert remote is not None
+        assert remote is not None  # assigned only while every rank reaches the tier
         dir_name = step_dir_name(step)
         try:
             objects: dict[str, ObjectSum] = {}
@@ -295,8 +380,12 @@ class Promoter:
                         f"{dir_name}/{name} is {present.get(name, 'missing')} bytes in the "
                         f"persistent tier, {expected.size} were uploaded")
             record = StepRecord(step, assigned.save_id, self.world_size, objects)
+            if self._stopped:
+                return
             remote.put_small(f"{dir_name}/{STEP_COMMIT}", encode_step_record(record))
         except Exception as exc:
+            if self._stopped:
+                return
             error = exc.message if isinstance(exc, CheckpointError) else (
                 f"{type(exc).__name__}: {exc}")
             self._emit(PersistFailed(step=step, rank=self.rank, save_id=assigned.save_id,
@@ -311,7 +400,8 @@ class Promoter:
     def _remove_step(self, step: int) -> None:
         """Rank 0: take a step off the persistent tier, its commit object first."""
         remote = self.remote
-        assert remote is not None
+        if remote is None:
+            return
         dir_name = step_dir_name(step)
         try:
             names = remote.list_dir(dir_name)
@@ -349,9 +439,26 @@ class Promoter:
     # ------------------------------------------------------------------ restore
 
     def complete_steps(self) -> dict[int, StepRecord]:
-        """``complete_steps`` of this rank's persistent tier. Runs in a worker thread."""
-        assert self.remote is not None
-        return complete_steps(self.remote, rank=self.rank)
+        """``complete_steps`` of this rank's persistent tier, within ``LIST_WAIT_S``: a
+        RemoteError when the store cannot be reached in that time (the restore then goes on
+        with the local tier and the copies); the newest steps read by then when the
+        listing takes longer. Runs in a worker thread."""
+        deadline = time.monotonic() + LIST_WAIT_S
+        if not self._connection.reach(LIST_WAIT_S):
+            raise RemoteError(
+                f"the persistent tier {self.url} is unreachable: {self._connection.error}",
+                path=self.url, transient=True, hint=UNAVAILABLE_HINT)
+        remote = self.remote
+        assert remote is not None
+        found: list[StepRecord] = []
+        try:
+            bounded(lambda: complete_steps(remote, rank=self.rank, into=found),
+                    max(0.0, deadline - time.monotonic()), f"ckpt-persist-list-r{self.rank}")
+        except TimeoutError:
+            log.warning("ckpt.recovery.persisted_partial", rank=self.rank, url=self.url,
+                        steps=[r.step for r in found], wait_s=LIST_WAIT_S,
+                        action="the restore considers the newest steps read in time")
+        return {r.step: r for r in list(found)}
 
     def stream(self, record: StepRecord) -> ShardStream:
         """This rank's shard of ``record``'s step, downloading into its root while the
@@ -360,14 +467,15 @@ class Promoter:
         return ShardStream(self.remote, self.storage, record, self.rank)
 
 
-def complete_steps(remote: Remote, *, rank: int | None = None) -> dict[int, StepRecord]:
+def complete_steps(remote: Remote, *, rank: int | None = None,
+                   into: list[StepRecord] | None = None) -> dict[int, StepRecord]:
     """The steps complete in the persistent tier: a commit object that decodes and names its
-    step. A step whose commit object is unreadable is logged and left out."""
+    step. A step whose commit object is unreadable is logged and left out. The commit
+    objects are read newest first, each appended to ``into`` as it is read (for a caller that
+    stops waiting)."""
     out: dict[int, StepRecord] = {}
-    for name in remote.list_steps():
-        step = parse_step_dir(name)
-        if step is None:
-            continue
+    steps = (parse_step_dir(name) for name in remote.list_steps())
+    for step in sorted((s for s in steps if s is not None), reverse=True):
         try:
             record = read_step_record(remote, step)
         except CheckpointError as exc:
@@ -376,7 +484,9 @@ def complete_steps(remote: Remote, *, rank: int | None = None) -> dict[int, Step
             continue
         if record is not None:
             out[step] = record
-    return out
+            if into is not None:
+                into.append(record)
+    return dict(sorted(out.items()))
 
 
 def read_step_record(remote: Remote, step: int) -> StepRecord | None:
@@ -406,6 +516,11 @@ def download_rank(remote: Remote, storage: Storage, record: StepRecord, rank: in
         stream.discard()
         raise
     return path, size
+
+
+def _close_quietly(remote: Remote) -> None:
+    with contextlib.suppress(Exception):
+        remote.close()
 
 
 def _items(value: Any) -> list[tuple[Any, Any]]:
