@@ -140,9 +140,11 @@ class Promoter:
         remote = open_remote(self._spec, threads=self.config.io_threads,
                              retries=self.config.persist_retries,
                              options=self.config.persistent_options)
+        retries, remote.retries = remote.retries, 0  # the connection's backoff retries it
         try:
             remote.gate = self._wait_for_quiet
             remote.list_steps()
+            remote.retries = retries
         except BaseException:
             _close_quietly(remote)
             raise
@@ -295,6 +297,7 @@ class Promoter:
         if step <= self._last_assigned:
             return
         if self._unreachable:
+            self._last_assigned = step  # reported once, not again at close
             self._emit(PersistSkipped(
                 step=step, rank=self.rank,
                 reason=f"the persistent tier {self.url} is unreachable from "

@@ -102,7 +102,7 @@ class S3Remote(Remote):
                               hint="set persist_retries= instead")
         client = dict(settings.pop("client_options", None) or {})
         self._endpoint, self._endpoint_from = _endpoint(settings)
-        self._allow_http(client)
+        self._check_endpoint(client)
         client.setdefault("connect_timeout", CONNECT_TIMEOUT)
         part_timeout = timedelta(seconds=SMALL_TIMEOUT_S + self.part_bytes / _SLOWEST_PART_RATE)
 
@@ -128,11 +128,19 @@ class S3Remote(Remote):
                               hint="check its options: obstore's S3 settings (endpoint, "
                                    "region, access_key_id, ...) and client_options") from None
 
-    def _allow_http(self, client: dict[str, Any]) -> None:
-        """A plain ``http://`` endpoint (an option or ``AWS_ENDPOINT_URL``) is allowed
-        unless ``allow_http`` says otherwise, which is a ConfigError here rather than a
-        "builder error" at the first request."""
-        if not self._endpoint.lower().startswith("http://"):
+    def _check_endpoint(self, client: dict[str, Any]) -> None:
+        """The endpoint (an option or ``AWS_ENDPOINT_URL``) must be an http(s) URL (obstore
+        fails without one at the first request, or panics); a plain ``http://`` one is
+        allowed unless ``allow_http`` says otherwise: ConfigErrors here, not a "builder
+        error" at the first request."""
+        scheme = self._endpoint.partition("://")[0].lower() if "://" in self._endpoint else ""
+        if self._endpoint and scheme not in ("http", "https"):
+            raise ConfigError(
+                f"the persistent tier {self.url}: the endpoint {self._endpoint!r} (from "
+                f"{self._endpoint_from}) is not an http:// or https:// URL",
+                hint="give the full URL, for example endpoint='https://s3.example.com' or "
+                     "'http://127.0.0.1:9000'")
+        if scheme != "http":
             return
         if "allow_http" in client:
             forbidden, where = not client["allow_http"], "client_options allow_http"
