@@ -68,7 +68,7 @@ SMALL_TIMEOUT_S = 30.0
 _SLOWEST_PART_RATE = 1024 * 1024  # bytes per second: a part slower than this times out
 _ENDPOINT_OPTIONS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url")
 _ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")
-_METADATA_HOSTS = ("169.254.169.254", "[fd00:ec2::254]")  # EC2's instance metadata
+_METADATA = re.compile(r"https?://\S+/latest/(api/token|meta-data/)")  # EC2 instance metadata
 _RETRY_WINDOW = timedelta(minutes=5)  # signed requests expire after 15
 _MD5_ETAG = re.compile(r'"[0-9a-f]{32}(-[0-9]+)?"')
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -323,7 +323,7 @@ class S3Remote(Remote):
         code = code_match.group(1) if code_match else ""
         missing = code == "NoSuchKey" or (isinstance(exc, FileNotFoundError)
                                           and code != "NoSuchBucket")
-        metadata = any(f"//{host}/" in summary for host in _METADATA_HOSTS)
+        metadata = _METADATA.search(summary) is not None
         if status is not None:
             number = int(status.group(1))
             message = _MESSAGE.search(summary)

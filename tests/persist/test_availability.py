@@ -365,3 +365,24 @@ def test_obstore_builder_errors_are_configuration_errors_not_outages(
     assert info.value.attempts == 1 and not info.value.transient
     assert "builder error" in info.value.message
     assert "allow_http" in (info.value.hint or "")
+
+
+@pytest.mark.timeout(60)
+def test_missing_credentials_fail_open_at_once_instead_of_waiting_for_the_store(
+    tmp_path: Path, silent: SilentServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No credentials anywhere: obstore asks the instance metadata service (pointed here at a
+    port where nothing listens, as off EC2), and open fails at once saying what to set; the
+    store itself (one that would hang) is never asked."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_PROFILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    options = {"endpoint": silent.endpoint, "region": "us-east-1",
+               "metadata_endpoint": f"http://127.0.0.1:{free_port()}"}
+    pipe = _pipeline(tmp_path / "local", "s3://bucket/run", options, [])
+    with pytest.raises(cp.ConfigError) as info:
+        _within(pipe.open)
+    assert "no credentials" in info.value.message
+    assert "AWS_ACCESS_KEY_ID" in (info.value.hint or "")
+    assert silent.accepted == 0
