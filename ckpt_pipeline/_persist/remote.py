@@ -48,6 +48,10 @@ __all__ = ("PART_BYTES_DEFAULT", "ObjectSum", "Remote", "RemoteError", "is_url",
 
 PART_BYTES_DEFAULT = 64 * 1024 * 1024
 BACKOFF_CAP_S = 10.0
+SMALL_TIMEOUT_S = 30.0
+"""Deadline of a request that carries no part: a listing, a head, a delete, a commit object."""
+SLOWEST_RATE = 1024 * 1024
+"""Bytes per second: a request that carries data slower than this times out."""
 KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
 _SENSITIVE = re.compile(r"key|secret|token|password|passwd|credential|session|auth", re.I)
 
@@ -120,6 +124,11 @@ def check_key(key: str) -> str:
 
 def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(size, start + part_bytes)) for start in range(0, size, part_bytes)]
+
+
+def request_timeout(nbytes: int) -> float:
+    """The total deadline of a request that carries ``nbytes`` of data."""
+    return SMALL_TIMEOUT_S + nbytes / SLOWEST_RATE
 
 
 def pread_exact(fd: int, start: int, end: int) -> bytes:

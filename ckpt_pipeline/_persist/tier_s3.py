@@ -44,6 +44,7 @@ from ..errors import ConfigError
 from .remote import (
     BACKOFF_CAP_S,
     KEY_PART,
+    SMALL_TIMEOUT_S,
     TRANSIENT_CODES,
     UNAVAILABLE_HINT,
     Failure,
@@ -55,6 +56,7 @@ from .remote import (
     explain_generic,
     part_ranges,
     pread_exact,
+    request_timeout,
     xxh,
 )
 
@@ -64,8 +66,6 @@ _S3_MIN_PART = 5 * 1024 * 1024
 _S3_MAX_PUT = 5 * 1024**3
 _AHEAD = 2  # parts read and hashed ahead of the one obstore takes
 CONNECT_TIMEOUT = timedelta(seconds=5)
-SMALL_TIMEOUT_S = 30.0
-_SLOWEST_PART_RATE = 1024 * 1024  # bytes per second: a part slower than this times out
 _ENDPOINT_OPTIONS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url")
 _ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 _METADATA = re.compile(r"https?://\S+/latest/(api/token|meta-data/)")  # EC2 instance metadata
@@ -104,7 +104,7 @@ class S3Remote(Remote):
         self._endpoint, self._endpoint_from = _endpoint(settings)
         self._check_endpoint(client)
         client.setdefault("connect_timeout", CONNECT_TIMEOUT)
-        part_timeout = timedelta(seconds=SMALL_TIMEOUT_S + self.part_bytes / _SLOWEST_PART_RATE)
+        part_timeout = timedelta(seconds=request_timeout(self.part_bytes))
 
         def store(retries: int, timeout: timedelta) -> Any:
             backoff = {"init_backoff": timedelta(seconds=self.backoff_s),

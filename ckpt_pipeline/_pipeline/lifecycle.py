@@ -230,6 +230,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                                         self.rank)
             self.ledger.resume_at(max(committed, default=None))
         except BaseException:
+            if self.promoter is not None:  # its retries in the background stop too
+                self.promoter.close()
             self.replication.close()
             lock.release()
             raise

@@ -14,7 +14,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -386,3 +386,42 @@ def test_missing_credentials_fail_open_at_once_instead_of_waiting_for_the_store(
     assert "no credentials" in info.value.message
     assert "AWS_ACCESS_KEY_ID" in (info.value.hint or "")
     assert silent.accepted == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_call_to_an_fsspec_file_system_that_never_returns_times_out_and_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsspec file systems have the deadlines of their own options, or none: the tier bounds
+    every call itself. The file system here is a fault-injecting one (a real one cannot be
+    made to hang on demand): its listings never return until the test ends."""
+    fsspec = pytest.importorskip("fsspec")
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from ckpt_pipeline._persist import tier_fsspec
+
+    release = threading.Event()
+    calls: list[str] = []
+
+    class HangingFileSystem(MemoryFileSystem):  # type: ignore[misc]
+        protocol = "ckpthang"
+        store: ClassVar[dict[str, Any]] = {}  # its own, not the memory file system's
+        pseudo_dirs: ClassVar[list[str]] = [""]
+
+        def ls(self, path: str, detail: bool = True, **kw: Any) -> Any:
+            calls.append(path)
+            release.wait()
+            return super().ls(path, detail=detail, **kw)
+
+    fsspec.register_implementation("ckpthang", HangingFileSystem, clobber=True)
+    monkeypatch.setattr(tier_fsspec, "SMALL_TIMEOUT_S", 0.2)
+    remote = open_remote("ckpthang://run", retries=2, backoff_s=0.01)
+    try:
+        with pytest.raises(RemoteError) as info:
+            _within(remote.list_steps)
+    finally:
+        release.set()
+        remote.close()
+    assert info.value.transient and info.value.attempts == 3, info.value
+    assert "TimeoutError" in info.value.message
+    assert len(calls) == 3
