@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from conftest import spawn_child
+from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._persist import connect as connect_mod
@@ -29,6 +29,10 @@ from ckpt_pipeline.config import PipelineConfig
 from ckpt_pipeline.storage import LocalStorage
 
 from .s3_server import HANG, BlackHole, FaultProxy, SilentServer, free_port, new_bucket
+
+launch = load_script(Path(__file__).resolve().parents[1] / "replicate" /
+                     "test_replication.py").launch
+"""The multi-process launcher of the replication tests."""
 
 BOUND_S = 60.0
 """A join timeout far above every bound under test and far below the hangs they replace
@@ -243,6 +247,30 @@ def test_every_rank_skips_the_same_step_while_one_rank_cannot_reach_the_tier(
     finally:
         for promoter in promoters:
             promoter.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_gloo_ranks_skip_the_same_steps_while_one_of_them_cannot_reach_the_store(
+    tmp_path: Path, s3_url: tuple[str, dict[str, Any]]
+) -> None:
+    """Rank 0 reaches the store, rank 1's endpoint is down: both open, both save, and both
+    skip the same promotions, so that no rank uploads a step the other never will."""
+    url, options = s3_url
+    down = {**options, "endpoint": f"http://127.0.0.1:{free_port()}"}
+    env = {0: {"CKPT_TEST_PERSIST_OPTIONS": json.dumps(options)},
+           1: {"CKPT_TEST_PERSIST_OPTIONS": json.dumps(down)}}
+    results = launch("save", tmp_path / "root", tmp_path / "logs", world=2, nodes=2,
+                     replicas=0, steps="10,20", env=env,
+                     args=("--persistent", url, "--persist-every", "1", "--numel", "1000"))
+    for rank, out in results.items():
+        assert all(s["ok"] for s in out["saves"].values()), (rank, out["saves"])
+        skipped = [e for e in out["events"] if e["type"] == "PersistSkipped"]
+        assert [e["step"] for e in skipped] == [10, 20], (rank, out["events"])
+        assert all("unreachable from rank 1" in e["reason"] for e in skipped)
+        assert not [e for e in out["events"] if e["type"] in ("ShardUploaded",
+                                                              "StepPersisted")]
+    assert _complete(url, options) == {}
 
 
 # ------------------------------------------------------------------------- restore
