@@ -154,11 +154,6 @@ class Promoter:
         self.url = remote.url
         self.remote = remote
 
-    @property
-    def reachable(self) -> bool:
-        """Whether this rank has opened the persistent tier."""
-        return self.remote is not None
-
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
         """Around a save's disk writes: uploads of this rank pause between parts meanwhile,
