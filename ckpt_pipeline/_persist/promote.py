@@ -406,11 +406,12 @@ class Promoter:
             if STEP_COMMIT in names:
                 remote.delete([f"{dir_name}/{STEP_COMMIT}"])
             remote.delete([f"{dir_name}/{n}" for n in names if n != STEP_COMMIT])
+            leftovers = remote.remove_leftovers(dir_name)
         except Exception as exc:
             log.warning("ckpt.persist.remove_failed", step=step, rank=self.rank, url=self.url,
                         error=f"{type(exc).__name__}: {exc}")
             return
-        if names:
+        if names or leftovers:
             self._emit(PersistPruned(step=step, rank=self.rank, url=self.url,
                                      complete=STEP_COMMIT in names))
 

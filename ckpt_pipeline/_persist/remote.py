@@ -251,6 +251,13 @@ class Remote:
         """Delete ``keys`` (missing ones are fine); RemoteError when the store refuses."""
         raise NotImplementedError
 
+    def remove_leftovers(self, prefix: str) -> int:
+        """Remove what killed uploads left under ``prefix`` that ``list_dir`` does not show
+        (a backend's temporaries), once the step is being taken off; returns how many. None
+        by default: S3 and fsspec uploads leave no hidden object."""
+        check_key(prefix)
+        return 0
+
     def exists(self, key: str) -> bool:
         check_key(key)
         return self._size(key) is not None

@@ -2,7 +2,8 @@
 temporary name, parts copied in parallel, fsync, rename, fsync of the directory; files 0600,
 directories 0700, opened with ``O_NOFOLLOW``. The rename replaces an object of the same key:
 in this tier a key is only written again by a retried promotion of the same committed file,
-so the content is the same.
+so the content is the same. The temporaries of a killed upload are hidden from ``list_dir``
+and removed with their step (``remove_leftovers``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 import threading
@@ -177,6 +179,32 @@ class DirRemote(Remote):
                     out[e.name] = e.stat(follow_symlinks=False).st_size
         return out
 
+    def remove_leftovers(self, prefix: str) -> int:
+        """The temporaries of uploads killed before their rename (each may hold a whole
+        shard), then the step's directory once empty."""
+        check_key(prefix)
+        directory = self._path(prefix)
+        try:
+            with os.scandir(directory) as it:
+                temps = [e.name for e in it if _TEMPORARY.match(e.name)
+                         and e.is_file(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        except OSError as exc:
+            raise RemoteError(f"listing {self._where(prefix)} failed: {exc.strerror}",
+                              path=self._where(prefix), key=prefix, op="list",
+                              transient=_transient(exc)) from exc
+        for name in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+        with contextlib.suppress(OSError):
+            _fsync_dir(directory)
+        with contextlib.suppress(OSError):
+            if not os.listdir(directory):
+                os.rmdir(directory)
+                _fsync_dir(os.path.dirname(directory))
+        return len(temps)
+
     def delete(self, keys: Sequence[str]) -> None:
         dirs = set()
         for key in keys:
@@ -255,6 +283,8 @@ def _flush_range(fd: int) -> None:
     os.fdatasync(fd)
 
 
+_TEMPORARY = re.compile(r"^\.[A-Za-z0-9._-]+\.tmp-[0-9a-f]{12}$")
+"""The name ``_write`` gives a file before its rename."""
 _REFUSED = frozenset((errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG,
                       errno.EROFS))
 
