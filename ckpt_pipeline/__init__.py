@@ -31,7 +31,9 @@ from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
 from .events import Event as Event
+from .events import PersistentAvailable as PersistentAvailable
 from .events import PersistentTakenOver as PersistentTakenOver
+from .events import PersistentUnavailable as PersistentUnavailable
 from .events import PersistFailed as PersistFailed
 from .events import PersistPruned as PersistPruned
 from .events import PersistSkipped as PersistSkipped
@@ -100,8 +102,10 @@ __all__ = (
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",
+    "PersistentAvailable",
     "PersistentInUseError",
     "PersistentTakenOver",
+    "PersistentUnavailable",
     "PipelineBusyError",
     "PipelineClosedError",
     "PipelineConfig",

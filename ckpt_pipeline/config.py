@@ -88,8 +88,11 @@ class PipelineConfig:
     - ``persistent_keep``: complete steps kept in the persistent tier (None: all).
     - ``persistent_options``: the store's settings: for ``s3://``, obstore's S3 settings
       (``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ...; the ``AWS_*``
-      environment variables are read too) and ``client_options``; for another URL, keyword
-      arguments of its fsspec file system. Never logged, never written into a checkpoint.
+      environment variables are read too) and ``client_options`` (``connect_timeout``, 5 s,
+      and ``timeout``, 30 s, longer for a part: every request's deadlines); for another URL,
+      keyword arguments of its fsspec file system. Never logged, never written into a
+      checkpoint. A store that cannot be reached does not keep the pipeline from opening
+      (docs/distributed.md, "The persistent tier", "Deadlines").
     - ``persist_retries``: retries of each failed upload or download request, with exponential
       backoff, before the promotion fails (``PersistFailed``; training goes on).
     - ``persistent_lease_s``: the URL belongs to one open at a time: rank 0 writes an owner

@@ -20,7 +20,9 @@ __all__ = (
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",
+    "PersistentAvailable",
     "PersistentTakenOver",
+    "PersistentUnavailable",
     "ReplicaStored",
     "ReplicationDegraded",
     "RetentionFailed",
@@ -319,6 +321,32 @@ class PersistentTakenOver(Event):
     root: str
     heartbeat_age_s: float
     forced: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PersistentUnavailable(Event):
+    """This rank could not reach the persistent tier (``step`` is -1): at open, the store was
+    down, hung or black-holed, and the pipeline opened from the local tier; promotions are
+    skipped (``PersistSkipped``) until every rank reaches it. ``retrying``: it is tried again
+    in the background with backoff (False after a configuration or permission error)."""
+
+    log_name: ClassVar[str] = "ckpt.persist.unavailable"
+    log_level: ClassVar[str] = "warning"
+    url: str
+    error: str
+    retrying: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PersistentAvailable(Event):
+    """This rank reached the persistent tier after ``PersistentUnavailable`` (``step`` is -1;
+    ``seconds``: since the pipeline began to open it); promotions resume once every rank has
+    (decided at the next save's commit vote)."""
+
+    log_name: ClassVar[str] = "ckpt.persist.available"
+    log_level: ClassVar[str] = "info"
+    url: str
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)

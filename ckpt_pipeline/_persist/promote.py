@@ -6,8 +6,9 @@ never on the event loop. Which steps are promoted, which are skipped and when a 
 are decided from what every rank reports in the first commit vote of each save (and in one more
 exchange at close), so every rank takes the same decisions in the same order:
 
-- every ``persist_every``-th committed step is assigned, unless some rank still has two
-  promotions unfinished (one uploading, one queued): then it is skipped (``PersistSkipped``);
+- every ``persist_every``-th committed step is assigned, unless some rank cannot reach the
+  tier, or still has two promotions unfinished (one uploading, one queued): then it is
+  skipped (``PersistSkipped``);
 - a rank reports each finished upload once, with the checksum of every object; once every rank
   has reported a step, rank 0 checks the objects are there and writes ``step.commit`` last
   (``StepPersisted``), then applies ``persistent_keep``;
@@ -26,6 +27,12 @@ ERROR).
 A step being uploaded is kept in the local tier until its upload ends (``protected``). Saves
 come first: while a save of this rank writes its shard, uploads wait between parts
 (``writing``), so the disk is shared in the gaps between saves, not during them.
+
+The store never holds a job up (see ``connect`` and ``workers``): ``open`` waits at most
+``OPEN_WAIT_S`` for it and opens from the local tier when it is unreachable, trying again in
+the background; a restore waits at most ``LIST_WAIT_S`` for its steps; every thread that
+waits on the store is a daemon, and ``close`` gives up on what did not end in time: such a
+step never gets its commit object and is reported (``PersistFailed``).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from ..events import (
     StepPersisted,
 )
 from ..storage import Storage
+from .connect import Connection
 from .layout import (
     MAX_COMMIT_BYTES,
     STEP_COMMIT,
@@ -61,14 +69,32 @@ from .layout import (
     rank_keys,
 )
 from .owner import Ownership
-from .remote import ObjectSum, Remote, open_remote
+from .remote import (
+    SMALL_TIMEOUT_S,
+    UNAVAILABLE_HINT,
+    ObjectSum,
+    Remote,
+    RemoteError,
+    _display,
+    open_remote,
+)
 from .stream import ShardStream
+from .workers import DaemonPool, bounded
 
-__all__ = ("Promoter", "complete_steps", "download_rank", "read_step_record")
+__all__ = ("LIST_WAIT_S", "OPEN_WAIT_S", "Promoter", "complete_steps", "download_rank",
+           "read_step_record")
 
 _PAUSE_MAX_S = 30.0
 _QUEUED_MAX = 2
 """Unfinished promotions a rank may have (one uploading, one waiting) before one is skipped."""
+OPEN_WAIT_S = 10.0
+"""How long ``open`` waits for the store before the pipeline opens from the local tier."""
+LIST_WAIT_S = 60.0
+"""How long a restore waits to reach the store and list its steps."""
+
+
+class _Stopped(Exception):
+    """Raised into an upload between two parts once the promoter is closed."""
 
 
 @dataclass(slots=True)
@@ -91,13 +117,14 @@ class Promoter:
         self._emit = emit
         self._spec = config.persistent
         self.remote: Remote | None = None
-        self.url = config.persistent
+        self.url = _display(config.persistent)
         self._lock = threading.Lock()
-        self._uploads = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"ckpt-persist-r{self.rank}")
-        self._meta = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"ckpt-persist-meta-r{self.rank}")
-        self._futures: list[concurrent.futures.Future[None]] = []
+        self._uploads = DaemonPool(1, f"ckpt-persist-r{self.rank}")
+        self._meta = DaemonPool(1, f"ckpt-persist-meta-r{self.rank}")
+        self._futures: list[tuple[bool, concurrent.futures.Future[None]]] = []  # (upload, f)
+        self._connection: Connection[Remote] = Connection(
+            self.url, self.rank, self._open_steps, self._connected, _close_quietly, emit)
+        self._stopped = False
         # This rank's uploads: unfinished, and finished or failed but not reported yet.
         self._unfinished: dict[int, str] = {}
         self._finished: dict[int, dict[str, Any]] = {}
@@ -108,38 +135,107 @@ class Promoter:
         self._commits = 0
         self._newest: tuple[int, str] | None = None
         self._busy: tuple[int, int] = (0, 0)  # (most unfinished promotions on a rank, rank)
+        self._unreachable = ""  # the ranks that cannot reach the tier ("": none)
+        self._committing: dict[int, str] = {}  # rank 0: steps whose commit object is due
         # Saves first: while a save of this rank writes its shard, uploads wait between parts.
         self._writing = 0
         self._quiet = threading.Condition()
-        # Rank 0's hold on the URL; ``_stopped``: agreed, why promotion stopped.
+        # Rank 0's hold on the URL; ``_lost_url``: agreed, why promotion stopped.
         self._owner: Ownership | None = None
         self._refused: str | None = None  # rank 0: why acquire() was refused
-        self._stopped: str | None = None
+        self._acquiring = threading.Lock()
+        self._opened = False  # open() has returned: a later connection acquires in background
+        self._lost_url: str | None = None
 
     # ------------------------------------------------------------------ open and close
 
     def open(self) -> None:
-        """Open the persistent root and list it once, so that a wrong URL or missing
-        credentials fail at open, not at the first promotion. Runs in a worker thread."""
-        self.remote = open_remote(self._spec, threads=self.config.io_threads,
-                                  retries=self.config.persist_retries,
-                                  options=self.config.persistent_options)
-        self.url = self.remote.url
-        self.remote.gate = self._wait_for_quiet
-        self.remote.list_steps()
-        self.acquire()
+        """Open the persistent tier (``_open_steps``), waiting at most ``OPEN_WAIT_S``: a
+        configuration or permission error raises a ConfigError here; an unreachable store
+        does not keep the pipeline from opening from the local tier: it is tried again in
+        the background (``PersistentUnavailable``, ``PersistentAvailable``; see
+        ``connect``). Runs in a worker thread."""
+        self._connection.start(OPEN_WAIT_S)
+        with self._lock:
+            self._opened = True
+        if self.remote is not None:
+            self._acquire_at_open()
+
+    def _open_steps(self) -> Remote:
+        """The steps of opening the persistent tier, at open and at every later attempt:
+        open the root and list it once, so that a wrong URL or missing credentials fail at
+        open, not at the first promotion. Runs in a daemon thread (``connect``)."""
+        remote = open_remote(self._spec, threads=self.config.io_threads,
+                             retries=self.config.persist_retries,
+                             options=self.config.persistent_options)
+        retries, remote.retries = remote.retries, 0  # the connection's backoff retries it
+        try:
+            remote.gate = self._wait_for_quiet
+            remote.list_steps()
+            remote.retries = retries
+        except BaseException:
+            _close_quietly(remote)
+            raise
+        return remote
+
+    def _connected(self, remote: Remote) -> None:
+        self.url = remote.url
+        self.remote = remote
+        with self._lock:
+            later = self._opened
+        if later and self.rank == 0:  # reached after open() returned: take the URL there
+            threading.Thread(target=self._acquire_in_background, daemon=True,
+                             name=f"ckpt-persist-acquire-r{self.rank}").start()
+
+    def _acquire_at_open(self) -> None:
+        """At open, with the store reachable: a live holder is refused here
+        (``PersistentInUseError``); a store error while acquiring is an outage like any
+        other: the acquisition goes on in the background."""
+        try:
+            self.acquire()
+        except PersistentInUseError:
+            raise
+        except CheckpointError as exc:
+            log.warning("ckpt.persist.acquire_failed", rank=self.rank, url=self.url,
+                        error=exc.message, action="trying again in the background")
+            threading.Thread(target=self._acquire_in_background, daemon=True,
+                             name=f"ckpt-persist-acquire-r{self.rank}").start()
+
+    def _acquire_in_background(self) -> None:
+        """Take the URL once the store is reachable after open, with backoff on store
+        errors, until it is taken, refused (reported, so that every rank stops promoting)
+        or the promoter closes. Until then rank 0 uploads and commits nothing."""
+        delay = 1.0
+        while not self._stopped:
+            try:
+                self.acquire()
+                return
+            except PersistentInUseError as exc:
+                log.error("ckpt.persist.refused", rank=self.rank, url=self.url,
+                          error=exc.message, hint=exc.hint)
+                return
+            except CheckpointError as exc:
+                log.warning("ckpt.persist.acquire_failed", rank=self.rank, url=self.url,
+                            error=exc.message, retry_in_s=delay)
+            with self._quiet:
+                self._quiet.wait_for(lambda: self._stopped, timeout=delay)
+            delay = min(60.0, delay * 2)
 
     def acquire(self) -> None:
         """Rank 0: take the URL for this open (``Ownership.acquire``: refused with
         ``PersistentInUseError`` while another job's heartbeat advances) and start its
         heartbeat. One step of opening, callable once the store is reachable. Runs in a
         worker thread."""
-        if self.rank != 0 or self._owner is not None:
-            return
-        assert self.remote is not None
+        with self._acquiring:
+            if self.rank != 0 or self._owner is not None or self._refused is not None:
+                return
+            assert self.remote is not None
+            self._acquire(self.remote)
+
+    def _acquire(self, remote: Remote) -> None:
         try:
             owner = Ownership.acquire(
-                self.remote, root=str(self.storage.root),
+                remote, root=str(self.storage.root),
                 lease_s=self.config.persistent_lease_s,
                 takeover=self.config.persistent_takeover, emit=self._emit, rank=self.rank)
         except PersistentInUseError as exc:
@@ -149,10 +245,16 @@ class Promoter:
         owner.start_heartbeat()
 
     def release(self) -> None:
-        """Rank 0, at a clean close: release the URL (``Ownership.release``). Runs in a
-        worker thread."""
-        if self._owner is not None:
-            self._owner.release()
+        """Rank 0, at a clean close: release the URL (``Ownership.release``), waiting at
+        most ``SMALL_TIMEOUT_S`` for the store (then the next job takes the URL over after
+        one lease). Runs in a worker thread."""
+        if self._owner is None:
+            return
+        try:
+            bounded(self._owner.release, SMALL_TIMEOUT_S, f"ckpt-persist-release-r{self.rank}")
+        except TimeoutError as exc:
+            log.warning("ckpt.persist.release_failed", rank=self.rank, url=self.url,
+                        error=str(exc))
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -170,18 +272,22 @@ class Promoter:
 
     def _wait_for_quiet(self) -> None:
         """Before each part of an upload: wait while a save writes (at most
-        ``_PAUSE_MAX_S`` at a time, so that back-to-back saves cannot starve uploads)."""
+        ``_PAUSE_MAX_S`` at a time, so that back-to-back saves cannot starve uploads); once
+        closed, stop the upload."""
         with self._quiet:
-            self._quiet.wait_for(lambda: not self._writing, timeout=_PAUSE_MAX_S)
+            self._quiet.wait_for(lambda: not self._writing or self._stopped,
+                                 timeout=_PAUSE_MAX_S)
+        if self._stopped:
+            raise _Stopped
 
-    def wait(self, timeout: float) -> bool:
-        """Wait until this rank's uploads and rank 0's commit objects are done (True), or
-        ``timeout`` passed (False). Runs in a worker thread."""
+    def wait(self, timeout: float, *, uploads: bool = True) -> bool:
+        """Wait until this rank's uploads (unless not ``uploads``) and rank 0's commit
+        objects are done (True), or ``timeout`` passed (False). Runs in a worker thread."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                futures = [f for f in self._futures if not f.done()]
-                self._futures = futures
+                self._futures = [(u, f) for u, f in self._futures if not f.done()]
+                futures = [f for u, f in self._futures if uploads or not u]
             if not futures:
                 return True
             left = deadline - time.monotonic()
@@ -190,15 +296,29 @@ class Promoter:
             concurrent.futures.wait(futures, timeout=left)
 
     def close(self) -> None:
-        """Stop: an upload in flight is left to its thread and its objects are never
-        committed (the next promotion, or rank 0's pruning, removes them)."""
+        """Stop: uploads in flight stop at their next part and rank 0 writes no more commit
+        objects; a step whose promotion did not end is never committed (the next promotion,
+        or rank 0's pruning, removes its objects) and is reported (``PersistFailed``). The
+        threads still waiting on the store are daemons: they never keep the process alive."""
+        with self._quiet:
+            self._stopped = True
+            self._quiet.notify_all()
+        self._connection.close()
         self._uploads.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
         if self._owner is not None:
             self._owner.stop()
+        unfinished = {**{s: a.save_id for s, a in self._assigned.items()}, **self._committing}
+        self._assigned.clear()
+        for step, save_id in sorted(unfinished.items()):
+            self._emit(PersistFailed(
+                step=step, rank=self.rank, save_id=save_id, url=self.url,
+                error="the promotion did not end before the pipeline closed (within "
+                      f"persist_timeout_s={self.config.persist_timeout_s:g} s at a clean "
+                      "close); the step was not committed in the persistent tier and stays "
+                      "in the local tier"))
         if self.remote is not None:
-            with contextlib.suppress(Exception):
-                self.remote.close()
+            _close_quietly(self.remote)
 
     # ------------------------------------------------------------------ agreement
 
@@ -210,7 +330,10 @@ class Promoter:
             self._finished.clear()
             self._failures.clear()
             report: dict[str, Any] = {"unfinished": len(self._unfinished), "done": done,
-                                      "failed": failed}
+                                      "failed": failed,
+                                      # rank 0 promotes only once it holds the URL
+                                      "reachable": self.remote is not None and (
+                                          self.rank != 0 or self._owner is not None)}
         lost = self._refused if self._owner is None else self._owner.lost
         if lost is not None:
             report["lost"] = lost
@@ -220,16 +343,19 @@ class Promoter:
         """Every rank's ``report()`` of one exchange: record finished uploads, commit the
         steps every rank finished, give up the steps a rank failed. Same on every rank."""
         lost = reports[0].get("lost") if reports and isinstance(reports[0], dict) else None
-        if isinstance(lost, str) and self._stopped is None:
+        if isinstance(lost, str) and self._lost_url is None:
             self._stop_promoting(lost)
-        if self._stopped is not None:
+        if self._lost_url is not None:
             return
         busiest = (0, 0)
         failed: dict[int, dict[int, str]] = {}
+        unreachable = []
         for rank, report in enumerate(reports):
             if not isinstance(report, dict):  # a rank without the tier: nothing completes
                 busiest = max(busiest, (_QUEUED_MAX, rank), key=lambda b: b[0])
                 continue
+            if report.get("reachable") is False:
+                unreachable.append(rank)
             unfinished = report.get("unfinished")
             if isinstance(unfinished, int):
                 busiest = max(busiest, (unfinished, rank), key=lambda b: b[0])
@@ -242,6 +368,9 @@ class Promoter:
                 if step in self._assigned:
                     failed.setdefault(step, {})[rank] = str(value)
         self._busy = busiest
+        self._unreachable = "" if not unreachable else (
+            f"rank{'s' if len(unreachable) > 1 else ''} "
+            f"{', '.join(map(str, unreachable[:8]))}{', ...' if len(unreachable) > 8 else ''}")
         for step, errors in sorted(failed.items()):
             assigned = self._assigned.pop(step)
             error = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
@@ -254,12 +383,13 @@ class Promoter:
             if len(assigned.reports) == self.world_size:
                 del self._assigned[step]
                 if self.rank == 0:
+                    self._committing[step] = assigned.save_id
                     self._submit(self._meta, self._commit_step, step, assigned)
 
     def _stop_promoting(self, reason: str) -> None:
         """The URL is another job's (rank 0 said so): give up every step in flight and
         promote nothing more. Same on every rank."""
-        self._stopped = reason
+        self._lost_url = reason
         log.error("ckpt.persist.stopped", rank=self.rank, url=self.url, reason=reason,
                   hint="another job promotes to this URL; give each job its own persistent "
                        "URL. The local tier keeps every committed step")
@@ -289,10 +419,17 @@ class Promoter:
     def _assign(self, step: int, save_id: str, *, closing: bool) -> None:
         if step <= self._last_assigned:
             return
-        if self._stopped is not None:  # never silent: each step due fails, naming why
+        if self._lost_url is not None:  # never silent: each step due fails, naming why
             self._last_assigned = step
             self._emit(PersistFailed(step=step, rank=self.rank, save_id=save_id,
-                                     url=self.url, error=f"not promoted: {self._stopped}"))
+                                     url=self.url, error=f"not promoted: {self._lost_url}"))
+            return
+        if self._unreachable:
+            self._last_assigned = step  # reported once, not again at close
+            self._emit(PersistSkipped(
+                step=step, rank=self.rank,
+                reason=f"the persistent tier {self.url} is unreachable from "
+                       f"{self._unreachable} (retried in the background)"))
             return
         most, rank = self._busy
         if most >= _QUEUED_MAX and not closing:
@@ -306,14 +443,13 @@ class Promoter:
             self._unfinished[step] = save_id
         self._submit(self._uploads, self._upload, step, save_id)
 
-    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor,
-                fn: Callable[..., None], *args: Any) -> None:
+    def _submit(self, pool: DaemonPool, fn: Callable[..., None], *args: Any) -> None:
         try:
             future = pool.submit(fn, *args)
         except RuntimeError:  # closed
             return
         with self._lock:
-            self._futures.append(future)
+            self._futures.append((pool is self._uploads, future))
 
     # ------------------------------------------------------------------ worker threads
 
@@ -321,11 +457,13 @@ class Promoter:
         """Upload this rank's files of ``step``, commit record last."""
         started = time.perf_counter()
         remote = self.remote
-        assert remote is not None
         dir_name = step_dir_name(step)
         try:
+            if remote is None:  # not assigned while a rank cannot reach the tier
+                raise RemoteError(f"{self.url} is not reachable", path=self.url,
+                                  transient=True, hint=UNAVAILABLE_HINT)
             # Once the URL is known to be another job's, nothing more is written into it.
-            lost = self._stopped if self.rank != 0 else self._lost()
+            lost = self._lost_url if self.rank != 0 else self._lost()
             if lost is not None:
                 raise CheckpointError(f"not uploaded: {lost}")
             sums: dict[str, list[Any]] = {}
@@ -341,6 +479,8 @@ class Promoter:
             with self._lock:
                 self._finished[step] = {"sums": sums, "stamps": stamps}
         except Exception as exc:
+            if self._stopped:  # closed meanwhile: close() reports the step
+                return
             error = exc.message if isinstance(exc, CheckpointError) else (
                 f"{type(exc).__name__}: {exc}")
             log.warning("ckpt.persist.upload_failed", step=step, rank=self.rank, url=self.url,
@@ -353,9 +493,16 @@ class Promoter:
 
     def _commit_step(self, step: int, assigned: _Assigned) -> None:
         """Rank 0: check the URL is still this open's and every object of the step is the
-        one its rank uploaded, then write ``step.commit`` last."""
+        one its rank uploaded, then write ``step.commit`` last (not once closed: ``close``
+        reports the step instead)."""
+        try:
+            self._write_commit(step, assigned)
+        finally:
+            self._committing.pop(step, None)
+
+    def _write_commit(self, step: int, assigned: _Assigned) -> None:
         remote = self.remote
-        assert remote is not None
+        assert remote is not None  # assigned only while every rank reaches the tier
         dir_name = step_dir_name(step)
         try:
             lost = self._lost()
@@ -374,8 +521,12 @@ class Promoter:
             objects, stamps = self._reported(step, assigned)
             self._check_objects(remote, dir_name, objects, stamps)
             record = StepRecord(step, assigned.save_id, self.world_size, objects)
+            if self._stopped:
+                return
             remote.put_small(f"{dir_name}/{STEP_COMMIT}", encode_step_record(record))
         except Exception as exc:
+            if self._stopped:
+                return
             error = exc.message if isinstance(exc, CheckpointError) else (
                 f"{type(exc).__name__}: {exc}")
             self._emit(PersistFailed(step=step, rank=self.rank, save_id=assigned.save_id,
@@ -442,8 +593,7 @@ class Promoter:
         """Rank 0: take a step off the persistent tier, its commit object first, and what
         killed uploads left of it. Nothing once the URL is another job's."""
         remote = self.remote
-        assert remote is not None
-        if self._owner is None or self._owner.lost is not None:
+        if remote is None or self._owner is None or self._owner.lost is not None:
             return
         dir_name = step_dir_name(step)
         try:
@@ -506,9 +656,26 @@ class Promoter:
     # ------------------------------------------------------------------ restore
 
     def complete_steps(self) -> dict[int, StepRecord]:
-        """``complete_steps`` of this rank's persistent tier. Runs in a worker thread."""
-        assert self.remote is not None
-        return complete_steps(self.remote, rank=self.rank)
+        """``complete_steps`` of this rank's persistent tier, within ``LIST_WAIT_S``: a
+        RemoteError when the store cannot be reached in that time (the restore then goes on
+        with the local tier and the copies); the newest steps read by then when the
+        listing takes longer. Runs in a worker thread."""
+        deadline = time.monotonic() + LIST_WAIT_S
+        if not self._connection.reach(LIST_WAIT_S):
+            raise RemoteError(
+                f"the persistent tier {self.url} is unreachable: {self._connection.error}",
+                path=self.url, transient=True, hint=UNAVAILABLE_HINT)
+        remote = self.remote
+        assert remote is not None
+        found: list[StepRecord] = []
+        try:
+            bounded(lambda: complete_steps(remote, rank=self.rank, into=found),
+                    max(0.0, deadline - time.monotonic()), f"ckpt-persist-list-r{self.rank}")
+        except TimeoutError:
+            log.warning("ckpt.recovery.persisted_partial", rank=self.rank, url=self.url,
+                        steps=[r.step for r in found], wait_s=LIST_WAIT_S,
+                        action="the restore considers the newest steps read in time")
+        return {r.step: r for r in list(found)}
 
     def stream(self, record: StepRecord) -> ShardStream:
         """This rank's shard of ``record``'s step, downloading into its root while the
@@ -517,14 +684,15 @@ class Promoter:
         return ShardStream(self.remote, self.storage, record, self.rank)
 
 
-def complete_steps(remote: Remote, *, rank: int | None = None) -> dict[int, StepRecord]:
+def complete_steps(remote: Remote, *, rank: int | None = None,
+                   into: list[StepRecord] | None = None) -> dict[int, StepRecord]:
     """The steps complete in the persistent tier: a commit object that decodes and names its
-    step. A step whose commit object is unreadable is logged and left out."""
+    step. A step whose commit object is unreadable is logged and left out. The commit
+    objects are read newest first, each appended to ``into`` as it is read (for a caller that
+    stops waiting)."""
     out: dict[int, StepRecord] = {}
-    for name in remote.list_steps():
-        step = parse_step_dir(name)
-        if step is None:
-            continue
+    steps = (parse_step_dir(name) for name in remote.list_steps())
+    for step in sorted((s for s in steps if s is not None), reverse=True):
         try:
             record = read_step_record(remote, step)
         except CheckpointError as exc:
@@ -533,7 +701,9 @@ def complete_steps(remote: Remote, *, rank: int | None = None) -> dict[int, Step
             continue
         if record is not None:
             out[step] = record
-    return out
+            if into is not None:
+                into.append(record)
+    return dict(sorted(out.items()))
 
 
 def read_step_record(remote: Remote, step: int) -> StepRecord | None:
@@ -563,6 +733,11 @@ def download_rank(remote: Remote, storage: Storage, record: StepRecord, rank: in
         stream.discard()
         raise
     return path, size
+
+
+def _close_quietly(remote: Remote) -> None:
+    with contextlib.suppress(Exception):
+        remote.close()
 
 
 def _items(value: Any) -> list[tuple[Any, Any]]:

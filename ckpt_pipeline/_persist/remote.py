@@ -13,11 +13,15 @@ The backends (each in a module of its own, imported when a URL needs it):
   compared with the MD5s of what was sent, ranged parallel downloads.
 - ``tier_fsspec``: any other fsspec protocol: streamed uploads, size checked after.
 
-Requests that fail with a connection error, a 5xx or a throttling answer are retried with
-exponential backoff and jitter (``retries`` times, each logged as ``ckpt.persist.retry``); the
-client libraries' own retries are off, except for the parts of an S3 multipart upload, which
-obstore sends and retries itself with the same settings. No message, log line or ``url``
-carries the credentials of ``options``.
+Requests that fail with a connection error, a timeout, a 5xx or a throttling answer are
+retried with exponential backoff and jitter (``retries`` times, each logged as
+``ckpt.persist.retry``); the client libraries' own retries are off, except for the parts of an
+S3 multipart upload, which obstore sends and retries itself with the same settings. Any other
+failure (a refused request, a missing bucket, a request the client cannot even build) is a
+configuration or permission error: never retried, ``RemoteError.transient`` False. Every
+request of S3 has a connect and a total deadline (``tier_s3``); the threads that wait on the
+store are daemons (``workers``), so that a store that never answers cannot keep the process
+alive. No message, log line or ``url`` carries the credentials of ``options``.
 """
 
 from __future__ import annotations
@@ -38,12 +42,17 @@ import xxhash
 
 from .._logging import log, report_once
 from ..errors import CheckpointIntegrityError, ConfigError, StorageError
+from .workers import DaemonPool
 
 __all__ = ("PART_BYTES_DEFAULT", "Conflict", "ObjectSum", "Remote", "RemoteError", "is_url",
            "open_remote")
 
 PART_BYTES_DEFAULT = 64 * 1024 * 1024
 BACKOFF_CAP_S = 10.0
+SMALL_TIMEOUT_S = 30.0
+"""Deadline of a request that carries no part: a listing, a head, a delete, a commit object."""
+SLOWEST_RATE = 1024 * 1024
+"""Bytes per second: a request that carries data slower than this times out."""
 KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
 _SENSITIVE = re.compile(r"key|secret|token|password|passwd|credential|session|auth", re.I)
 
@@ -90,17 +99,20 @@ def _uint(value: Any) -> bool:
 class RemoteError(StorageError):
     """A request to the persistent tier failed (after its retries).
 
-    ``key``, ``op`` and ``attempts`` say which request; ``missing``: the object does not exist.
+    ``key``, ``op`` and ``attempts`` say which request; ``missing``: the object does not exist;
+    ``transient``: the store was unreachable or answered with a temporary error (an outage,
+    which may end), not a configuration or permission error (which will not).
     """
 
     def __init__(self, message: str, *, path: str | None = None, hint: str | None = None,
                  missing: bool = False, key: str | None = None, op: str | None = None,
-                 attempts: int = 1) -> None:
+                 attempts: int = 1, transient: bool = False) -> None:
         super().__init__(message, path=path, hint=hint)
         self.missing = missing
         self.key = key
         self.op = op
         self.attempts = attempts
+        self.transient = transient
 
 
 class Conflict(RemoteError):
@@ -118,6 +130,11 @@ def check_key(key: str) -> str:
 
 def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(size, start + part_bytes)) for start in range(0, size, part_bytes)]
+
+
+def request_timeout(nbytes: int) -> float:
+    """The total deadline of a request that carries ``nbytes`` of data."""
+    return SMALL_TIMEOUT_S + nbytes / SLOWEST_RATE
 
 
 def pread_exact(fd: int, start: int, end: int) -> bytes:
@@ -161,8 +178,8 @@ class Remote:
         self.retries = retries
         self.backoff_s = backoff_s
         self._hidden = tuple(sorted(set(hidden), key=len, reverse=True))  # credentials
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="ckpt-persist-io")
+        self._pool = DaemonPool(threads, "ckpt-persist-io")
+        self._closed = False
         self.gate: Callable[[], None] | None = None
 
     # -- the interface -------------------------------------------------------------------
@@ -276,6 +293,9 @@ class Remote:
         return []
 
     def close(self) -> None:
+        """Stop: parts not started are dropped, and a request that fails from now on is not
+        retried (one in flight ends by its deadline, in its daemon thread)."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- what each backend provides ------------------------------------------------------
@@ -382,13 +402,12 @@ class Remote:
                     raise RemoteError(
                         f"{op} of {where} failed after {attempt + 1} attempt(s): {reason}",
                         path=where, missing=failure.missing, key=key, op=op,
-                        attempts=attempt + 1) from None
-                if attempt >= self.retries:
+                        attempts=attempt + 1, hint=failure.hint) from None
+                if attempt >= self.retries or self._closed:
                     raise RemoteError(
                         f"{op} of {where} failed after {attempt + 1} attempts: {reason}",
-                        path=where, key=key, op=op, attempts=attempt + 1,
-                        hint="check the store (credentials, quota, throttling); the local "
-                             "tier keeps the step") from None
+                        path=where, key=key, op=op, attempts=attempt + 1, transient=True,
+                        hint=UNAVAILABLE_HINT) from None
                 attempt += 1
                 log.warning("ckpt.persist.retry", url=self.url, key=key, op=op,
                             attempt=attempt, reason=reason)
@@ -409,11 +428,17 @@ class Remote:
 @dataclass(frozen=True, slots=True)
 class Failure:
     """A failed request: what the store said, whether another attempt may succeed (a
-    connection error, a 5xx, throttling), and whether the object does not exist."""
+    connection error, a timeout, a 5xx, throttling), whether the object does not exist, and
+    for a failure that is not transient, what setting to fix (``hint``)."""
 
     reason: str
     transient: bool
     missing: bool = False
+    hint: str | None = None
+
+
+UNAVAILABLE_HINT = ("the store did not answer in time or answered with a temporary error "
+                    "(an outage, throttling); the local tier keeps every step")
 
 
 TRANSIENT_CODES = frozenset((
@@ -428,8 +453,10 @@ def explain_generic(exc: BaseException) -> Failure:
     """An exception of the OS or of an unknown client: connection errors and timeouts (by
     type, or by the type names of the usual HTTP clients) are transient."""
     reason = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError,
-                        NotADirectoryError, ValueError)):
+    if isinstance(exc, PermissionError):
+        return Failure(reason, False, hint="the persistent tier refused access: check its "
+                       "permissions and the credentials in persistent_options")
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError)):
         return Failure(reason, False, isinstance(exc, FileNotFoundError))
     transient = isinstance(exc, (ConnectionError, TimeoutError)) or any(
         word in type(e).__name__ for e in _chain(exc) for word in _TRANSIENT_NAMES)

@@ -256,7 +256,7 @@ class DirRemote(Remote):
             return []
         except OSError as exc:
             raise RemoteError(f"listing {self.url} failed: {exc.strerror}", path=self.url,
-                              op="list") from exc
+                              op="list", transient=_transient(exc)) from exc
         return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False)
                       and KEY_PART.match(e.name) and not e.name.startswith("."))
 
@@ -269,7 +269,8 @@ class DirRemote(Remote):
             return {}
         except OSError as exc:
             raise RemoteError(f"listing {self._where(prefix)} failed: {exc.strerror}",
-                              path=self._where(prefix), key=prefix, op="list") from exc
+                              path=self._where(prefix), key=prefix, op="list",
+                              transient=_transient(exc)) from exc
         out = {}
         for e in entries:
             if e.is_file(follow_symlinks=False) and not e.name.startswith("."):
@@ -358,6 +359,16 @@ def _flush_range(fd: int) -> None:
 def _stamp(info: os.stat_result) -> str:
     """A file's identity: a rename keeps it, a replacing rename or rewrite changes it."""
     return f"{info.st_ino}.{info.st_mtime_ns}.{info.st_size}"
+
+
+_REFUSED = frozenset((errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG,
+                      errno.EROFS))
+
+
+def _transient(exc: OSError) -> bool:
+    """An error of the shared file system that may pass (EIO, ESTALE, a timeout of a network
+    mount), not one of its configuration or permissions."""
+    return exc.errno not in _REFUSED
 
 
 def _fsync_dir(path: str) -> None:

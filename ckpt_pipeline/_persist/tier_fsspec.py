@@ -1,17 +1,25 @@
 """The persistent tier on any other fsspec file system (``gs://``, ``az://``, ``memory://``,
 ...): uploads streamed through the file system's writer, sizes checked after an upload,
-downloads as parallel ranged reads."""
+downloads as parallel ranged reads.
+
+File systems have the deadlines their own options give, or none; so every call to one also
+runs in a daemon thread that is waited for at most the tier's own deadline
+(``SMALL_TIMEOUT_S``, or ``request_timeout`` of the bytes it carries): past it, the call
+counts as a timeout (transient: retried) and is left to end alone. Only bytes cross into such
+a thread, never a file descriptor, so a call that ends late cannot read another file.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from ..errors import ConfigError
 from .remote import (
     KEY_PART,
+    SMALL_TIMEOUT_S,
     ObjectSum,
     OnRetry,
     Remote,
@@ -19,10 +27,14 @@ from .remote import (
     check_key,
     part_ranges,
     pread_exact,
+    request_timeout,
     xxh,
 )
+from .workers import bounded
 
 __all__ = ("FsspecRemote", "open_fsspec")
+
+_T = TypeVar("_T")
 
 
 def open_fsspec(url: str, shown: str, protocol: str, options: Mapping[str, Any],
@@ -57,6 +69,12 @@ class FsspecRemote(Remote):
     def _full(self, key: str) -> str:
         return f"{self.root}/{key}"
 
+    def _call(self, fn: Callable[[], _T], timeout: float | None = None) -> _T:
+        """``fn()`` (a call to the file system) within ``timeout`` seconds (None:
+        ``SMALL_TIMEOUT_S``; see the module docstring)."""
+        return bounded(fn, SMALL_TIMEOUT_S if timeout is None else timeout,
+                       "ckpt-persist-fsspec")
+
     def _check_size(self, key: str, size: int) -> None:
         """After an upload: the store must report the size that was sent."""
         got = self._size(key)
@@ -69,20 +87,20 @@ class FsspecRemote(Remote):
 
     def _remove(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._full(key))
+            self._call(lambda: self.fs.rm_file(self._full(key)))
 
     def _upload_fd(self, fd: int, size: int, key: str, on_retry: OnRetry | None
                    ) -> ObjectSum:
         def send() -> ObjectSum:
             parts = []
-            out = self.fs.open(self._full(key), "wb")
+            out = self._call(lambda: self.fs.open(self._full(key), "wb"))
             try:
                 for start, end in part_ranges(size, self.part_bytes):
                     if self.gate is not None:
                         self.gate()
                     data = pread_exact(fd, start, end)
                     parts.append(xxh(data))
-                    out.write(data)
+                    self._call(functools.partial(out.write, data), request_timeout(len(data)))
             except BaseException:
                 # A buffered file would commit what it has when closed: throw it away.
                 with contextlib.suppress(Exception):
@@ -90,7 +108,7 @@ class FsspecRemote(Remote):
                 with contextlib.suppress(Exception):
                     self._remove(key)
                 raise
-            out.close()
+            self._call(out.close, request_timeout(min(size, self.part_bytes)))
             return ObjectSum(size, self.part_bytes, tuple(parts))
 
         result = self._retry("upload", key, send, on_retry)
@@ -99,7 +117,8 @@ class FsspecRemote(Remote):
         return result
 
     def _put_small(self, key: str, data: bytes) -> None:
-        self._retry("upload", key, lambda: self.fs.pipe_file(self._full(key), data))
+        self._retry("upload", key, lambda: self._call(
+            lambda: self.fs.pipe_file(self._full(key), data), request_timeout(len(data))))
         self._check_size(key, len(data))
 
     def _get_small(self, key: str, limit: int) -> bytes | None:
@@ -120,7 +139,7 @@ class FsspecRemote(Remote):
         def info() -> int | None:
             try:
                 self.fs.invalidate_cache(self._full(key))
-                found = self.fs.info(self._full(key))
+                found = self._call(lambda: self.fs.info(self._full(key)))
             except FileNotFoundError:
                 return None
             if found.get("type") == "directory":
@@ -138,14 +157,15 @@ class FsspecRemote(Remote):
     def _read_range(self, key: str, start: int, end: int) -> bytes:
         if start == end:
             return b""
-        data: bytes = self.fs.cat_file(self._full(key), start=start, end=end)
+        data: bytes = self._call(lambda: self.fs.cat_file(self._full(key), start=start, end=end),
+                                 request_timeout(end - start))
         return data
 
     def _listing(self, path: str, label: str) -> list[dict[str, Any]]:
         def ls() -> list[dict[str, Any]]:
             try:
                 self.fs.invalidate_cache(path)
-                entries: list[dict[str, Any]] = self.fs.ls(path, detail=True)
+                entries: list[dict[str, Any]] = self._call(lambda: self.fs.ls(path, detail=True))
                 return entries
             except FileNotFoundError:
                 return []

@@ -19,10 +19,19 @@
   to listings (obstore cannot list or abort it afterwards): give the bucket a lifecycle rule
   ``AbortIncompleteMultipartUpload`` (docs/distributed.md). What a killed promotion completed
   is listed and removed by the promoter with the step.
+  here, each retry logged (``Remote._retry``). Only transient failures are retried (a
+  connection error, a timeout, a 5xx, throttling); a refused request (403), a missing bucket
+  or a request the HTTP client cannot build fails at once, naming the setting to fix.
+- **Deadlines.** Every request has a connect deadline (``CONNECT_TIMEOUT``, 5 s) and a total
+  one: ``SMALL_TIMEOUT_S`` (30 s) for listings, heads, deletes and commit objects, and for a
+  request that carries a part ``SMALL_TIMEOUT_S`` plus a second per MiB of the part (94 s for
+  64 MiB parts: a part must move at 1 MiB/s at least). ``client_options`` ``connect_timeout``
+  and ``timeout`` replace them (then for every request).
 - **Settings.** ``options`` are obstore's S3 settings (``endpoint``, ``region``,
   ``access_key_id``, ``secret_access_key``, ``session_token``, ...; the ``AWS_*`` environment
-  variables are read too) and ``client_options`` (obstore's HTTP client settings). An ``http://``
-  endpoint is allowed without saying so again.
+  variables are read too, ``AWS_ENDPOINT_URL`` among them) and ``client_options`` (obstore's
+  HTTP client settings). An ``http://`` endpoint, given either way, is allowed without saying
+  so again (MinIO, a local test server); one that ``allow_http`` forbids is a ConfigError.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import itertools
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -41,7 +51,9 @@ from ..errors import ConfigError
 from .remote import (
     BACKOFF_CAP_S,
     KEY_PART,
+    SMALL_TIMEOUT_S,
     TRANSIENT_CODES,
+    UNAVAILABLE_HINT,
     Conflict,
     Failure,
     ObjectSum,
@@ -52,6 +64,7 @@ from .remote import (
     explain_generic,
     part_ranges,
     pread_exact,
+    request_timeout,
     xxh,
 )
 
@@ -60,7 +73,10 @@ __all__ = ("S3Remote",)
 _S3_MIN_PART = 5 * 1024 * 1024
 _S3_MAX_PUT = 5 * 1024**3
 _AHEAD = 2  # parts read and hashed ahead of the one obstore takes
-_REQUEST_TIMEOUT = "300s"  # obstore's default of 30 s is short for a 64 MiB part on a slow link
+CONNECT_TIMEOUT = timedelta(seconds=5)
+_ENDPOINT_OPTIONS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url")
+_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_METADATA = re.compile(r"https?://\S+/latest/(api/token|meta-data/)")  # EC2 instance metadata
 _RETRY_WINDOW = timedelta(minutes=5)  # signed requests expire after 15
 _MD5_ETAG = re.compile(r'"[0-9a-f]{32}(-[0-9]+)?"')
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -69,6 +85,10 @@ _MESSAGE = re.compile(r"<Message>(.*?)</Message>", re.S)
 _NETWORK = ("error sending request", "connection", "timed out", "timeout", "broken pipe",
             "reset by peer", "incomplete", "unexpected eof", "dns error", "body error",
             "error decoding response")
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_TRANSIENT_KINDS = frozenset(("Connect", "Timeout", "Request", "Interrupted", "Decode"))
+_CREDENTIAL_HINT = ("give access_key_id and secret_access_key (and session_token) in "
+                    "persistent_options, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
 
 
 class S3Remote(Remote):
@@ -89,29 +109,61 @@ class S3Remote(Remote):
             raise ConfigError(f"the persistent tier {url}: retry_config is the pipeline's",
                               hint="set persist_retries= instead")
         client = dict(settings.pop("client_options", None) or {})
-        endpoint = next((str(settings[k]) for k in ("endpoint", "endpoint_url", "aws_endpoint",
-                                                   "aws_endpoint_url") if k in settings), "")
-        if endpoint.startswith("http://"):
-            client.setdefault("allow_http", True)
-        client.setdefault("timeout", _REQUEST_TIMEOUT)
+        self._endpoint, self._endpoint_from = _endpoint(settings)
+        self._check_endpoint(client)
+        client.setdefault("connect_timeout", CONNECT_TIMEOUT)
+        part_timeout = timedelta(seconds=request_timeout(self.part_bytes))
 
-        def store(retries: int) -> Any:
+        def store(retries: int, timeout: timedelta) -> Any:
             backoff = {"init_backoff": timedelta(seconds=self.backoff_s),
                        "max_backoff": timedelta(seconds=BACKOFF_CAP_S), "base": 2.0}
             retry = {"max_retries": retries, "backoff": backoff,
                      "retry_timeout": _RETRY_WINDOW}
-            kwargs: dict[str, Any] = {"prefix": prefix or None, "client_options": client,
+            kwargs: dict[str, Any] = {"prefix": prefix or None,
+                                      "client_options": {"timeout": timeout, **client},
                                       "retry_config": retry, **settings}
             return S3Store(bucket, **kwargs)
 
         try:
-            self._store = store(0)  # one attempt per call: retried (and logged) here
-            self._parts_store = store(self.retries)  # multipart uploads: obstore retries
+            # One attempt per call: retried (and logged) here. Listings, heads, deletes and
+            # commit objects have the short deadline, requests that carry a part the long one.
+            self._small = store(0, timedelta(seconds=SMALL_TIMEOUT_S))
+            self._store = store(0, part_timeout)
+            self._parts_store = store(self.retries, part_timeout)  # multipart: obstore retries
         except Exception as exc:  # the message names a bad key or value; never echo secrets
             raise ConfigError(f"the persistent tier {url} could not be opened: "
                               f"{self._redact(_first_line(exc))}",
                               hint="check its options: obstore's S3 settings (endpoint, "
                                    "region, access_key_id, ...) and client_options") from None
+
+    def _check_endpoint(self, client: dict[str, Any]) -> None:
+        """The endpoint (an option or ``AWS_ENDPOINT_URL``) must be an http(s) URL (obstore
+        fails without one at the first request, or panics); a plain ``http://`` one is
+        allowed unless ``allow_http`` says otherwise: ConfigErrors here, not a "builder
+        error" at the first request."""
+        scheme = self._endpoint.partition("://")[0].lower() if "://" in self._endpoint else ""
+        if self._endpoint and scheme not in ("http", "https"):
+            raise ConfigError(
+                f"the persistent tier {self.url}: the endpoint {self._endpoint!r} (from "
+                f"{self._endpoint_from}) is not an http:// or https:// URL",
+                hint="give the full URL, for example endpoint='https://s3.example.com' or "
+                     "'http://127.0.0.1:9000'")
+        if scheme != "http":
+            return
+        if "allow_http" in client:
+            forbidden, where = not client["allow_http"], "client_options allow_http"
+        elif "AWS_ALLOW_HTTP" in os.environ:
+            value = os.environ["AWS_ALLOW_HTTP"].strip().lower()
+            forbidden, where = value in ("false", "0", "no", "off"), "AWS_ALLOW_HTTP"
+        else:
+            client["allow_http"] = True
+            return
+        if forbidden:
+            raise ConfigError(
+                f"the persistent tier {self.url}: the endpoint {self._endpoint} (from "
+                f"{self._endpoint_from}) is plain http://, and {where} forbids it",
+                hint="use an https:// endpoint, or allow http: client_options="
+                     "{'allow_http': True} in persistent_options (or AWS_ALLOW_HTTP=true)")
 
     # -- uploads -------------------------------------------------------------------------
 
@@ -131,10 +183,12 @@ class S3Remote(Remote):
         self._put_one(key, data, on_retry)
         return ObjectSum(size, self.part_bytes, tuple(xxh(data[s:e]) for s, e in ranges))
 
-    def _put_one(self, key: str, data: bytes, on_retry: OnRetry | None) -> None:
+    def _put_one(self, key: str, data: bytes, on_retry: OnRetry | None,
+                 store: Any = None) -> None:
         md5 = hashlib.md5(data, usedforsecurity=False).digest()
-        self._retry("upload", key, lambda: self._ob.put(self._store, key, data,
-                                                        use_multipart=False), on_retry)
+        into = self._store if store is None else store
+        self._retry("upload", key, lambda: self._ob.put(into, key, data, use_multipart=False),
+                    on_retry)
         self._verify(key, len(data), single_etag(md5))
 
     def _multipart(self, fd: int, size: int, key: str, ranges: list[tuple[int, int]]
@@ -178,35 +232,34 @@ class S3Remote(Remote):
                 f"upload of {where} failed after {attempts} attempt"
                 f"{'s' if attempts > 1 else ''} of one of its requests: "
                 f"{self._redact(failure.reason)}", path=where, key=key, op="upload",
-                attempts=attempts, missing=failure.missing,
-                hint="check the store (credentials, quota, throttling); the local tier keeps "
-                     "the step") from None
+                attempts=attempts, missing=failure.missing, transient=failure.transient,
+                hint=UNAVAILABLE_HINT if failure.transient else failure.hint) from None
         self._verify(key, size, multipart_etag([md5 for _, md5 in sums]))
         return ObjectSum(size, self.part_bytes, tuple(x for x, _ in sums))
 
     def _verify(self, key: str, size: int, etag: str) -> None:
         """After an upload: the object's size, and its ETag where it has an MD5 form; an
         object that does not match is deleted."""
-        head = self._retry("check", key, lambda: self._ob.head(self._store, key))
+        head = self._retry("check", key, lambda: self._ob.head(self._small, key))
         got_size, got_etag = head.get("size"), head.get("e_tag")
         if got_size == size and etag_matches(got_etag, etag):
             return
         with contextlib.suppress(Exception):
-            self._ob.delete(self._store, key)
+            self._ob.delete(self._small, key)
         raise RemoteError(
             f"{self._where(key)} holds other bytes than were sent ({got_size} bytes, ETag "
             f"{got_etag}; sent {size} bytes, ETag {etag}); it was deleted",
             path=self._where(key), key=key, op="upload")
 
     def _put_small(self, key: str, data: bytes) -> None:
-        self._put_one(key, data, None)
+        self._put_one(key, data, None, self._small)
 
     # -- reads ---------------------------------------------------------------------------
 
     def _get_small(self, key: str, limit: int) -> bytes | None:
         def get() -> bytes | None:
             try:
-                result = self._ob.get(self._store, key)
+                result = self._ob.get(self._small, key)
             except FileNotFoundError:
                 return None
             size = int(result.meta["size"])
@@ -271,7 +324,7 @@ class S3Remote(Remote):
     def _size(self, key: str) -> int | None:
         def head() -> int | None:
             try:
-                return int(self._ob.head(self._store, key)["size"])
+                return int(self._ob.head(self._small, key)["size"])
             except FileNotFoundError:
                 return None
 
@@ -285,7 +338,7 @@ class S3Remote(Remote):
 
     def _listing(self, prefix: str | None) -> dict[str, Any]:
         answer: dict[str, Any] = self._retry(
-            "list", prefix or "", lambda: self._ob.list_with_delimiter(self._store, prefix))
+            "list", prefix or "", lambda: self._ob.list_with_delimiter(self._small, prefix))
         return answer
 
     def list_steps(self) -> list[str]:
@@ -308,33 +361,86 @@ class S3Remote(Remote):
             chunk = checked[start:start + 1000]
 
             def send(chunk: list[str] = chunk) -> None:
-                self._ob.delete(self._store, chunk)
+                self._ob.delete(self._small, chunk)
 
             self._retry("delete", chunk[0], send)
 
     # -- errors --------------------------------------------------------------------------
 
     def _explain(self, exc: BaseException) -> Failure:
-        """obstore's errors carry the HTTP status and the store's XML error in their text."""
+        """obstore's errors carry the HTTP status and the store's XML error in their text,
+        followed by a debug dump of the request (``Debug source:``) whose words (such as
+        ``retry_timeout``) say nothing about this failure: only the kind of HTTP error is
+        read from it."""
         if not isinstance(exc, (self._ob.exceptions.BaseError, FileNotFoundError,
                                 PermissionError)):
             return explain_generic(exc)
         text = str(exc)
-        status = _STATUS.search(text)
-        code_match = _CODE.search(text)
+        summary, _, debug = text.partition("\n\nDebug source:")
+        status = _STATUS.search(summary)
+        code_match = _CODE.search(summary)
         code = code_match.group(1) if code_match else ""
         missing = code == "NoSuchKey" or (isinstance(exc, FileNotFoundError)
                                           and code != "NoSuchBucket")
+        metadata = _METADATA.search(summary) is not None
         if status is not None:
             number = int(status.group(1))
-            message = _MESSAGE.search(text)
+            message = _MESSAGE.search(summary)
             reason = f"HTTP {number} {code}".strip() + (
                 f": {message.group(1).strip()}" if message else "")
             transient = number >= 500 or number == 429 or code in TRANSIENT_CODES
-            return Failure(reason, transient and not missing, missing)
-        lowered = text.lower()
+            if metadata and not transient:
+                return Failure(f"no credentials: the instance metadata service answered "
+                               f"{reason}", False, hint=_CREDENTIAL_HINT)
+            return Failure(reason, transient and not missing, missing,
+                           None if transient or missing else self._refused_hint(number, code))
+        kind = _HTTP_KIND.search(debug)
+        line = f"{type(exc).__name__}: {_first_line(exc)}"
+        if "builder error" in summary.lower() or (kind is not None and kind.group(1) == "Unknown"
+                                                  and "Builder" in debug):
+            return Failure(line, False, hint=self._endpoint_hint())
+        if metadata:  # no instance metadata service: this is not an EC2 instance
+            return Failure(f"no credentials: the instance metadata service cannot be reached "
+                           f"({line})", False, hint=_CREDENTIAL_HINT)
+        if kind is not None:
+            return Failure(line, not missing and kind.group(1) in _TRANSIENT_KINDS, missing)
+        lowered = summary.lower()
         transient = not missing and any(word in lowered for word in _NETWORK)
-        return Failure(f"{type(exc).__name__}: {_first_line(exc)}", transient, missing)
+        return Failure(line, transient, missing)
+
+    def _refused_hint(self, status: int, code: str) -> str:
+        """What to fix when the store refused a request for good."""
+        if code == "NoSuchBucket":
+            return f"the bucket of {self.url} does not exist: create it, or fix the URL"
+        if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId",
+                                             "SignatureDoesNotMatch", "ExpiredToken"):
+            return ("the store refused the credentials or the permission: check "
+                    "access_key_id, secret_access_key and session_token in persistent_options "
+                    "(or the AWS_* variables), and that they may read, write and list "
+                    f"{self.url}")
+        if status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
+            return "the bucket is in another region: set region in persistent_options"
+        return ("the store refused the request: check the URL, the endpoint, the region and "
+                "the credentials in persistent_options")
+
+    def _endpoint_hint(self) -> str:
+        """What to fix when the HTTP client could not even build a request."""
+        where = (f"the endpoint {self._endpoint} (from {self._endpoint_from})"
+                 if self._endpoint else "the endpoint")
+        return (f"the HTTP client could not make a request to {where}: it must be an "
+                "http:// or https:// URL, and plain http:// needs client_options="
+                "{'allow_http': True} in persistent_options (or AWS_ALLOW_HTTP=true)")
+
+
+def _endpoint(settings: Mapping[str, Any]) -> tuple[str, str]:
+    """(the endpoint obstore will use, the setting it comes from); ("", "") for AWS's."""
+    for key in _ENDPOINT_OPTIONS:
+        if settings.get(key):
+            return str(settings[key]), f"persistent_options {key!r}"
+    for name in _ENDPOINT_VARIABLES:
+        if os.environ.get(name):
+            return os.environ[name], name
+    return "", ""
 
 
 def single_etag(md5: bytes) -> str:

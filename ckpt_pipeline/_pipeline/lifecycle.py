@@ -14,6 +14,7 @@ finishes the saves in flight (see ``StageRunner.running``), or abandons them whe
 from __future__ import annotations
 
 import enum
+import functools
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
@@ -187,24 +188,31 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
 
     async def _persist_at_close(self) -> None:
         """After a clean close: promote the newest committed step (``persist_on_close``), wait
-        for the uploads (at most ``persist_timeout_s``), and let every rank report, so that
-        rank 0 commits what every rank finished. Failures are logged: the local tier holds
-        every committed step whatever happens here."""
+        for the uploads, let every rank report, so that rank 0 commits what every rank
+        finished, and wait for those commit objects: all of it within ``persist_timeout_s``
+        (and the exchange's ``coordination_timeout_s``). What did not end by then is never
+        committed, and is reported by ``Promoter.close``. Failures are logged: the local tier
+        holds every committed step whatever happens here."""
         promoter = self.promoter
         assert promoter is not None
         promoter.closing()
         try:
             timeout = self.config.persist_timeout_s
+            deadline = anyio.current_time() + timeout
             finished = await anyio.to_thread.run_sync(promoter.wait, timeout,
                                                       abandon_on_cancel=True)
-            if not finished:
-                log.warning("ckpt.persist.close_timeout", rank=self.rank, url=promoter.url,
-                            timeout_s=timeout)
             reports = await gather_shared(self.coordinator, promoter.report(),
                                           what="persist at close")
             promoter.on_reports(reports)
-            await anyio.to_thread.run_sync(promoter.wait, timeout, abandon_on_cancel=True)
-            await anyio.to_thread.run_sync(promoter.release, abandon_on_cancel=True)
+            left = max(0.0, deadline - anyio.current_time())
+            finished = await anyio.to_thread.run_sync(
+                functools.partial(promoter.wait, left, uploads=False),
+                abandon_on_cancel=True) and finished
+            if not finished:
+                log.warning("ckpt.persist.close_timeout", rank=self.rank, url=promoter.url,
+                            timeout_s=timeout)
+            if finished:  # a commit object still in flight keeps the URL held: no release
+                await anyio.to_thread.run_sync(promoter.release, abandon_on_cancel=True)
         except CheckpointError as exc:
             log.error("ckpt.persist.close_failed", rank=self.rank, url=promoter.url,
                       error=exc.message)

@@ -3,8 +3,12 @@ fault-injecting reverse proxy in front of it.
 
 The proxy forwards every request unchanged and records it (method, path with query, in order);
 rules make it answer matching requests with an error (503 SlowDown, 500), drop the connection,
-or delay them, a given number of times: faults a real store produces (throttling, outages,
-slow links) on demand.
+delay them, or hold them unanswered until it closes (a hung store), a given number of times:
+faults a real store produces (throttling, outages, slow links) on demand.
+
+``SilentServer`` accepts connections and never answers (a store that hangs); ``BlackHole``
+listens but never accepts, its backlog full, so that a connect to it hangs as to an endpoint
+whose packets are dropped.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import collections
 import functools
 import http.client
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +25,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ("DROP", "FaultProxy", "S3Server", "new_bucket", "s3_client")
+__all__ = ("DROP", "HANG", "BlackHole", "FaultProxy", "S3Server", "SilentServer", "free_port",
+           "new_bucket", "s3_client")
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
         "proxy-authorization", "proxy-authenticate"}
@@ -30,6 +36,8 @@ _INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalErro
              b"<Message>We encountered an internal error. Please try again.</Message></Error>")
 DROP = 0
 """A rule's ``status`` that closes the connection without an answer."""
+HANG = 1
+"""A rule's ``status`` that holds the request unanswered until the proxy closes."""
 
 
 class S3Server:
@@ -81,8 +89,10 @@ class FaultProxy:
     """A reverse proxy to ``127.0.0.1:upstream_port`` on a port of its own; ``options`` are
     ``base`` (the tier's S3 options) pointing to the proxy instead."""
 
-    def __init__(self, upstream_port: int, base: dict[str, Any] | None = None) -> None:
+    def __init__(self, upstream_port: int, base: dict[str, Any] | None = None, *,
+                 port: int = 0) -> None:
         self.upstream_port = upstream_port
+        self._closed = threading.Event()
         self.requests: list[tuple[str, str]] = []
         self.answered_faults = 0
         self._seen: collections.Counter[str] = collections.Counter()
@@ -103,6 +113,10 @@ class FaultProxy:
                     if fault.seconds:
                         time.sleep(fault.seconds)
                     if fault.status == DROP:
+                        self.close_connection = True
+                        return
+                    if fault.status == HANG:
+                        proxy._closed.wait()
                         self.close_connection = True
                         return
                     if fault.status is not None:
@@ -162,7 +176,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
@@ -174,7 +188,8 @@ class FaultProxy:
              where: Callable[[str], bool] | None = None) -> None:
         """Answer the next ``count`` (None: every) ``method`` requests whose path (with its
         query) contains ``match`` and satisfies ``where`` with ``status``: 503 SlowDown, 500
-        InternalError, or ``DROP`` (the connection closed without an answer)."""
+        InternalError, ``DROP`` (the connection closed without an answer) or ``HANG`` (no
+        answer until the proxy closes)."""
         with self._lock:
             self._rules.append(_Rule(method, _predicate(match, where), count, status, 0.0))
 
@@ -210,8 +225,76 @@ class FaultProxy:
         return None
 
     def close(self) -> None:
+        self._closed.set()
         self._server.shutdown()
         self._server.server_close()
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 with nothing listening on it (a store that is down)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts every connection, reads what comes, and never
+    answers: a store that hangs. ``accepted`` counts the connections."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = self._sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.accepted = 0
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True, name="silent-server")
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            self.accepted += 1
+            self._conns.append(conn)  # held open, never answered
+
+    def close(self) -> None:
+        for conn in [self._sock, *self._conns]:
+            conn.close()
+
+
+class BlackHole:
+    """A port of 127.0.0.1 where a connect hangs: a socket listening with a backlog of 0 that
+    never accepts, its queue filled by one connection of its own, so that the kernel drops
+    the SYNs of every further connect (as a firewall dropping packets would)."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(0)
+        self.port = self._sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._filler = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+
+    def connect_hangs(self, seconds: float) -> bool:
+        """Whether a further connect is still pending after ``seconds``."""
+        with socket.socket() as probe:
+            probe.settimeout(seconds)
+            try:
+                probe.connect(("127.0.0.1", self.port))
+            except TimeoutError:
+                return True
+            except OSError:
+                return False
+        return False
+
+    def close(self) -> None:
+        self._filler.close()
+        self._sock.close()
 
 
 def _predicate(match: str, where: Callable[[str], bool] | None) -> Callable[[str], bool]:
