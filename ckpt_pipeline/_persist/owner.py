@@ -129,9 +129,11 @@ class Ownership:
     @classmethod
     def acquire(cls, remote: Remote, *, root: str, lease_s: float, takeover: bool,
                 emit: Callable[[Event], None], rank: int = 0,
-                wait: Callable[[float], object] | None = None) -> Ownership:
+                wait: Callable[[float], object] | None = None,
+                watching: Callable[[float], None] | None = None) -> Ownership:
         """Take the URL for this open, or raise ``PersistentInUseError`` naming the live
-        holder. Blocks for up to the holder's lease while watching it. Runs in a worker
+        holder. Blocks for up to the holder's lease while watching it (``watching(lease)``
+        is called as the watch begins). Runs in a worker
         thread."""
         sleep = wait if wait is not None else threading.Event().wait
         now = time.time()
@@ -173,6 +175,8 @@ class Ownership:
                     log.info("ckpt.persist.owner_watching", rank=rank, url=remote.url,
                              holder=None if holder is None else holder.describe(now),
                              lease_s=lease)
+                    if watching is not None:
+                        watching(lease)
                 if time.monotonic() < watch_until:
                     sleep(min(_POLL_MAX_S, max(_POLL_MIN_S, lease / 10)))
                     continue

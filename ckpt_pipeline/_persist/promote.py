@@ -173,6 +173,10 @@ class Promoter:
             remote.gate = self._wait_for_quiet
             remote.list_steps()
             remote.retries = retries
+            with self._lock:
+                later = self._opened
+            if later:  # a later attempt: the URL is taken before the tier counts as reached
+                self.acquire(remote=remote)
         except BaseException:
             _close_quietly(remote)
             raise
@@ -183,45 +187,78 @@ class Promoter:
         self.remote = remote
         with self._lock:
             later = self._opened
-        if later and self.rank == 0:  # reached after open() returned: take the URL there
+        if later and self.rank == 0 and self._owner is None and self._refused is None:
+            # reached by an attempt that began before open() returned: take the URL now
             threading.Thread(target=self._acquire_in_background, daemon=True,
                              name=f"ckpt-persist-acquire-r{self.rank}").start()
 
     def _acquire_at_open(self) -> None:
-        """At open, with the store reachable: a live holder is refused here
-        (``PersistentInUseError``); a store error while acquiring is an outage like any
-        other: the acquisition goes on in the background."""
-        try:
-            self.acquire()
-        except PersistentInUseError:
-            raise
-        except CheckpointError as exc:
-            log.warning("ckpt.persist.acquire_failed", rank=self.rank, url=self.url,
-                        error=exc.message, action="trying again in the background")
-            threading.Thread(target=self._acquire_in_background, daemon=True,
-                             name=f"ckpt-persist-acquire-r{self.rank}").start()
+        """At open, with the store reachable: take the URL in a daemon thread, waiting for it
+        at most ``OPEN_WAIT_S`` (longer only while a holder is watched: up to its lease),
+        so that a live holder is refused here (``PersistentInUseError``) while a store that
+        hangs or fails does not hold the open up: the acquisition goes on in the background,
+        and rank 0 uploads and commits nothing until it succeeds."""
+        until = [time.monotonic() + OPEN_WAIT_S]
+        cond = threading.Condition()
+        outcome: list[BaseException | None] = []
 
-    def _acquire_in_background(self) -> None:
-        """Take the URL once the store is reachable after open, with backoff on store
-        errors, until it is taken, refused (reported, so that every rank stops promoting)
-        or the promoter closes. Until then rank 0 uploads and commits nothing."""
+        def watching(lease: float) -> None:
+            with cond:
+                until[0] = max(until[0], time.monotonic() + lease + OPEN_WAIT_S)
+                cond.notify_all()
+
+        def first(error: BaseException | None) -> None:
+            with cond:
+                outcome.append(error)
+                cond.notify_all()
+
+        threading.Thread(target=self._acquire_in_background, args=(first, watching),
+                         daemon=True, name=f"ckpt-persist-acquire-r{self.rank}").start()
+        with cond:
+            while not outcome and time.monotonic() < until[0]:
+                cond.wait(until[0] - time.monotonic())
+        if outcome and isinstance(outcome[0], PersistentInUseError):
+            raise outcome[0]
+        if not outcome or outcome[0] is not None:
+            log.warning("ckpt.persist.acquire_pending", rank=self.rank, url=self.url,
+                        error="no answer in time" if not outcome else str(outcome[0]),
+                        action="taking the URL in the background; nothing is promoted "
+                               "until then")
+
+    def _acquire_in_background(
+        self, first: Callable[[BaseException | None], None] | None = None,
+        watching: Callable[[float], None] | None = None,
+    ) -> None:
+        """Take the URL, with backoff on store errors, until it is taken, refused (reported,
+        so that every rank stops promoting) or the promoter closes. ``first`` hears how the
+        first attempt ended (None: taken)."""
         delay = 1.0
         while not self._stopped:
             try:
-                self.acquire()
-                return
+                self.acquire(watching)
             except PersistentInUseError as exc:
-                log.error("ckpt.persist.refused", rank=self.rank, url=self.url,
-                          error=exc.message, hint=exc.hint)
+                if first is not None:
+                    first(exc)
+                else:
+                    log.error("ckpt.persist.refused", rank=self.rank, url=self.url,
+                              error=exc.message, hint=exc.hint)
                 return
             except CheckpointError as exc:
                 log.warning("ckpt.persist.acquire_failed", rank=self.rank, url=self.url,
                             error=exc.message, retry_in_s=delay)
+                if first is not None:
+                    first(exc)
+                    first = None
+            else:
+                if first is not None:
+                    first(None)
+                return
             with self._quiet:
                 self._quiet.wait_for(lambda: self._stopped, timeout=delay)
             delay = min(60.0, delay * 2)
 
-    def acquire(self) -> None:
+    def acquire(self, watching: Callable[[float], None] | None = None, *,
+                remote: Remote | None = None) -> None:
         """Rank 0: take the URL for this open (``Ownership.acquire``: refused with
         ``PersistentInUseError`` while another job's heartbeat advances) and start its
         heartbeat. One step of opening, callable once the store is reachable. Runs in a
@@ -229,15 +266,17 @@ class Promoter:
         with self._acquiring:
             if self.rank != 0 or self._owner is not None or self._refused is not None:
                 return
-            assert self.remote is not None
-            self._acquire(self.remote)
+            remote = remote if remote is not None else self.remote
+            assert remote is not None
+            self._acquire(remote, watching)
 
-    def _acquire(self, remote: Remote) -> None:
+    def _acquire(self, remote: Remote, watching: Callable[[float], None] | None) -> None:
         try:
             owner = Ownership.acquire(
                 remote, root=str(self.storage.root),
                 lease_s=self.config.persistent_lease_s,
-                takeover=self.config.persistent_takeover, emit=self._emit, rank=self.rank)
+                takeover=self.config.persistent_takeover, emit=self._emit, rank=self.rank,
+                watching=watching)
         except PersistentInUseError as exc:
             self._refused = exc.message  # reported, so that every rank stops promoting
             raise

@@ -147,7 +147,7 @@ def test_close_gives_up_on_a_hung_upload_and_never_commits_it(
 ) -> None:
     url, options = s3_url
     proxy = fault_proxy(options)
-    proxy.fail("PUT", count=None, status=HANG)
+    proxy.fail("PUT", count=None, status=HANG, match="step-")  # the owner object is written
     events: list[cp.Event] = []
     pipe = _pipeline(tmp_path / "local", url, proxy.options, events, persist_timeout_s=1.0)
     _within(pipe.open)
@@ -168,7 +168,7 @@ def test_a_process_exits_after_close_while_its_upload_hangs(
 ) -> None:
     url, options = s3_url
     proxy = fault_proxy(options)
-    proxy.fail("PUT", count=None, status=HANG)
+    proxy.fail("PUT", count=None, status=HANG, match="step-")  # the owner object is written
     child = spawn_child("persist_hang_child.py", tmp_path / "local", url,
                         stdout=subprocess.PIPE, stderr=tmp_path / "child.log", text=True,
                         env={"CKPT_TEST_PERSIST_OPTIONS": json.dumps(proxy.options)})
@@ -235,6 +235,7 @@ def test_every_rank_skips_the_same_step_while_one_rank_cannot_reach_the_tier(
                                               events[rank].append))
     promoters[0].remote = open_remote(str(tmp_path / "shared"))
     try:
+        promoters[0].acquire()  # rank 0 reaches the tier and holds the URL
         reports = [p.report() for p in promoters]
         assert [r["reachable"] for r in reports] == [True, False]
         for promoter in promoters:
