@@ -9,12 +9,13 @@ run it must come from.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import load_script
+from conftest import load_script, run_cli
 
 _replication = load_script(Path(__file__).resolve().parent / "test_replication.py")
 launch = _replication.launch
@@ -82,6 +83,10 @@ def test_a_root_of_another_run_is_set_aside_and_its_shard_comes_from_a_copy(
         [f"rank-00003.{k}" for k in ("commit", "manifest", "shard")]
         + [f"replica-00002-on-00003.{k}" for k in ("commit", "manifest", "shard")])
     assert (moved / "rank-00003.shard").read_bytes() == theirs  # kept as it was
+    listed = json.loads(run_cli("ls", root / "rank-3", "--rank", 3, "--json").stdout)
+    aside = [s for s in listed["steps"] if s["dir"] == moved.name]
+    assert len(aside) == 1 and "of another save" in aside[0]["reason"], listed
+    assert aside[0]["save_id"] == restore["foreign"]["3"][0]
     # Rank 3 holds this run's shard again, fetched from rank 0, and rank 2's copy, sent again.
     assert (step_dir(root, 3, 20) / "rank-00003.shard").read_bytes() == (
         step_dir(root, 0, 20) / "replica-00003-on-00000.shard").read_bytes()
