@@ -18,8 +18,9 @@ It joins a gloo process group and opens a ``cp.CheckpointPipeline`` on ``ROOT/ra
 
 ``--variant V`` shifts every saved value by ``7 V``: another run's root, with the same step
 numbers and other values. ``--wait-copies``: after the restore, wait (bounded) until this
-rank's copies sent again (``RestoreResult.resending``) are each settled by an event before the
-pipeline closes.
+rank's copies sent again (``RestoreResult.resending``) are each settled by an event, then for
+every rank (a barrier, so that each holder's copy server is still up), before the pipeline
+closes.
 
 With ``--persistent URL`` the pipelines also promote every ``--persist-every``-th step there
 (``tests/replicate/test_persist_ranks.py``).
@@ -241,6 +242,8 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
 
             with resent:
                 out["copies_settled"] = resent.wait_for(settled, timeout=args.max_seconds)
+            # Holders stay open (their copy servers) until every source's copies settled.
+            dist.barrier()
     out["restore_events"] = events
 
 

@@ -162,22 +162,27 @@ def test_a_replaced_node_gets_its_held_copies_back_and_survives_a_second_loss(
 @pytest.mark.timeout(400)
 def test_a_copy_still_being_sent_at_close_leaves_nothing_complete_and_is_sent_at_the_next_restore(
         tmp_path: Path) -> None:
-    """The same replaced node, but its copy server takes 3 s per data frame it receives, and
-    every rank closes right after the restore: the close is bounded (every process exits in
-    time), the copies cut off publish nothing on the holders (no copy file, let alone a commit
-    record), and the next restore lists them as lacking again and sends them."""
+    """The same replaced node, but its copy server takes 60 s per data frame it receives
+    (longer than the holder lives: it closes right after the restore, its copy server waits
+    5 s for the connections in progress), and every rank closes right after the restore: the
+    close is bounded (every process exits in time), the copies cut off publish nothing on the
+    holders (no copy file, let alone a commit record), and the next restore lists them as
+    lacking again and sends them."""
     root = tmp_path / "root"
     saved = launch("save", root, tmp_path / "logs-save")
     assert all(out["saves"]["20"]["ok"] for out in saved.values()), saved
     shutil.rmtree(root / "rank-2")
     shutil.rmtree(root / "rank-3")
     cut = launch("restore", root, tmp_path / "logs", args=(
-        "--scenario", "slow-holder", "--delay", "3", "--replication-timeout", "10"))
+        "--scenario", "slow-holder", "--delay", "60", "--replication-timeout", "10"))
     assert_restored(cut, saved, 20, fetched={2: 0, 3: 1})
     for rank, out in cut.items():
         assert out["restore"]["resending"] == {"2": [0], "3": [1]}, (rank, out["restore"])
     for source, holder in ((0, 2), (1, 3)):
-        assert not [e for e in cut[source]["restore_events"] if e["type"] == "ReplicaRestored"]
+        events = cut[source]["restore_events"]
+        assert not [e for e in events if e["type"] == "ReplicaRestored"], events
+        failed = [e for e in events if e["type"] == "ReplicaRestoreFailed"]
+        assert [(e["step"], e["holder"]) for e in failed] == [(20, holder)], events
         assert not list(step_dir(root, holder, 20).glob("replica-*")), holder
     again = launch("restore", root, tmp_path / "logs-again", args=("--wait-copies",))
     assert_restored(again, saved, 20, fetched={})
