@@ -97,10 +97,8 @@ class Loaded:
     load vote)."""
     downloaded: tuple[int, ...] = ()
     """The ranks whose shard came from the persistent tier."""
-    foreign: tuple[str, ...] = ()
-    """The save ids of this rank's files of the step that were of other saves, set aside
-    (after the load vote: ``foreign_by_rank`` has every rank's)."""
     foreign_by_rank: dict[int, tuple[str, ...]] | None = None
+    """{rank: save ids} of every rank's files of the step of other saves, set aside."""
     held_copies: dict[int, tuple[int, ...]] | None = None
     """{source: ranks holding a valid copy of its shard of the step} (the agreement's)."""
 
@@ -171,9 +169,10 @@ class Recovery:
             error: CheckpointError | None = None
             loaded: Loaded | None = None
             source: int | str | None = None
-            foreign = await self._set_aside_foreign(step, save_id, valid.get(step), copies,
-                                                    limiter)
+            foreign: tuple[str, ...] = ()
             try:
+                foreign = await self._set_aside_foreign(step, save_id, valid.get(step),
+                                                        copies, limiter)
                 loaded, source = await self._load_step(
                     step, save_id, status, agreed.holders.get((step, self.rank), ()), state,
                     started, rejected, agreed, limiter)
@@ -201,7 +200,6 @@ class Recovery:
                                   if isinstance(e, dict) and isinstance(e.get("fetched"), int)}
                 loaded.downloaded = tuple(r for r, e in enumerate(extras)
                                           if isinstance(e, dict) and e.get("downloaded") is True)
-                loaded.foreign = foreign
                 loaded.foreign_by_rank = _foreign_by_rank(extras)
                 loaded.held_copies = {src: hs for (s, src), hs in agreed.holders.items()
                                       if s == step}
@@ -256,9 +254,9 @@ class Recovery:
         if moved is None:
             return ()
         foreign = tuple(sorted(ids))
-        self._emit(ForeignFilesSetAside(
-            step=step, rank=self.rank, save_id=save_id, foreign_save_ids=foreign, path=moved,
-            files=tuple(name for files in sets for name in files.names())))
+        self._emit(ForeignFilesSetAside(step=step, rank=self.rank, save_id=save_id,
+                                        foreign_save_ids=foreign, path=moved[0],
+                                        files=moved[1]))
         return foreign
 
     @staticmethod
@@ -536,14 +534,22 @@ class Recovery:
             return {}
         lacking = self.replication.copies_lacking(loaded.step, loaded.held_copies or {})
         mine = [_recovery.FileSet(src, self.rank) for src in lacking.get(self.rank, ())]
-        dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
-        if mine and loaded.step in dirs:
-            moved = await in_thread(limiter, functools.partial(
-                _recovery.set_aside_files, self.storage, loaded.step, dirs[loaded.step],
-                self.rank, mine, foreign=False))
-            if moved is not None:
-                _log.warning("ckpt.recovery.moved_aside", step=loaded.step, rank=self.rank,
-                             path=moved, reason="copies that did not check out, sent again")
+        if not mine:
+            return lacking
+        try:  # best-effort: the restore is done on every rank; a copy that stays blocked
+            # fails at its holder, and its source reports it (ReplicaRestoreFailed)
+            dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
+            moved = None if loaded.step not in dirs else await in_thread(
+                limiter, functools.partial(_recovery.set_aside_files, self.storage,
+                                           loaded.step, dirs[loaded.step], self.rank, mine,
+                                           foreign=False))
+        except CheckpointError as exc:
+            _log.warning("ckpt.recovery.copies_not_cleared", step=loaded.step,
+                         rank=self.rank, error=exc.message)
+            return lacking
+        if moved is not None:
+            _log.warning("ckpt.recovery.moved_aside", step=loaded.step, rank=self.rank,
+                         path=moved[0], reason="copies that did not check out, sent again")
         return lacking
 
     def _resend_copies(self, loaded: Loaded, lacking: Mapping[int, tuple[int, ...]]) -> None:

@@ -402,12 +402,13 @@ def quarantine(storage: Storage, step: int, dir_name: str, rank: int, *,
 
 
 def set_aside_files(storage: Storage, step: int, dir_name: str, rank: int,
-                    sets: Iterable[FileSet], *, foreign: bool) -> str | None:
+                    sets: Iterable[FileSet], *, foreign: bool
+                    ) -> tuple[str, tuple[str, ...]] | None:
     """Move the file sets ``sets`` of this rank (its own, copies it holds) of a step aside,
     into a directory of its own: labelled as another save's files (``foreign``:
     ``foreign_dir_name``) or as rejected by recovery. Kept for inspection, invisible to
-    scans, never loaded. Returns the new directory, or None if none of the files was there.
-    Runs in a worker thread."""
+    scans, never loaded. Returns the new directory and the names moved, or None if none of the
+    files was there. Runs in a worker thread."""
     names = {e.name for e in storage.list_dir(dir_name)}
     moving = [name for files in sets for name in files.names() if name in names]
     if not moving:
@@ -419,4 +420,4 @@ def set_aside_files(storage: Storage, step: int, dir_name: str, rank: int,
         storage.move(os.path.join(dir_name, name), os.path.join(target, name))
     storage.fsync_dir(target)
     tidy_step_dir(storage, dir_name)
-    return os.path.join(storage.root, target)
+    return os.path.join(storage.root, target), tuple(moving)
