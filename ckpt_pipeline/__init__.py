@@ -31,12 +31,15 @@ from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
 from .events import Event as Event
+from .events import ForeignFilesSetAside as ForeignFilesSetAside
 from .events import PersistentAvailable as PersistentAvailable
 from .events import PersistentTakenOver as PersistentTakenOver
 from .events import PersistentUnavailable as PersistentUnavailable
 from .events import PersistFailed as PersistFailed
 from .events import PersistPruned as PersistPruned
 from .events import PersistSkipped as PersistSkipped
+from .events import ReplicaRestored as ReplicaRestored
+from .events import ReplicaRestoreFailed as ReplicaRestoreFailed
 from .events import ReplicaStored as ReplicaStored
 from .events import ReplicationDegraded as ReplicationDegraded
 from .events import RetentionFailed as RetentionFailed
@@ -90,6 +93,7 @@ __all__ = (
     "Coordinator",
     "DistributedCoordinator",
     "Event",
+    "ForeignFilesSetAside",
     "ForkedProcessError",
     "KeepAny",
     "KeepBest",
@@ -112,6 +116,8 @@ __all__ = (
     "PoolBusyError",
     "RNGState",
     "RejectedStep",
+    "ReplicaRestoreFailed",
+    "ReplicaRestored",
     "ReplicaStored",
     "ReplicationDegraded",
     "RestoreError",

@@ -17,12 +17,15 @@ __all__ = (
     "CheckpointRejected",
     "CheckpointRestored",
     "Event",
+    "ForeignFilesSetAside",
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",
     "PersistentAvailable",
     "PersistentTakenOver",
     "PersistentUnavailable",
+    "ReplicaRestoreFailed",
+    "ReplicaRestored",
     "ReplicaStored",
     "ReplicationDegraded",
     "RetentionFailed",
@@ -245,6 +248,47 @@ class ShardFetched(Event):
     path: str
     bytes: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignFilesSetAside(Event):
+    """At restore, this rank's files of the step are of another save than the one the ranks
+    agreed on (``save_id``): another run's root came back. They were moved to ``path``
+    (kept, never loaded) and the rank's shard comes from a copy or the persistent tier."""
+
+    log_name: ClassVar[str] = "ckpt.recovery.foreign_files"
+    log_level: ClassVar[str] = "warning"
+    save_id: str
+    foreign_save_ids: tuple[str, ...]
+    path: str
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRestored(Event):
+    """After a restore, a copy of this rank's shard of the restored step that ``holder``
+    lacked (a replaced node) was sent again, verified, published and committed there: the
+    step has its copies again. Sender side, from the re-send's thread."""
+
+    log_name: ClassVar[str] = "ckpt.replicate.restored"
+    log_level: ClassVar[str] = "info"
+    save_id: str
+    holder: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRestoreFailed(Event):
+    """After a restore, sending a missing copy of this rank's shard to ``holder`` again
+    failed (``error`` names the peer and why); the step stays restorable from the rank's own
+    shard, with one copy fewer until the next save."""
+
+    log_name: ClassVar[str] = "ckpt.replicate.restore_failed"
+    log_level: ClassVar[str] = "warning"
+    save_id: str
+    holder: int
+    error: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,15 @@ class RestoreResult:
     downloaded: tuple[int, ...] = ()
     """The ranks whose shard came from the persistent tier (``persistent``), downloaded into
     their roots; every other rank loaded its own shard or a copy."""
+    foreign: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    """{rank: save ids} of the ranks whose files of the step were of other saves (another
+    run's root came back): set aside, never loaded (``ForeignFilesSetAside``); their shard
+    came from a copy or the persistent tier."""
+    resending: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """{holder rank: source ranks} of the copies of the restored step that their holders
+    lacked (a replaced node, files set aside): each source sends its copy again in the
+    background, after the restore returned (``ReplicaRestored`` or ``ReplicaRestoreFailed``
+    on the source rank when it is done). The same on every rank."""
 
 
 class SaveHandle:

@@ -17,7 +17,9 @@ import re
 __all__ = (
     "TEMP_FILE",
     "commit_name",
+    "foreign_dir_name",
     "manifest_name",
+    "parse_foreign_dir",
     "parse_rank_file",
     "parse_rejected_dir",
     "parse_replica_file",
@@ -32,6 +34,7 @@ __all__ = (
 _STEP_DIR = re.compile(r"^step-([0-9]{10,})$")
 _RANK_FILE = re.compile(r"^rank-([0-9]{5,})\.(shard|manifest|commit)$")
 _REJECTED_DIR = re.compile(r"^(step-[0-9]{10,})\.rejected-r([0-9]{5,})-([0-9a-f]{8})$")
+_FOREIGN_DIR = re.compile(r"^(step-[0-9]{10,})\.foreign-r([0-9]{5,})-([0-9a-f]{8})$")
 _REPLICA_FILE = re.compile(r"^replica-([0-9]{5,})-on-([0-9]{5,})\.(shard|manifest|commit)$")
 TEMP_FILE = re.compile(r"^\.(?:rank-[0-9]{5,}|replica-[0-9]{5,}-on-[0-9]{5,})"
                        r"\.(shard|manifest|commit)\.tmp-[0-9a-f]{1,32}$")
@@ -63,6 +66,24 @@ def parse_rejected_dir(name: str) -> tuple[int, int] | None:
     step = parse_step_dir(m.group(1))
     rank = int(m.group(2))
     if step is None or rejected_dir_name(step, rank, m.group(3)) != name:
+        return None
+    return step, rank
+
+
+def foreign_dir_name(step: int, rank: int, token: str) -> str:
+    """Where restore sets a rank's files of a step aside when they are of another save than
+    the one the ranks agreed on (another run's root): kept, never loaded, never pruned."""
+    return f"{step_dir_name(step)}.foreign-r{rank:05d}-{token}"
+
+
+def parse_foreign_dir(name: str) -> tuple[int, int] | None:
+    """(step, rank) of a directory of another save's files that restore set aside, or None."""
+    m = _FOREIGN_DIR.match(name)
+    if m is None:
+        return None
+    step = parse_step_dir(m.group(1))
+    rank = int(m.group(2))
+    if step is None or foreign_dir_name(step, rank, m.group(3)) != name:
         return None
     return step, rank
 

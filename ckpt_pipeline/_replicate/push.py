@@ -66,13 +66,16 @@ class Push:
     """The copies of one save's shard on their way (see the module docstring)."""
 
     def __init__(self, peers: list[Peer], *, token: str, step: int, save_id: str, rank: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, commit: bytes | None = None) -> None:
         self.links = [_Link(peer) for peer in peers]
         self.token = token
         self.step = step
         self.save_id = save_id
         self.rank = rank
         self.timeout_s = timeout_s
+        self.commit = commit
+        """The commit record of a step committed already (a copy sent again after a
+        restore): the holders publish it with the copy, there is no vote to wait for."""
 
     def open(self, limit: int) -> None:
         """Connect to every holder and announce the save (``limit``: a bound on the size of
@@ -81,9 +84,11 @@ class Push:
             link.started = time.perf_counter()
             try:
                 link.sock = connect(link.peer.host, link.peer.port, self.timeout_s)
-                send_message(link.sock, {"op": "push", "token": self.token, "step": self.step,
-                                         "save_id": self.save_id, "source": self.rank,
-                                         "limit": limit})
+                hello = {"op": "push", "token": self.token, "step": self.step,
+                         "save_id": self.save_id, "source": self.rank, "limit": limit}
+                if self.commit is not None:
+                    hello["commit"] = self.commit
+                send_message(link.sock, hello)
                 recv_message(link.sock, expect="ready")  # or the reason it refuses
             except (OSError, CheckpointError) as exc:
                 self._fail(link, _why(exc, "opening", self.timeout_s))
@@ -119,6 +124,29 @@ class Push:
                 except OSError as exc:
                     self._fail(link, _peer_reason(link.sock) or _why(exc, "sending",
                                                                       self.timeout_s))
+
+    def end(self, manifest: bytes, size: int) -> None:
+        """After every byte of the file went out with ``send``: the manifest and the file's
+        size (a copy sent from a file on disk; a save's copy ends with ``finish``)."""
+        for link in self.links:
+            with link.lock:
+                if link.sock is None:
+                    continue
+                try:
+                    send_message(link.sock, {"op": "end", "manifest": manifest, "size": size})
+                except OSError as exc:
+                    self._fail(link, _peer_reason(link.sock) or _why(exc, "sending",
+                                                                      self.timeout_s))
+
+    def interrupt(self) -> None:
+        """From another thread (a close): cut every connection at once, without waiting for
+        the thread that uses it; its next call fails and drops the holder (which removes
+        what arrived)."""
+        for link in self.links:
+            sock = link.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def collect(self) -> PushOutcome:
         """Wait for each holder's acknowledgement (bounded by the timeout); close."""

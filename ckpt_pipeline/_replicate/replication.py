@@ -30,6 +30,7 @@ from ..storage import Storage
 from .fetch import fetch_shard
 from .placement import Placement, place_replicas
 from .push import Peer, Push
+from .resend import Resend
 from .server import CopyServer
 
 __all__ = ("Replication", "local_addresses")
@@ -50,6 +51,7 @@ class Replication:
         self.opening: Opening | None = None
         self.placement: Placement | None = None
         self.peers: dict[int, Peer] = {}
+        self._resends: list[Resend] = []
 
     async def start(self, coordinator: Coordinator, limiter: anyio.CapacityLimiter) -> str:
         """Agree on the run id, the token and the peers with the other ranks; place the
@@ -93,6 +95,14 @@ class Replication:
         return opening.run_id
 
     def close(self) -> None:
+        """Let the copies sent again after a restore finish (bounded by the timeout), then
+        stop the copy server (which removes every copy it did not commit)."""
+        resends, self._resends = self._resends, []
+        for resend in resends:
+            if not resend.close(self.config.replication_timeout_s):
+                log.warning("ckpt.replicate.resend_abandoned", step=resend.step,
+                            rank=self.rank, holders=[p.rank for p in resend.peers],
+                            timeout_s=self.config.replication_timeout_s)
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -162,6 +172,31 @@ class Replication:
         return tuple(missing), tuple(reasons), mine
 
     # ------------------------------------------------------------------ restoring
+
+    def copies_lacking(self, step: int, held: Mapping[int, Sequence[int]]
+                       ) -> dict[int, tuple[int, ...]]:
+        """{holder: sources} of the copies of ``step`` the placement puts on a holder that
+        holds no valid copy of it (``held``: {source: ranks holding a valid copy}, from the
+        restore's agreement). The same on every rank; {} without replication."""
+        if self.placement is None:
+            return {}
+        out: dict[int, list[int]] = {}
+        for source, holders in enumerate(self.placement.holders):
+            for holder in holders:
+                if holder not in held.get(source, ()):
+                    out.setdefault(holder, []).append(source)
+        return {h: tuple(sorted(srcs)) for h, srcs in sorted(out.items())}
+
+    def resend(self, step: int, save_id: str, holders: Sequence[int]) -> None:
+        """Send this rank's shard of the restored ``step`` again to ``holders``, in the
+        background (``resend.py``); the events say how each ended."""
+        if not holders or self.opening is None:
+            return
+        resend = Resend(self.storage, [self.peers[h] for h in holders if h in self.peers],
+                        token=self.opening.token, step=step, save_id=save_id, rank=self.rank,
+                        timeout_s=self.config.replication_timeout_s, emit=self._emit)
+        self._resends.append(resend)
+        resend.start()
 
     def fetch(self, holder: int, step: int, save_id: str) -> tuple[int, float]:
         """Fetch this rank's shard of ``step`` from ``holder``'s copy (worker thread)."""

@@ -10,6 +10,9 @@ written to disk) and an op:
   commit record, and acknowledged. Its commit record is written only when the step commits
   (``Receptions.settle``, from this rank's commit stage, after the first vote); a copy of a
   step that fails, or that arrives after its step was settled, is removed.
+  A push of a step committed already (a copy sent again after a restore, to a holder that
+  lacked it) carries the commit record in its hello: the copy is published with it, once
+  verified, as a fetched shard is.
 - ``fetch``: at restore, a rank whose shard is missing or corrupt asks for the copy held
   here; it gets the manifest and commit record, then the shard as data frames, each range
   the shard's checksums cover sent as one frame (``fetch.py`` checks them on arrival).
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crash_point
+from .._format.documents import decode_commit
 from .._format.names import step_dir_name
 from .._format.shard import checksum
 from .._logging import log
@@ -47,9 +51,10 @@ from .wire import (
     tune,
 )
 
-__all__ = ("CopyServer", "Receptions")
+__all__ = ("CopyServer", "Receptions", "copy_frames")
 
 _MAX_SHARD_BYTES = 1 << 50
+_MAX_MESSAGE_BYTES = 1024 * 1024  # a commit record is small
 _SETTLED_KEPT = 64  # settled steps remembered, to refuse copies that arrive after their step
 
 
@@ -87,11 +92,18 @@ class Receptions:
             self._open[key] = reception
             return reception
 
-    def finish(self, reception: _Reception, error: str | None) -> bool:
-        """The connection's part is over: stored (True), or failed and removed (False)."""
+    def finish(self, reception: _Reception, error: str | None, *,
+               committed: bool = False) -> bool:
+        """The connection's part is over: stored (True), or failed and removed (False).
+        ``committed``: its commit record came with it (a copy sent again after a restore):
+        it is the holder's for good, no longer tracked."""
         with self.lock:
             if error is None and not reception.abandoned:
                 reception.stored = True
+                if committed:
+                    reception.committed = True
+                    self._open.pop((reception.step, reception.save_id, reception.source),
+                                   None)
                 return True
             reception.abandoned = True
             self._open.pop((reception.step, reception.save_id, reception.source), None)
@@ -268,6 +280,9 @@ class CopyServer:
             raise ProtocolError("a push without step, save id, source and size bound")
         if source not in self.sources:
             raise ProtocolError(f"rank {self.rank} does not hold copies of rank {source}")
+        commit = hello.get("commit")
+        if commit is not None:
+            self._check_commit(commit, step, source, save_id)
         reception = self.receptions.begin(step, save_id, source)
         error: str | None = "the connection ended early"
         try:
@@ -295,7 +310,7 @@ class CopyServer:
             with self.receptions.lock:
                 if reception.abandoned:
                     raise ProtocolError(f"step {step} was settled while its copy arrived")
-            reception.incoming.publish(manifest)
+            reception.incoming.publish(manifest, commit)
             crash_point("replicate.stored")
             error = None
         except (CheckpointError, OSError) as exc:
@@ -303,13 +318,28 @@ class CopyServer:
                 f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            stored = self.receptions.finish(reception, error)
+            stored = self.receptions.finish(reception, error, committed=commit is not None)
         if not stored:
             raise ProtocolError(f"step {step} was settled while its copy arrived")
         seconds = time.perf_counter() - started
         self._emit(ReplicaStored(step=step, rank=self.rank, save_id=save_id, source=source,
                                  path=reception.incoming.path, bytes=size, seconds=seconds))
         send_message(conn, {"op": "ack"})
+
+    def _check_commit(self, commit: Any, step: int, source: int, save_id: str) -> None:
+        """The commit record a push of a committed step carries must be that step's."""
+        if not isinstance(commit, bytes) or len(commit) > _MAX_MESSAGE_BYTES:
+            raise ProtocolError("a push with a malformed commit record")
+        try:
+            record = decode_commit(commit, f"rank {source}'s commit record of step {step}")
+        except CheckpointError as exc:
+            raise ProtocolError(f"a push with a malformed commit record: {exc.message}"
+                                ) from exc
+        if (record.step, record.rank, record.save_id, record.world_size) != (
+            step, source, save_id, self.world_size
+        ):
+            raise ProtocolError(f"the commit record pushed with rank {source}'s copy of step "
+                                f"{step} is for another save")
 
     def _send_copy(self, conn: socket.socket, hello: dict[str, Any]) -> None:
         step, save_id, source = (hello.get(k) for k in ("step", "save_id", "source"))
@@ -329,7 +359,7 @@ class CopyServer:
         header = status.header
         fd, size = self.storage.open_read(os.path.join(dir_name, files.shard),
                                           status.shard_size)
-        frames = _frames(header.checks(), size)
+        frames = copy_frames(header.checks(), size)
         try:
             with piece_buffer(max((e - s for s, e, _ in frames), default=1)) as area:
                 self._send_frames(conn, fd, frames, area, source, step)
@@ -364,7 +394,7 @@ class CopyServer:
             self.storage.close(fd)
 
 
-def _frames(checks: list[tuple[int, int, int]], size: int
+def copy_frames(checks: list[tuple[int, int, int]], size: int
             ) -> list[tuple[int, int, int | None]]:
     """The frames a fetch sends: each checksummed range as it is (with its checksum), and
     the bytes between them (preamble, padding, header) cut at most PIECE_BYTES long."""

@@ -45,6 +45,7 @@ from ..events import (
     CheckpointRejected,
     CheckpointRestored,
     Event,
+    ForeignFilesSetAside,
     ShardDownloaded,
     ShardFetched,
 )
@@ -96,6 +97,10 @@ class Loaded:
     load vote)."""
     downloaded: tuple[int, ...] = ()
     """The ranks whose shard came from the persistent tier."""
+    foreign_by_rank: dict[int, tuple[str, ...]] | None = None
+    """{rank: save ids} of every rank's files of the step of other saves, set aside."""
+    held_copies: dict[int, tuple[int, ...]] | None = None
+    """{source: ranks holding a valid copy of its shard of the step} (the agreement's)."""
 
 
 class Recovery:
@@ -164,7 +169,10 @@ class Recovery:
             error: CheckpointError | None = None
             loaded: Loaded | None = None
             source: int | str | None = None
+            foreign: tuple[str, ...] = ()
             try:
+                foreign = await self._set_aside_foreign(step, save_id, valid.get(step),
+                                                        copies, limiter)
                 loaded, source = await self._load_step(
                     step, save_id, status, agreed.holders.get((step, self.rank), ()), state,
                     started, rejected, agreed, limiter)
@@ -179,7 +187,7 @@ class Recovery:
                 self.coordinator, step, save_id, None if error is None else error.message,
                 what="restore load", fatal=fatal,
                 extra={"fetched": source if isinstance(source, int) else None,
-                       "downloaded": source == _PERSISTENT})
+                       "downloaded": source == _PERSISTENT, "foreign": list(foreign)})
             if any_fatal:
                 if error is not None and fatal:
                     raise error  # the live state does not fit: a usage error, nothing rejected
@@ -192,6 +200,10 @@ class Recovery:
                                   if isinstance(e, dict) and isinstance(e.get("fetched"), int)}
                 loaded.downloaded = tuple(r for r, e in enumerate(extras)
                                           if isinstance(e, dict) and e.get("downloaded") is True)
+                loaded.foreign_by_rank = _foreign_by_rank(extras)
+                loaded.held_copies = {src: hs for (s, src), hs in agreed.holders.items()
+                                      if s == step}
+                self._log_unresolved(agreed, newer_than=step)
                 loaded.restore_rng = (self.config.restore_rng if restore_rng is None
                                       else restore_rng)
                 return loaded
@@ -199,16 +211,68 @@ class Recovery:
             rejected.append(self._reject(step, path, _listing(failures)))
         if not agreed.held_any:
             return None
+        self._log_unresolved(agreed, newer_than=-1)
         missing = self._missing_shards(agreed)
+        unresolved = self._unresolved(agreed)
         by_rank = "; ".join(f"rank {r}: {list(steps) or 'none'}"
                             for r, steps in sorted(agreed.valid_by_rank.items()))
         listing = "; ".join(f"step {r.step}: {r.reason}" for r in rejected)
         raise RestoreError(
             f"no checkpoint could be loaded on every rank (valid steps by rank: {by_rank}"
             + (f"; missing everywhere: {missing}" if missing else "")
+            + (f"; {unresolved}" if unresolved else "")
             + (f"; rejected: {listing}" if listing else "") + ")", rank=self.rank,
             path=str(self.storage.root),
             hint="inspect with `ckpt-pipeline verify`; move the roots aside to start fresh")
+
+    async def _set_aside_foreign(self, step: int, save_id: str,
+                                 own: _recovery.StepStatus | None,
+                                 copies: list[_recovery.StepStatus],
+                                 limiter: anyio.CapacityLimiter) -> tuple[str, ...]:
+        """Set this rank's files of ``step`` that are of another save than ``save_id`` aside
+        (its own shard, and the copies it holds): another run's root came back with the same
+        step numbers. They are kept under a labelled name (``ForeignFilesSetAside``), never
+        loaded; the rank's shard then comes from a copy or the persistent tier. Returns the
+        other saves' ids."""
+        sets: list[_recovery.FileSet] = []
+        ids: set[str] = set()
+        dir_name = step_dir_name(step)
+        if own is not None and own.save_id != save_id:
+            sets.append(_recovery.FileSet(self.rank))
+            ids.add(own.save_id or "?")
+            dir_name = own.dir_name
+        for copy in copies:
+            if copy.step == step and copy.valid and copy.save_id != save_id and copy.files:
+                sets.append(copy.files)
+                ids.add(copy.save_id or "?")
+                dir_name = copy.dir_name
+        if not sets:
+            return ()
+        moved = await in_thread(limiter, functools.partial(
+            _recovery.set_aside_files, self.storage, step, dir_name, self.rank, sets,
+            foreign=True))
+        if moved is None:
+            return ()
+        foreign = tuple(sorted(ids))
+        self._emit(ForeignFilesSetAside(step=step, rank=self.rank, save_id=save_id,
+                                        foreign_save_ids=foreign, path=moved[0],
+                                        files=moved[1]))
+        return foreign
+
+    @staticmethod
+    def _unresolved(agreed: Candidates) -> str:
+        """Why the newest step no save id could be agreed on for was left out ("" if
+        none)."""
+        if not agreed.unresolved:
+            return ""
+        step = max(agreed.unresolved)
+        return f"step {step}: {agreed.unresolved[step]}"
+
+    def _log_unresolved(self, agreed: Candidates, *, newer_than: int) -> None:
+        for step, why in sorted(agreed.unresolved.items(), reverse=True):
+            if step > newer_than:
+                _log.warning("ckpt.recovery.step_unresolved", step=step, rank=self.rank,
+                             reason=why)
 
     @staticmethod
     def _missing_shards(agreed: Candidates) -> str:
@@ -444,7 +508,9 @@ class Recovery:
                 if moved is not None:
                     _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
                                  path=moved)
+        resending = await self._clear_lacking_copies(loaded, limiter)
         await agree_barrier(self.coordinator, what="restore done", step=loaded.step)
+        self._resend_copies(loaded, resending)
         seconds = time.perf_counter() - loaded.started
         self._emit(CheckpointRestored(step=loaded.step, rank=self.rank, save_id=loaded.save_id,
                                       path=loaded.path, bytes=loaded.bytes, seconds=seconds))
@@ -453,7 +519,48 @@ class Recovery:
                              seconds=seconds, rejected=loaded.rejected,
                              valid_by_rank=loaded.valid_by_rank,
                              fetched=dict(loaded.fetched or {}),
-                             downloaded=loaded.downloaded)
+                             downloaded=loaded.downloaded,
+                             foreign=dict(loaded.foreign_by_rank or {}),
+                             resending=resending)
+
+    async def _clear_lacking_copies(self, loaded: Loaded, limiter: anyio.CapacityLimiter
+                                    ) -> dict[int, tuple[int, ...]]:
+        """{holder: sources} of the restored step's copies that their holders lack (see
+        ``Replication.copies_lacking``; the same on every rank). Before the barrier, so that
+        no copy is sent before its holder is ready: this rank, as a holder, moves aside what
+        it has of a copy it lacks a valid one of (a corrupt copy would block the new one's
+        names)."""
+        if self.replication is None:
+            return {}
+        lacking = self.replication.copies_lacking(loaded.step, loaded.held_copies or {})
+        mine = [_recovery.FileSet(src, self.rank) for src in lacking.get(self.rank, ())]
+        if not mine:
+            return lacking
+        try:  # best-effort: the restore is done on every rank; a copy that stays blocked
+            # fails at its holder, and its source reports it (ReplicaRestoreFailed)
+            dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
+            moved = None if loaded.step not in dirs else await in_thread(
+                limiter, functools.partial(_recovery.set_aside_files, self.storage,
+                                           loaded.step, dirs[loaded.step], self.rank, mine,
+                                           foreign=False))
+        except CheckpointError as exc:
+            _log.warning("ckpt.recovery.copies_not_cleared", step=loaded.step,
+                         rank=self.rank, error=exc.message)
+            return lacking
+        if moved is not None:
+            _log.warning("ckpt.recovery.moved_aside", step=loaded.step, rank=self.rank,
+                         path=moved[0], reason="copies that did not check out, sent again")
+        return lacking
+
+    def _resend_copies(self, loaded: Loaded, lacking: Mapping[int, tuple[int, ...]]) -> None:
+        """Start sending this rank's shard of the restored step to the holders that lack
+        it, in the background: the restore does not wait for it."""
+        holders = sorted(h for h, sources in lacking.items() if self.rank in sources)
+        if self.replication is None or not holders:
+            return
+        _log.info("ckpt.recovery.resending", step=loaded.step, rank=self.rank,
+                  holders=holders)
+        self.replication.resend(loaded.step, loaded.save_id, holders)
 
     def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
         self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))
@@ -501,6 +608,15 @@ def _target_device(record: TensorRecord,
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev
     return torch.device("cpu")
+
+
+def _foreign_by_rank(extras: list[Any]) -> dict[int, tuple[str, ...]]:
+    out: dict[int, tuple[str, ...]] = {}
+    for rank, extra in enumerate(extras):
+        ids = extra.get("foreign") if isinstance(extra, dict) else None
+        if isinstance(ids, list) and ids and all(isinstance(i, str) for i in ids):
+            out[rank] = tuple(ids)
+    return out
 
 
 def _listing(failures: Mapping[int, str]) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from .._crash import crash_point
 from .._format.documents import CommitRecord, Manifest, decode_commit, decode_manifest, decode_tree
 from .._format.names import (
+    foreign_dir_name,
     parse_rank_file,
     parse_replica_file,
     parse_step_dir,
@@ -43,6 +44,7 @@ __all__ = (
     "scan",
     "scan_replicas",
     "scrub",
+    "set_aside_files",
     "step_dirs",
     "tidy_step_dir",
 )
@@ -397,3 +399,25 @@ def quarantine(storage: Storage, step: int, dir_name: str, rank: int, *,
     storage.fsync_dir(target)
     tidy_step_dir(storage, dir_name)
     return os.path.join(storage.root, target)
+
+
+def set_aside_files(storage: Storage, step: int, dir_name: str, rank: int,
+                    sets: Iterable[FileSet], *, foreign: bool
+                    ) -> tuple[str, tuple[str, ...]] | None:
+    """Move the file sets ``sets`` of this rank (its own, copies it holds) of a step aside,
+    into a directory of its own: labelled as another save's files (``foreign``:
+    ``foreign_dir_name``) or as rejected by recovery. Kept for inspection, invisible to
+    scans, never loaded. Returns the new directory and the names moved, or None if none of the
+    files was there. Runs in a worker thread."""
+    names = {e.name for e in storage.list_dir(dir_name)}
+    moving = [name for files in sets for name in files.names() if name in names]
+    if not moving:
+        return None
+    token = secrets.token_hex(4)
+    target = (foreign_dir_name if foreign else rejected_dir_name)(step, rank, token)
+    storage.make_dir(target)
+    for name in moving:
+        storage.move(os.path.join(dir_name, name), os.path.join(target, name))
+    storage.fsync_dir(target)
+    tidy_step_dir(storage, dir_name)
+    return os.path.join(storage.root, target), tuple(moving)

@@ -22,6 +22,7 @@ from .._format.documents import CommitRecord, decode_commit
 from .._format.names import (
     commit_name,
     manifest_name,
+    parse_foreign_dir,
     parse_rank_file,
     parse_rejected_dir,
     shard_name,
@@ -99,6 +100,11 @@ def _list_steps(storage: Storage, rank: int) -> list[_Listing]:
         step = None if parsed is None else parsed[0]
         if step is not None and entry.is_dir and not entry.is_symlink:
             rows.append(_listing(storage, rank, step, entry.name, None))
+        foreign = parse_foreign_dir(entry.name)
+        if foreign is not None and entry.is_dir and not entry.is_symlink:
+            row = _listing(storage, rank, foreign[0], entry.name, None)
+            rows.append(replace(row, reason="of another save than the run's (another run's "
+                                            "root?): set aside at restore, never loaded"))
     failed = read_markers(storage, rank)
     rows = [replace(r, retention_failed=failed[r.step],
                     reason=r.reason or f"retention could not remove it: {failed[r.step]}")

@@ -134,6 +134,9 @@ class Candidates:
     """(step, source) of every valid copy any rank holds, of any step."""
     persisted: frozenset[tuple[int, str]] = frozenset()
     """(step, save id) of every step some rank found complete in the persistent tier."""
+    unresolved: Mapping[int, str] = field(default_factory=dict)
+    """{step: why no save id of it could be agreed on} for the steps left out of ``steps``
+    (no save makes the step whole, or two do alike: see ``_resolve_step``)."""
 
     def copies_of(self, step: int, source: int) -> bool:
         return (step, source) in self.copied
@@ -177,30 +180,15 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
                 persisted_ids.setdefault(step, set()).add(save_id)
     agreed: list[tuple[int, str]] = []
     holders: dict[tuple[int, int], tuple[int, ...]] = {}
+    unresolved: dict[int, str] = {}
     every = (set().union(*held) | {step for step, _ in held_copies} | set(persisted_ids))
     for step in sorted(every, reverse=True):
         if step in other_sizes:
             continue
-        ids = {h[step] for h in held if step in h}
-        if len(ids) > 1:
-            continue  # the ranks' own shards are of different saves
-        if not ids:  # held as copies only: their save id must be unique
-            ids = {sid for (s, _src), by in held_copies.items() if s == step
-                   for sid in by.values()}
-        if not ids:  # held in the persistent tier only
-            ids = persisted_ids.get(step, set())
-        if len(ids) != 1:
-            continue
-        save_id = next(iter(ids))
-        in_tier = save_id in persisted_ids.get(step, ())
-        found: dict[tuple[int, int], tuple[int, ...]] = {}
-        for source in range(world):
-            copies_of = tuple(sorted(h for h, sid in held_copies.get((step, source), {}).items()
-                                     if sid == save_id))
-            if copies_of:
-                found[(step, source)] = copies_of
-            if held[source].get(step) != save_id and not copies_of and not in_tier:
-                break
+        save_id, found, why = _resolve_step(step, held, held_copies,
+                                            persisted_ids.get(step, set()), world)
+        if save_id is None:
+            unresolved[step] = why
         else:
             agreed.append((step, save_id))
             holders.update(found)
@@ -208,7 +196,56 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
                       {r: tuple(sorted(h, reverse=True)) for r, h in enumerate(held)},
                       other_sizes, any(bool(a.get("held_any")) for a in answers), holders,
                       frozenset(held_copies),
-                      frozenset((s, sid) for s, ids in persisted_ids.items() for sid in ids))
+                      frozenset((s, sid) for s, ids in persisted_ids.items() for sid in ids),
+                      unresolved)
+
+
+def _resolve_step(step: int, held: Sequence[Mapping[int, str]],
+                  held_copies: Mapping[tuple[int, int], Mapping[int, str]],
+                  persisted: set[str], world: int
+                  ) -> tuple[str | None, dict[tuple[int, int], tuple[int, ...]], str]:
+    """The save id of ``step`` that the ranks agree on, with its copies' holders, or (None,
+    {}, why not).
+
+    A save id is a candidate when it makes the step whole: every rank's shard of that save is
+    in the rank's root, in a copy on another rank, or in the persistent tier. One such save id
+    is the step's. When several are (a root of another run came back with the same step
+    numbers, and its copies make that run's step whole too), the one most ranks hold their
+    own shard of wins, then the one with more copies, then the one in the persistent tier; a
+    tie is ambiguous and nothing of the step is used. Files of the other saves are never
+    mixed in: the caller sets a rank's own files of another save aside and reads its shard
+    from a copy.
+    """
+    ids = ({h[step] for h in held if step in h}
+           | {sid for (s, _src), by in held_copies.items() if s == step for sid in by.values()}
+           | persisted)
+    whole: dict[str, tuple[dict[tuple[int, int], tuple[int, ...]], tuple[int, int, int]]] = {}
+    covered: dict[str, list[int]] = {}
+    for save_id in sorted(ids):
+        found: dict[tuple[int, int], tuple[int, ...]] = {}
+        in_tier = save_id in persisted
+        covered[save_id] = []
+        for source in range(world):
+            copies_of = tuple(sorted(h for h, sid in held_copies.get((step, source), {}).items()
+                                     if sid == save_id))
+            if copies_of:
+                found[(step, source)] = copies_of
+            if held[source].get(step) == save_id or copies_of or in_tier:
+                covered[save_id].append(source)
+        if len(covered[save_id]) == world:
+            support = (sum(1 for h in held if h.get(step) == save_id),
+                       sum(len(c) for c in found.values()), int(in_tier))
+            whole[save_id] = (found, support)
+    if not whole:
+        return None, {}, "no save makes it whole (" + "; ".join(
+            f"save {sid} holds the shards of rank(s) {ranks}"
+            for sid, ranks in sorted(covered.items())) + ")"
+    best = max(support for _found, support in whole.values())
+    winners = sorted(sid for sid, (_found, support) in whole.items() if support == best)
+    if len(winners) > 1:
+        return None, {}, (f"saves {winners} are each whole, held alike (own shards, copies, "
+                          "persistent tier): which one is this run's is ambiguous")
+    return winners[0], whole[winners[0]][0], ""
 
 
 def _entries(answer: dict[str, Any], key: str, width: int, me: int, rank: int

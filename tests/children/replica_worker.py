@@ -16,6 +16,12 @@ It joins a gloo process group and opens a ``cp.CheckpointPipeline`` on ``ROOT/ra
   TrainState) and which values differ from those saved at that step by this rank, or the error;
 - ``save-restore``: ``restore``, then ``save`` of ``--steps`` (the next save after a restore).
 
+``--variant V`` shifts every saved value by ``7 V``: another run's root, with the same step
+numbers and other values. ``--wait-copies``: after the restore, wait (bounded) until this
+rank's copies sent again (``RestoreResult.resending``) are each settled by an event, then for
+every rank (a barrier, so that each holder's copy server is still up), before the pipeline
+closes.
+
 With ``--persistent URL`` the pipelines also promote every ``--persist-every``-th step there
 (``tests/replicate/test_persist_ranks.py``).
 
@@ -40,6 +46,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -68,8 +75,9 @@ def make_state() -> dict[str, Any]:
 
 
 def expected(step: int, rank: int) -> dict[str, torch.Tensor]:
+    variant = ARGS.variant if ARGS is not None else 0
     return {
-        "w": torch.arange(W_NUMEL, dtype=torch.float32).add_(step * 16 + rank),
+        "w": torch.arange(W_NUMEL, dtype=torch.float32).add_(step * 16 + rank + variant * 7),
         "model.weight": torch.arange(32, dtype=torch.float32).add_(step - rank).view(4, 8),
         "model.bias": torch.full((4,), float(step * 100 + rank)),
     }
@@ -191,9 +199,17 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
     state = make_state()
     events: list[dict[str, Any]] = []
     with cp.CheckpointPipeline(args.root_of_rank, **_options(args, rank)) as pipe:
-        pipe.subscribe(lambda e: events.append({"type": type(e).__name__, **_plain(e)})
-                       if isinstance(e, (cp.ShardFetched, cp.CheckpointRejected,
-                                         cp.ShardDownloaded)) else None)
+        resent = threading.Condition()
+
+        def record(e: cp.Event) -> None:
+            if isinstance(e, (cp.ShardFetched, cp.CheckpointRejected, cp.ShardDownloaded,
+                              cp.ForeignFilesSetAside, cp.ReplicaRestored,
+                              cp.ReplicaRestoreFailed, cp.ReplicaStored)):
+                with resent:
+                    events.append({"type": type(e).__name__, **_plain(e)})
+                    resent.notify_all()
+
+        pipe.subscribe(record)
         try:
             result = pipe.restore_latest(state)
         except cp.CheckpointError as exc:
@@ -202,8 +218,12 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
             if result is None:
                 out["restore"] = {"ok": True, "step": None}
             else:
+                # What the result says is still being sent, as the restore returned.
+                resending = {str(h): list(s) for h, s in result.resending.items()}
                 out["restore"] = {
-                    "ok": True, "step": result.step,
+                    "ok": True, "step": result.step, "save_id": result.save_id,
+                    "resending": resending,
+                    "foreign": {str(k): list(v) for k, v in result.foreign.items()},
                     "fetched": {str(k): v for k, v in result.fetched.items()},
                     "downloaded": list(result.downloaded),
                     "train_state": {"step": result.train_state.step,
@@ -212,6 +232,18 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
                     "mismatches": mismatches(state, result.step, rank),
                     "rng": rng_digest(),
                 }
+        if args.wait_copies and out["restore"].get("ok") and out["restore"]["step"] is not None:
+            # This rank's re-sends: wait (bounded) for each one's event before closing.
+            mine = sorted(int(h) for h, s in out["restore"]["resending"].items() if rank in s)
+
+            def settled() -> bool:
+                return sorted(e["holder"] for e in events if e["type"] in (
+                    "ReplicaRestored", "ReplicaRestoreFailed")) == mine
+
+            with resent:
+                out["copies_settled"] = resent.wait_for(settled, timeout=args.max_seconds)
+            # Holders stay open (their copy servers) until every source's copies settled.
+            dist.barrier()
     out["restore_events"] = events
 
 
@@ -256,6 +288,10 @@ def main() -> None:
                         help="a persistent tier (its fsspec options as JSON in the environment "
                              "variable CKPT_TEST_PERSIST_OPTIONS)")
     parser.add_argument("--persist-every", type=int, default=1)
+    parser.add_argument("--variant", type=int, default=0,
+                        help="another run's values: every saved value is shifted by it")
+    parser.add_argument("--wait-copies", action="store_true",
+                        help="after a restore, wait for this rank's copies sent again")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",") if s]

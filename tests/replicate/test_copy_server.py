@@ -20,12 +20,13 @@ import xxhash
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import LocalStorage
-from ckpt_pipeline._format.documents import decode_manifest
+from ckpt_pipeline._format.documents import CommitRecord, decode_manifest, encode_commit
 from ckpt_pipeline._format.limits import MAX_HEADER_BYTES
 from ckpt_pipeline._format.names import replica_name
 from ckpt_pipeline._format.shard import PREAMBLE_SIZE
 from ckpt_pipeline._replicate.fetch import fetch_shard
 from ckpt_pipeline._replicate.push import Peer, Push, PushOutcome
+from ckpt_pipeline._replicate.resend import Resend
 from ckpt_pipeline._replicate.server import CopyServer
 from ckpt_pipeline._restore.scan import FileSet, scan_files, scan_replicas, scrub
 from ckpt_pipeline.errors import CheckpointIntegrityError
@@ -475,3 +476,67 @@ def test_scrub_removes_uncommitted_copies_and_temps_of_this_holder_only(tmp_path
     assert sorted(p.name for p in step_dir.iterdir()) == sorted(set(contents) - gone)
     for name in set(contents) - gone:
         assert (step_dir / name).read_bytes() == contents[name]
+
+
+# ---------------------------------------------------------------------------- sending again
+
+
+def _resend(root: Path, holder: Holder, save_id: str) -> list[cp.Event]:
+    """Send rank 0's shard of the step in ``root`` to the holder as a restore sends a copy
+    its holder lacks (``Resend``), and wait (bounded) for it to end; return its events."""
+    events: list[cp.Event] = []
+    resend = Resend(LocalStorage(root), [holder.peer], token=TOKEN, step=STEP,
+                    save_id=save_id, rank=0, timeout_s=5, emit=events.append)
+    resend.start()
+    assert resend.close(30)
+    return events
+
+
+@pytest.mark.timeout(60)
+def test_a_copy_sent_again_is_published_with_its_commit_record_and_outlives_the_server(
+        source: Source, holder: Holder) -> None:
+    events = _resend(source.root, holder, source.save_id)
+    [done] = events
+    assert isinstance(done, cp.ReplicaRestored), events
+    assert (done.step, done.rank, done.holder, done.save_id) == (STEP, 0, 1, source.save_id)
+    assert done.bytes == len(source.shard)
+    assert holder.files() == COPY_FILES
+    assert holder.copy("shard").read_bytes() == source.shard
+    assert holder.copy("manifest").read_bytes() == source.manifest
+    assert holder.copy("commit").read_bytes() == source.commit
+    [status] = scan_replicas(holder.storage, 1)
+    assert status.valid and status.save_id == source.save_id, status.reason
+    holder.server.close()  # committed with its record: not a copy waiting for a vote
+    assert holder.files() == COPY_FILES
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_corrupt_on_its_disk_is_not_sent_again(source: Source, holder: Holder,
+                                                       tmp_path: Path) -> None:
+    root = tmp_path / "corrupt"
+    root.mkdir()
+    (root / STEP_DIR).mkdir()
+    for kind in ("shard", "manifest", "commit"):
+        data = (source.root / STEP_DIR / f"rank-00000.{kind}").read_bytes()
+        if kind == "shard":
+            start, end, _ = source.checks[1]
+            data = _flip(data, (start + end) // 2)
+        (root / STEP_DIR / f"rank-00000.{kind}").write_bytes(data)
+    [failed] = _resend(root, holder, source.save_id)
+    assert isinstance(failed, cp.ReplicaRestoreFailed) and failed.holder == 1, failed
+    assert "do not match its checksum" in failed.error, failed.error
+    wait_for(lambda: holder.files() == [], "removed")
+
+
+@pytest.mark.timeout(60)
+def test_a_push_carrying_another_saves_commit_record_is_refused(source: Source,
+                                                                holder: Holder) -> None:
+    other = encode_commit(CommitRecord(STEP, 0, 1, "another-run-10", time.time(), {}))
+    p = Push([holder.peer], token=TOKEN, step=STEP, save_id=source.save_id, rank=0,
+             timeout_s=5, commit=other)
+    p.open(len(source.shard))
+    outcome = p.collect()
+    assert outcome.acked == ()
+    assert "commit record pushed with rank 0's copy of step 10 is for another save" in (
+        outcome.errors[1]), outcome.errors
+    assert holder.files() == []
