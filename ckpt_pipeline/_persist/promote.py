@@ -111,6 +111,7 @@ class Promoter:
         # Rewinds this pipeline knows of, and those rank 0 has yet to record in the tier.
         self._rewinds: dict[int, Rewind] = {}
         self._pending: dict[int, Rewind] = {}
+        self._recorded: set[int] = set()
 
     # ------------------------------------------------------------------ open and close
 
@@ -395,8 +396,13 @@ class Promoter:
         try:
             if remote is None:
                 raise CheckpointError("the persistent tier is not open")
+            # Recorded by this pipeline already (its drop failed), or new to the tier: the
+            # abandoned commit objects go. One the tier recorded before is left alone.
+            recorded = [r for r in pending if r.timeline in self._recorded]
+            recorded += record_rewinds(remote, [r for r in pending if r not in recorded])
+            self._recorded |= {r.timeline for r in recorded}
             gone: list[int] = []
-            if record_rewinds(remote, pending):
+            if recorded:
                 records = complete_steps(remote, rank=self.rank)
                 gone = drop_commit_objects(remote, records,
                                            tier_marks(records, pending) | self.marks())

@@ -33,17 +33,16 @@ def read_tier_rewinds(remote: Remote) -> list[Rewind]:
     return decode_rewinds(raw, f"{remote.url}/{TIER_REWINDS}")
 
 
-def record_rewinds(remote: Remote, rewinds: Iterable[Rewind]) -> bool:
+def record_rewinds(remote: Remote, rewinds: Iterable[Rewind]) -> list[Rewind]:
     """Rank 0: add ``rewinds`` to the tier's record (one put of the whole object: a reader
-    sees the old record or the new one). Returns whether anything was new. Worker thread."""
+    sees the old record or the new one). Returns those that were new. Worker thread."""
     present = {r.timeline: r for r in read_tier_rewinds(remote)}
     new = [r for r in rewinds if r.timeline not in present]
-    if not new:
-        return False
-    for rewind in new:
-        present[rewind.timeline] = rewind
-    remote.put_small(TIER_REWINDS, encode_rewinds(list(present.values())))
-    return True
+    if new:
+        for rewind in new:
+            present[rewind.timeline] = rewind
+        remote.put_small(TIER_REWINDS, encode_rewinds(list(present.values())))
+    return new
 
 
 def tier_marks(records: Mapping[int, StepRecord], rewinds: Iterable[Rewind]) -> set[Mark]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from .._crash import crash_point
 from .._format.names import step_dir_name
 from .._format.shard import TensorRecord
 from .._format.timeline import Rewind
@@ -543,6 +544,7 @@ class Recovery:
         if self.promoter is not None:
             await in_thread(limiter, self.promoter.rewound, [rewind])
         await agree_barrier(self.coordinator, what="restore rewind", step=rewind.step)
+        crash_point("restore.rewind_recorded")
 
     def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
         self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))
