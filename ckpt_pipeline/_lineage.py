@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ._format.documents import decode_rewinds, encode_rewinds
 from ._format.limits import MAX_SMALL_FILE_BYTES
-from ._format.names import parse_rewind_file, rewind_file_name
+from ._format.names import TIER_REWINDS, parse_rewind_file, rewind_file_name
 from ._format.timeline import (
     Lineage,
     Mark,
@@ -72,11 +72,13 @@ def write_rewind(storage: Storage, rank: int, rewind: Rewind) -> str:
 
 
 def read_rewinds(storage: Storage) -> list[Rewind]:
-    """Every rewind recorded in the root (any rank's file: they are the run's), oldest
-    timeline first. A record that cannot be read is logged and left out. Worker thread."""
+    """Every rewind recorded in the root (any rank's file: they are the run's; and the
+    persistent tier's record, for a directory tier read as a root), oldest timeline first. A
+    record that cannot be read is logged and left out. Worker thread."""
     out: dict[int, Rewind] = {}
     for entry in storage.list_dir(""):
-        if parse_rewind_file(entry.name) is None or not entry.is_file:
+        named = parse_rewind_file(entry.name) is not None or entry.name == TIER_REWINDS
+        if not named or not entry.is_file:
             continue
         path = os.path.join(str(storage.root), entry.name)
         try:

@@ -18,6 +18,7 @@ import re
 
 __all__ = (
     "TEMP_FILE",
+    "TIER_REWINDS",
     "commit_name",
     "manifest_name",
     "parse_rank_file",
@@ -35,6 +36,8 @@ __all__ = (
     "temp_owner",
 )
 
+TIER_REWINDS = "timeline.rewinds"
+"""The persistent tier's record of the run's rewinds, at its top level (rank 0 writes it)."""
 _STEP_DIR = re.compile(r"^step-([0-9]{10,})$")
 _RANK_FILE = re.compile(r"^rank-([0-9]{5,})\.(shard|manifest|commit)$")
 _REJECTED_DIR = re.compile(r"^(step-[0-9]{10,})\.rejected-r([0-9]{5,})-([0-9a-f]{8})$")

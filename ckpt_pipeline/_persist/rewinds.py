@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from .._format.documents import decode_rewinds, encode_rewinds
-from .._format.names import step_dir_name
+from .._format.names import TIER_REWINDS, step_dir_name
 from .._format.timeline import Mark, Rewind, abandoned, marks_of
 from .layout import STEP_COMMIT, StepRecord
 from .remote import Remote
@@ -20,7 +20,6 @@ from .remote import Remote
 __all__ = ("TIER_REWINDS", "current_records", "drop_commit_objects", "read_tier_rewinds",
            "record_rewinds", "tier_marks")
 
-TIER_REWINDS = "timeline.rewinds"
 _MAX_BYTES = 1024 * 1024
 
 
