@@ -153,6 +153,7 @@ class Recovery:
         view = await self._agree_timeline(statuses, copies, limiter)
         held_dirs = {(s.step, s.dir_name): view.abandons(s.step, s.lineage)
                      for s in [*statuses, *copies] if s.valid}
+        scanned = frozenset((st.step, st.dir_name) for st in statuses)
         statuses, copies = self._current(view, statuses), self._current(view, copies)
         self._persisted = {step: r for step, r in self._persisted.items()
                            if not view.abandons(step, r.lineage)}
@@ -187,7 +188,7 @@ class Recovery:
                 loaded, source = await self._load_step(
                     step, save_id, status, agreed.holders.get((step, self.rank), ()), state,
                     started, rejected, agreed, limiter)
-                loaded.scanned = frozenset((st.step, st.dir_name) for st in statuses)
+                loaded.scanned = scanned
                 # Steps fetched for an earlier candidate that then failed elsewhere are newer
                 # than this one: they are moved aside with the others.
                 loaded.scanned |= self._fetched_dirs

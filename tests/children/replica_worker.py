@@ -12,8 +12,9 @@ It joins a gloo process group and opens a ``cp.CheckpointPipeline`` on ``ROOT/ra
 
 - ``save``: saves each of ``--steps`` and waits for its result; records per step the
   ``CommitInfo`` (or the error), and the replication events;
-- ``restore``: restores into a state of zeros; records the result (step, ``fetched``,
-  TrainState) and which values differ from those saved at that step by this rank, or the error;
+- ``restore``: restores into a state of zeros (``restore_latest``, or ``restore(step=N)`` with
+  ``--restore-step N``); records the result (step, ``fetched``, TrainState) and which values
+  differ from those saved at that step by this rank, or the error;
 - ``save-restore``: ``restore``, then ``save`` of ``--steps`` (the next save after a restore).
 
 With ``--persistent URL`` the pipelines also promote every ``--persist-every``-th step there
@@ -195,7 +196,8 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
                        if isinstance(e, (cp.ShardFetched, cp.CheckpointRejected,
                                          cp.ShardDownloaded)) else None)
         try:
-            result = pipe.restore_latest(state)
+            result = (pipe.restore_latest(state) if args.restore_step is None
+                      else pipe.restore(state, step=args.restore_step))
         except cp.CheckpointError as exc:
             out["restore"] = {"ok": False, "error": _error(exc)}
         else:
@@ -256,6 +258,7 @@ def main() -> None:
                         help="a persistent tier (its fsspec options as JSON in the environment "
                              "variable CKPT_TEST_PERSIST_OPTIONS)")
     parser.add_argument("--persist-every", type=int, default=1)
+    parser.add_argument("--restore-step", type=int, default=None)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",") if s]
