@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_child, run_cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_rewinds
@@ -23,6 +23,7 @@ from ckpt_pipeline._persist import promote as promote_mod
 from ckpt_pipeline._persist.layout import STEP_COMMIT
 from ckpt_pipeline._persist.remote import RemoteError, open_remote
 from ckpt_pipeline._persist.rewinds import TIER_REWINDS
+from ckpt_pipeline.testing import CRASH_ENV
 
 Tier = tuple[str, "dict[str, Any] | None"]
 
@@ -130,6 +131,24 @@ def test_a_rewind_closed_without_a_new_save_resumes_the_rewind_point_from_the_ti
     assert _restore_latest(root, dir_tier) == (3, 3.0)
     shutil.rmtree(root)
     assert _restore_latest(root, dir_tier) == (3, 3.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_process_killed_right_after_the_rewind_resumes_the_rewind_point_whatever_survives(
+    tmp_path: Path, dir_tier: Tier
+) -> None:
+    """SIGKILL once the rewind is recorded in every tier, before any step is moved aside."""
+    root = tmp_path / "local"
+    _first_timeline(root, dir_tier)
+    done = run_child("rewind_child.py", root, dir_tier[0], 3, timeout=90,
+                     env={CRASH_ENV: "restore.rewind_recorded"})
+    assert done.returncode == -9, done.stderr
+    assert (root / "step-0000000006").exists()  # not moved aside: killed before that
+    assert cp.load(root).step == 3
+    assert _restore_latest(root, dir_tier) == (3, 3.0)  # the local root intact
+    shutil.rmtree(root)
+    assert _restore_latest(root, dir_tier) == (3, 3.0)  # only the tier
 
 
 @pytest.mark.timeout(120)
