@@ -417,8 +417,8 @@ class Promoter:
         with self._lock:
             for rewind in pending:
                 self._pending.pop(rewind.timeline, None)
-        for step in gone:
-            self._submit(self._meta, self._remove_step, step)
+        for step in gone:  # before any upload of the new timeline can reuse the prefix
+            self._remove_step(step)
         log.debug("ckpt.persist.rewind_recorded", rank=self.rank, url=self.url,
                   timelines=[r.timeline for r in pending], abandoned=gone)
         return True

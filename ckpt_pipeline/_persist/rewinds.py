@@ -61,8 +61,7 @@ def drop_commit_objects(remote: Remote, records: Mapping[int, StepRecord],
                         marks: Iterable[Mark]) -> list[int]:
     """Rank 0, after the rewind is recorded: delete the commit object of every complete step
     that ``marks`` abandon, so that no reader, old or new, takes it for complete. Returns those
-    steps (their data objects are removed afterwards, as an unfinished step's). Worker
-    thread."""
+    steps (the caller removes their data objects next). Worker thread."""
     marks = set(marks)
     gone = sorted(step for step, r in records.items() if abandoned(step, r.lineage, marks))
     for step in sorted(gone, reverse=True):

@@ -222,6 +222,7 @@ def test_ls_labels_rewound_steps_and_retention_removes_them_once_the_new_timelin
         seen: list[cp.Event] = []
         pipe.subscribe(seen.append)
         _save(pipe, 4, 40.0, seen)
+        pipe.wait(60)  # retention runs after result(): wait() returns once it is done
         # Step 4 of the new timeline is committed on every rank: the rewound steps go.
         assert list(root.glob("step-*.rewound-*")) == []
         pruned = sorted(e.step for e in seen if isinstance(e, cp.CheckpointPruned))
