@@ -240,7 +240,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         rewinds = await in_thread(self._limiter, read_rewinds, self.storage)
         mine = await in_thread(self._limiter, local_timeline, self.storage, self.rank)
         answers = await gather_shared(self.coordinator, mine, what="open timeline")
-        self.timeline.timeline = max(a for a in answers if type(a) is int)
+        self.timeline.timeline = max((a for a in answers if type(a) is int), default=0)
         if self.promoter is not None and rewinds:
             await in_thread(self._limiter, self.promoter.rewound, rewinds)
 
