@@ -7,6 +7,7 @@ are abandoned, and the rewind it records) and the readers (``cp.load``, ``show``
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from ._restore.scan import committed_steps, rank_sets, read_commit
 from .errors import CheckpointError, CheckpointIntegrityError
 from .storage import Storage
 
-__all__ = ("Timeline", "current_steps", "local_marks", "local_timeline", "read_rewinds",
+__all__ = ("Timeline", "current_steps", "forget_rewind", "local_marks", "local_timeline", "read_rewinds",
            "step_lineage", "write_rewind")
 
 
@@ -58,17 +59,32 @@ def write_rewind(storage: Storage, rank: int, rewind: Rewind) -> str:
     data = encode_rewinds([rewind])
     fd, temp = storage.create_temp("", name)
     try:
-        storage.pwrite(fd, memoryview(data), 0)
-        storage.fsync(fd)
-    finally:
-        storage.close(fd)
-    try:
+        try:
+            storage.pwrite(fd, memoryview(data), 0)
+            storage.fsync(fd)
+        finally:
+            storage.close(fd)
         storage.publish("", temp, name)
     except CheckpointError:
-        storage.unlink(temp)
+        with contextlib.suppress(CheckpointError):
+            storage.unlink(temp)
         raise
     storage.fsync_dir("")
     return path
+
+
+def forget_rewind(storage: Storage, rank: int, rewind: Rewind) -> None:
+    """Remove ``rank``'s record of ``rewind`` (a rewind that failed on another rank, before
+    anything was moved aside). Best-effort: a failure is logged. Worker thread."""
+    name = rewind_file_name(rewind.timeline, rank)
+    try:
+        storage.unlink(name)
+        storage.fsync_dir("")
+    except CheckpointError as exc:
+        log.error("ckpt.lineage.rewind_not_removed", rank=rank, step=rewind.step,
+                  path=os.path.join(str(storage.root), name), error=exc.message,
+                  hint="remove the file by hand: until then the steps after "
+                       f"{rewind.step} are treated as abandoned")
 
 
 def read_rewinds(storage: Storage) -> list[Rewind]:

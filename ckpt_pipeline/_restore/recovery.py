@@ -24,7 +24,7 @@ from .._crash import crash_point
 from .._format.names import step_dir_name
 from .._format.shard import TensorRecord
 from .._format.timeline import Rewind
-from .._lineage import Timeline, read_rewinds, write_rewind
+from .._lineage import Timeline, forget_rewind, read_rewinds, write_rewind
 from .._logging import log
 from .._persist.rewinds import read_tier_rewinds
 from .._threads import in_thread
@@ -458,7 +458,7 @@ class Recovery:
                                rank=self.rank, hint="every rank rolls its live state back "
                                                     "to what it was before the restore")
         if loaded.rewind is not None:
-            await self._record_rewind(loaded.rewind, limiter)
+            await self._record_rewind(loaded, limiter)
         dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
         for step, dir_name in sorted(dirs.items()):
             rewound = (step, dir_name) in loaded.rewound
@@ -533,12 +533,32 @@ class Recovery:
             key for key, gone in held_dirs.items()
             if gone or (loaded.rewind is not None and key[0] > loaded.step))
 
-    async def _record_rewind(self, rewind: Rewind, limiter: anyio.CapacityLimiter) -> None:
-        """Record the rewind in every tier before anything is moved aside: this rank's file
-        in its root, rank 0's in the persistent tier (pending, logged, when unreachable),
-        then a barrier, so that no rank moves a step aside before every rank's record is
-        durable (any one of them is enough for a later recovery)."""
-        path = await in_thread(limiter, write_rewind, self.storage, self.rank, rewind)
+    async def _record_rewind(self, loaded: Loaded, limiter: anyio.CapacityLimiter) -> None:
+        """Record the rewind in every tier before anything is moved aside: this rank's file in
+        its root, a vote (a rank that could not write it fails the restore on every rank, each
+        removing its own record: nothing changed), rank 0's record in the persistent tier
+        (pending, logged, when unreachable), then a barrier, so that no rank moves a step
+        aside before the records are durable (any one of them is enough for a recovery)."""
+        rewind = loaded.rewind
+        assert rewind is not None
+        error: CheckpointError | None = None
+        path = ""
+        try:
+            path = await in_thread(limiter, write_rewind, self.storage, self.rank, rewind)
+        except CheckpointError as exc:
+            error = exc
+        failures, _ = await agree_outcome(
+            self.coordinator, loaded.step, loaded.save_id,
+            None if error is None else error.message, what="restore rewind")
+        if failures:
+            if path:
+                await in_thread(limiter, forget_rewind, self.storage, self.rank, rewind)
+            raise RestoreError(
+                f"the rewind to step {loaded.step} could not be recorded on rank(s) "
+                f"{sorted(failures)}: {_listing(failures)}", step=loaded.step, rank=self.rank,
+                path=str(self.storage.root),
+                hint="every rank rolls its live state back; free space in the root (a rewind "
+                     "record is a few hundred bytes) and restore again")
         _log.info("ckpt.recovery.rewound", step=rewind.step, rank=self.rank,
                   timeline=rewind.timeline, abandoned=[s for s, _ in rewind.abandoned],
                   path=path)

@@ -14,6 +14,7 @@ import torch
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_commit, encode_commit
 from ckpt_pipeline._format.timeline import Lineage, Mark, abandoned, decode_lineage, marks_of
+from ckpt_pipeline.testing import Fault, FaultyStorage
 
 
 def _state(value: float) -> dict[str, Any]:
@@ -97,3 +98,26 @@ def test_a_step_of_a_new_timeline_marks_the_steps_it_replaced_without_any_rewind
 def test_a_malformed_lineage_is_an_integrity_error(doc: dict[str, Any]) -> None:
     with pytest.raises(cp.CheckpointIntegrityError):
         decode_lineage(doc, "/x/rank-00000.commit")
+
+
+@pytest.mark.timeout(60)
+def test_a_rewind_whose_record_cannot_be_written_fails_and_changes_nothing(
+    tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    with cp.CheckpointPipeline(root, direct_io=False, keep_last=10) as pipe:
+        for step in range(1, 5):
+            _save(pipe, step, float(step))
+    storage = FaultyStorage(root)
+    state = _state(7.0)
+    with cp.CheckpointPipeline(root, storage=storage, direct_io=False, keep_last=10) as pipe:
+        storage.arm(Fault("fsync", 1, name="rewind-0000000001-r00000"))
+        with pytest.raises(cp.RestoreError, match="rewind to step 2 could not be recorded"):
+            pipe.restore(state, step=2)
+        assert storage.fired
+    assert float(state["w"][0]) == 7.0  # the live state as it was
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".lock")) == [
+        f"step-000000000{s}" for s in (1, 2, 3, 4)]  # no record, nothing moved aside
+    with cp.CheckpointPipeline(root, direct_io=False, keep_last=10) as pipe:
+        result = pipe.restore_latest(state)
+    assert result is not None and result.step == 4 and float(state["w"][0]) == 4.0
