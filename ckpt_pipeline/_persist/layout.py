@@ -9,7 +9,9 @@ A step promoted to the persistent tier has the layout of a local root, one prefi
 
 ``step.commit`` (msgpack, never pickle) lists every object of the step with its size and the
 xxh3 of each part, as rank 0 learnt them from every rank's report through the control plane.
-A step prefix without it is an unfinished promotion and is never restored from.
+A step prefix without it is an unfinished promotion and is never restored from. It also
+names the step's lineage (``_format/timeline.py``); the run's rewinds are in
+``URL/timeline.rewinds`` (``rewinds.py``).
 """
 
 from __future__ import annotations
