@@ -28,6 +28,7 @@ from .events import CheckpointCommitted as CheckpointCommitted
 from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
+from .events import CheckpointRewound as CheckpointRewound
 from .events import Event as Event
 from .events import PersistFailed as PersistFailed
 from .events import PersistPruned as PersistPruned
@@ -78,6 +79,7 @@ __all__ = (
     "CheckpointPruned",
     "CheckpointRejected",
     "CheckpointRestored",
+    "CheckpointRewound",
     "CommitInfo",
     "ConfigError",
     "CoordinationError",

@@ -48,6 +48,7 @@ from ..errors import (
 from ..events import (
     CheckpointRejected,
     CheckpointRestored,
+    CheckpointRewound,
     Event,
     ShardDownloaded,
     ShardFetched,
@@ -559,9 +560,10 @@ class Recovery:
                 path=str(self.storage.root),
                 hint="every rank rolls its live state back; free space in the root (a rewind "
                      "record is a few hundred bytes) and restore again")
-        _log.info("ckpt.recovery.rewound", step=rewind.step, rank=self.rank,
-                  timeline=rewind.timeline, abandoned=[s for s, _ in rewind.abandoned],
-                  path=path)
+        self._emit(CheckpointRewound(step=rewind.step, rank=self.rank, save_id=rewind.save_id,
+                                     timeline=rewind.timeline,
+                                     abandoned=tuple(s for s, _ in rewind.abandoned),
+                                     path=path))
         if self.promoter is not None:
             await in_thread(limiter, self.promoter.rewound, [rewind])
         await agree_barrier(self.coordinator, what="restore rewind", step=rewind.step)

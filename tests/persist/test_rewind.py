@@ -210,7 +210,12 @@ def test_ls_labels_rewound_steps_and_retention_removes_them_once_the_new_timelin
     root = tmp_path / "local"
     _first_timeline(root, dir_tier)
     with _open(root, dir_tier) as pipe:
+        events: list[cp.Event] = []
+        pipe.subscribe(events.append)
         assert pipe.restore(_state(0.0), step=3) is not None
+        (rewound,) = [e for e in events if isinstance(e, cp.CheckpointRewound)]
+        assert (rewound.step, rewound.abandoned, rewound.timeline) == (3, (4, 5, 6), 1)
+        assert Path(rewound.path) == root / "rewind-0000000001-r00000"
         listed = run_cli("ls", root, "--json")
         assert listed.returncode == 0, listed.stderr
         rows = _rows(listed.stdout)
