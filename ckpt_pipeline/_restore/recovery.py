@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +178,7 @@ class Recovery:
                     f"rank (steps that are: {listed})", step=wanted, rank=self.rank,
                     path=str(self.storage.root),
                     hint="pick one of those steps (ckpt-pipeline ls ROOT)")
+        failed: set[int] = set()  # candidates every rank rejected: corruption, not a rewind
         for step, save_id in candidates:
             status = valid.get(step)
             if status is not None and status.save_id != save_id:
@@ -215,10 +216,11 @@ class Recovery:
                                           if isinstance(e, dict) and e.get("downloaded") is True)
                 loaded.restore_rng = (self.config.restore_rng if restore_rng is None
                                       else restore_rng)
-                self._note_rewind(loaded, view, held_dirs)
+                self._note_rewind(loaded, view, held_dirs, failed)
                 return loaded
             path = status.path if status is not None else ""
             rejected.append(self._reject(step, path, _listing(failures)))
+            failed.add(step)
         if not agreed.held_any:
             return None
         missing = self._missing_shards(agreed)
@@ -524,15 +526,17 @@ class Recovery:
 
     @staticmethod
     def _note_rewind(loaded: Loaded, view: TimelineView,
-                     held_dirs: Mapping[tuple[int, str], bool]) -> None:
+                     held_dirs: Mapping[tuple[int, str], bool], failed: Set[int]) -> None:
         """Whether restoring ``loaded`` rewinds the run, and which of this rank's steps it
-        abandons (the same decision on every rank: the view is). ``held_dirs``: {(step,
-        directory): abandoned already} of the rank's valid files (own or copies)."""
-        loaded.rewind = view.rewind_for(loaded.step, loaded.save_id)
+        abandons (the same decision on every rank: the view and ``failed``, the candidates
+        every rank rejected, are). ``held_dirs``: {(step, directory): abandoned already} of
+        the rank's valid files (own or copies). A rejected candidate is moved aside as
+        rejected, kept for inspection, as before lineage."""
+        loaded.rewind = view.rewind_for(loaded.step, loaded.save_id, failed)
         loaded.timeline = view.top + 1
         loaded.rewound = frozenset(
-            key for key, gone in held_dirs.items()
-            if gone or (loaded.rewind is not None and key[0] > loaded.step))
+            key for key, gone in held_dirs.items() if key[0] not in failed
+            and (gone or (loaded.rewind is not None and key[0] > loaded.step)))
 
     async def _record_rewind(self, loaded: Loaded, limiter: anyio.CapacityLimiter) -> None:
         """Record the rewind in every tier before anything is moved aside: this rank's file in

@@ -13,7 +13,7 @@ is moved aside (``Recovery.finish``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,11 +44,14 @@ class TimelineView:
     def abandons(self, step: int, lineage: Lineage | None) -> bool:
         return abandoned(step, lineage, self.marks)
 
-    def rewind_for(self, step: int, save_id: str) -> Rewind | None:
+    def rewind_for(self, step: int, save_id: str, failed: Collection[int] = ()
+                   ) -> Rewind | None:
         """The rewind that restoring ``step`` makes: None unless some step of the current
-        timeline newer than it is held somewhere (those are listed)."""
+        timeline newer than it is held somewhere (those are listed). ``failed``: the steps
+        this restore tried and every rank rejected (corruption, not a rewind)."""
         newer = sorted({(s, i) for s, i, t in self.entries
-                        if s > step and not abandoned(s, Lineage(t), self.marks)})
+                        if s > step and s not in failed
+                        and not abandoned(s, Lineage(t), self.marks)})
         if not newer:
             return None
         return Rewind(step, save_id, self.top + 1, time.time(), tuple(newer))

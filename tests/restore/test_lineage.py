@@ -121,3 +121,29 @@ def test_a_rewind_whose_record_cannot_be_written_fails_and_changes_nothing(
     with cp.CheckpointPipeline(root, direct_io=False, keep_last=10) as pipe:
         result = pipe.restore_latest(state)
     assert result is not None and result.step == 4 and float(state["w"][0]) == 4.0
+
+
+@pytest.mark.timeout(60)
+def test_falling_back_from_a_corrupt_step_is_no_rewind_and_keeps_the_evidence(
+    tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    with cp.CheckpointPipeline(root, direct_io=False, keep_last=10) as pipe:
+        for step in range(1, 4):
+            _save(pipe, step, float(step))
+    shard = root / "step-0000000003" / "rank-00000.shard"
+    data = bytearray(shard.read_bytes())
+    data[4096 + 17] ^= 0xFF  # the data region: the cheap scan passes, the load's checksum fails
+    shard.write_bytes(bytes(data))
+    events: list[cp.Event] = []
+    with cp.CheckpointPipeline(root, direct_io=False, keep_last=10) as pipe:
+        pipe.subscribe(events.append)
+        result = pipe.restore_latest(_state(0.0))
+        assert result is not None and result.step == 2
+        assert [r.step for r in result.rejected] == [3]
+        assert "checksum" in result.rejected[0].reason
+        _save(pipe, 3, 30.0)
+        pipe.wait(30)  # retention ran
+    assert not any(isinstance(e, cp.CheckpointRewound) for e in events)
+    assert list(root.glob("rewind-*")) == []
+    assert len(list(root.glob("step-0000000003.rejected-r00000-*"))) == 1  # kept
