@@ -146,6 +146,11 @@ def test_a_process_killed_right_after_the_rewind_resumes_the_rewind_point_whatev
     assert done.returncode == -9, done.stderr
     assert (root / "step-0000000006").exists()  # not moved aside: killed before that
     assert cp.load(root).step == 3
+    shown = run_cli("show", root, "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["step"] == 3, shown.stderr
+    rows = {r["step"]: r for r in _rows(run_cli("ls", root, "--json").stdout)}
+    assert all("abandoned by a rewind" in str(rows[s]["reason"]) for s in (4, 5, 6))
+    assert rows[3]["reason"] is None
     assert _restore_latest(root, dir_tier) == (3, 3.0)  # the local root intact
     shutil.rmtree(root)
     assert _restore_latest(root, dir_tier) == (3, 3.0)  # only the tier
