@@ -30,6 +30,7 @@ from .events import CheckpointCommitted as CheckpointCommitted
 from .events import CheckpointPruned as CheckpointPruned
 from .events import CheckpointRejected as CheckpointRejected
 from .events import CheckpointRestored as CheckpointRestored
+from .events import CheckpointRewound as CheckpointRewound
 from .events import Event as Event
 from .events import ForeignFilesSetAside as ForeignFilesSetAside
 from .events import PersistentAvailable as PersistentAvailable
@@ -86,6 +87,7 @@ __all__ = (
     "CheckpointPruned",
     "CheckpointRejected",
     "CheckpointRestored",
+    "CheckpointRewound",
     "CheckpointWarning",
     "CommitInfo",
     "ConfigError",

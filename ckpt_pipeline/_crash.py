@@ -38,6 +38,7 @@ CRASH_POINTS = (
     "commit.record_published", # commit record durable, confirmation not exchanged
     "retain.commit_removed",   # an old step's commit record removed, its data not yet
     "scrub.removed",           # start-up removed one leftover, others may remain
+    "restore.rewind_recorded", # a rewind durable in every tier, no step moved aside yet
     "replicate.sending",       # sender: a chunk of a copy sent, the copy incomplete
     "replicate.receiving",     # holder: a chunk of a copy received, the copy incomplete
     "replicate.stored",        # holder: a copy published, not acknowledged or committed

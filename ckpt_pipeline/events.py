@@ -16,6 +16,7 @@ __all__ = (
     "CheckpointPruned",
     "CheckpointRejected",
     "CheckpointRestored",
+    "CheckpointRewound",
     "Event",
     "ForeignFilesSetAside",
     "PersistFailed",
@@ -189,6 +190,20 @@ class CheckpointRestored(Event):
     path: str
     bytes: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRewound(Event):
+    """A restore went back behind newer steps of the current timeline (``step`` is the one
+    restored): the rewind is recorded in this rank's root (``path``), and ``abandoned`` will
+    never be restored."""
+
+    log_name: ClassVar[str] = "ckpt.recovery.rewound"
+    log_level: ClassVar[str] = "info"
+    save_id: str
+    timeline: int
+    abandoned: tuple[int, ...]
+    path: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,10 +43,10 @@ from ._restore import scan as _scan
 from ._restore.read import read_shard
 from ._tree import materialize
 from .errors import CheckpointError, CheckpointIntegrityError, ConfigError, StorageError
-from .storage import LocalStorage
+from .storage import LocalStorage, Storage
 from .train_state import TrainState
 
-__all__ = ("LoadedCheckpoint", "load", "pick_step", "tier_step")
+__all__ = ("LoadedCheckpoint", "load", "newest_candidates", "pick_step", "tier_step")
 
 _THREADS = 8
 _T = TypeVar("_T")
@@ -148,13 +148,26 @@ def pick_step(steps: Mapping[int, _T], step: int | None, rank: int | None,
     return step, steps[step]
 
 
+def newest_candidates(storage: Storage, rank: int, *, copies: bool = True) -> dict[int, str]:
+    """``committed_steps`` less the steps a rewind abandoned (recorded in the root, or by
+    the lineage of a newer timeline's step there): where "the newest" is picked from.
+    Worker thread."""
+    from ._lineage import current_steps
+
+    return current_steps(storage, rank, _scan.committed_steps(storage, rank, copies=copies))
+
+
 def tier_step(remote: Remote, step: int | None, rank: int | None) -> StepRecord:
     """The commit object of a persistent tier's complete ``step`` (None: the newest), checked
     to have a rank ``rank`` (None: not checked); CheckpointError naming what is there
     otherwise. Worker thread."""
     from ._persist.promote import complete_steps
+    from ._persist.rewinds import current_records, read_tier_rewinds, tier_marks
 
-    step, record = pick_step(complete_steps(remote), step, None, remote.url)
+    records = complete_steps(remote)
+    if step is None:  # the newest of the current timeline, never an abandoned one
+        records = current_records(records, tier_marks(records, read_tier_rewinds(remote)))
+    step, record = pick_step(records, step, None, remote.url)
     if rank is not None and rank >= record.world_size:
         raise CheckpointError(f"step {step} was saved by {record.world_size} rank(s); there "
                               f"is no rank {rank}", step=step, rank=rank,
@@ -169,7 +182,8 @@ async def _load_local(storage: LocalStorage, step: int | None, rank: int,
                       device: torch.device, consolidate: bool) -> LoadedCheckpoint:
     limiter = anyio.CapacityLimiter(_THREADS)
     steps = await anyio.to_thread.run_sync(functools.partial(
-        _scan.committed_steps, storage, rank, copies=True), limiter=limiter)
+        newest_candidates if step is None else _scan.committed_steps, storage, rank,
+        copies=True), limiter=limiter)
     step, dir_name = pick_step(steps, step, rank, str(storage.root))
 
     async def read(r: int) -> tuple[LoadedCheckpoint, _Parts]:

@@ -21,6 +21,15 @@ import msgpack
 from .._gc import gc_paused
 from ..errors import CheckpointIntegrityError
 from .limits import MAX_HEADER_BYTES, MAX_NESTING, MAX_SAVE_ID_LEN, MAX_SMALL_FILE_BYTES
+from .timeline import (
+    MAX_REWINDS,
+    Lineage,
+    Rewind,
+    decode_lineage,
+    decode_rewind,
+    encode_lineage,
+    rewind_doc,
+)
 
 __all__ = (
     "FORMAT_VERSION",
@@ -30,10 +39,12 @@ __all__ = (
     "decode_commit",
     "decode_manifest",
     "decode_message",
+    "decode_rewinds",
     "decode_tree",
     "encode_commit",
     "encode_manifest",
     "encode_message",
+    "encode_rewinds",
     "encode_tree",
 )
 
@@ -248,6 +259,8 @@ class CommitRecord:
 
     ``metrics``: the values the retention policies rank steps by, from rank 0's
     ``TrainState.extra`` at this save (the same on every rank); empty when none asked.
+    ``lineage``: the step this one continues from and the run's timeline (``timeline.py``);
+    None in records written before lineage existed.
     """
 
     step: int
@@ -256,6 +269,7 @@ class CommitRecord:
     save_id: str
     committed_unix: float
     metrics: Mapping[str, float] = field(default_factory=dict)
+    lineage: Lineage | None = None
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -266,12 +280,15 @@ def encode_manifest(m: Manifest) -> bytes:
 
 
 def encode_commit(c: CommitRecord) -> bytes:
-    """The record; ``metrics`` only when there are some (records stay as before without)."""
+    """The record; ``metrics`` and the lineage only when there are some (records stay as
+    before without)."""
     doc: dict[str, Any] = {"format": FORMAT_VERSION, "kind": "commit", "step": c.step,
                            "rank": c.rank, "world_size": c.world_size, "save_id": c.save_id,
                            "committed_unix": float(c.committed_unix)}
     if c.metrics:
         doc["metrics"] = {str(name): float(value) for name, value in c.metrics.items()}
+    if c.lineage is not None:
+        doc.update(encode_lineage(c.lineage))
     return _pack(doc)
 
 
@@ -305,7 +322,7 @@ def decode_manifest(raw: bytes, path: str) -> Manifest:
 def decode_commit(raw: bytes, path: str) -> CommitRecord:
     d = _small(raw, "commit", path)
     return CommitRecord(*_placement(d, path), _req(d, "committed_unix", float, path),
-                        _metrics(d, path))
+                        _metrics(d, path), decode_lineage(d, path))
 
 
 def _metrics(d: Mapping[str, Any], path: str) -> dict[str, float]:
@@ -321,3 +338,23 @@ def _metrics(d: Mapping[str, Any], path: str) -> dict[str, float]:
         raise CheckpointIntegrityError("field 'metrics' is not a map of names to finite "
                                        "floats", path=path)
     return dict(value)
+
+
+# --------------------------------------------------------------------------- rewinds
+
+
+def encode_rewinds(rewinds: Sequence[Rewind]) -> bytes:
+    """A rewind record: a rank's file in a local root (one rewind) or the persistent tier's
+    ``timeline.rewinds`` (the newest ``MAX_REWINDS``), oldest timeline first."""
+    newest = sorted(rewinds, key=lambda r: r.timeline)[-MAX_REWINDS:]
+    return _pack({"format": FORMAT_VERSION, "kind": "rewinds",
+                  "rewinds": [rewind_doc(r) for r in newest]})
+
+
+def decode_rewinds(raw: bytes, path: str) -> list[Rewind]:
+    d = _small(raw, "rewinds", path)
+    value = d.get("rewinds")
+    if not isinstance(value, list) or len(value) > MAX_REWINDS:
+        raise CheckpointIntegrityError(f"field 'rewinds' is not a list of at most "
+                                       f"{MAX_REWINDS} rewinds", path=path)
+    return [decode_rewind(item, path) for item in value]

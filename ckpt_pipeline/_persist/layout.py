@@ -9,7 +9,9 @@ A step promoted to the persistent tier has the layout of a local root, one prefi
 
 ``step.commit`` (msgpack, never pickle) lists every object of the step with its size and the
 xxh3 of each part, as rank 0 learnt them from every rank's report through the control plane.
-A step prefix without it is an unfinished promotion and is never restored from.
+A step prefix without it is an unfinished promotion and is never restored from. It also
+names the step's lineage (``_format/timeline.py``); the run's rewinds are in
+``URL/timeline.rewinds`` (``rewinds.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from .._format.documents import FORMAT_VERSION, decode_message, encode_message
 from .._format.names import step_dir_name
+from .._format.timeline import Lineage, decode_lineage, encode_lineage
 from .._restore.scan import FileSet
 from ..errors import CheckpointIntegrityError
 from .remote import ObjectSum, _uint
@@ -49,6 +52,8 @@ class StepRecord:
     objects: Mapping[str, ObjectSum]
     """{file name within the step prefix: its checksum}, every rank's three files."""
     created_unix: float = 0.0
+    lineage: Lineage | None = None
+    """The step's lineage, as its commit records name it (None: written before lineage)."""
 
     def rank_objects(self, rank: int) -> dict[str, ObjectSum]:
         files = FileSet(rank)
@@ -65,7 +70,8 @@ def encode_step_record(record: StepRecord) -> bytes:
         "format": FORMAT_VERSION, "kind": "persisted", "step": record.step,
         "save_id": record.save_id, "world_size": record.world_size,
         "created_unix": record.created_unix or time.time(),
-        "objects": {name: s.to_msg() for name, s in sorted(record.objects.items())}})
+        "objects": {name: s.to_msg() for name, s in sorted(record.objects.items())},
+        **({} if record.lineage is None else encode_lineage(record.lineage))})
 
 
 def decode_step_record(raw: bytes, where: str) -> StepRecord:
@@ -89,7 +95,8 @@ def decode_step_record(raw: bytes, where: str) -> StepRecord:
                     raise CheckpointIntegrityError(f"it does not list {name}")
         created = doc.get("created_unix")
         return StepRecord(step, save_id, world, sums,
-                          float(created) if isinstance(created, (int, float)) else 0.0)
+                          float(created) if isinstance(created, (int, float)) else 0.0,
+                          decode_lineage(doc, where))
     except CheckpointIntegrityError as exc:
         raise CheckpointIntegrityError(f"the commit object {where} is invalid: {exc.message}",
                                        path=where) from exc

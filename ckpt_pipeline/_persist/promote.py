@@ -13,7 +13,11 @@ exchange at close), so every rank takes the same decisions in the same order:
   has reported a step, rank 0 checks the objects are there and writes ``step.commit`` last
   (``StepPersisted``), then applies ``persistent_keep``;
 - a rank that failed (after the remote layer's retries) reports its error: every rank emits
-  ``PersistFailed`` and rank 0 removes what was uploaded of the step.
+  ``PersistFailed`` and rank 0 removes what was uploaded of the step;
+- a rewind (``rewound``) is recorded in the tier by rank 0 (``rewinds.py``), which then takes
+  the abandoned steps off it; a promotion of an abandoned step is never committed. While the
+  tier cannot be reached the rewind stays pending, and is recorded before the next commit
+  object.
 
 The URL belongs to one open (``owner.Ownership``, rank 0's): before each commit object rank 0
 re-reads the owner object, and checks that every object of the step is the one its rank
@@ -47,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._format.names import parse_step_dir, step_dir_name
+from .._format.timeline import Lineage, Mark, Rewind, abandoned
 from .._logging import log
 from ..config import PipelineConfig
 from ..errors import CheckpointError, CheckpointIntegrityError, PersistentInUseError
@@ -78,6 +83,7 @@ from .remote import (
     _display,
     open_remote,
 )
+from .rewinds import drop_commit_objects, record_rewinds, tier_marks
 from .stream import ShardStream
 from .workers import DaemonPool, bounded
 
@@ -102,6 +108,7 @@ class _Assigned:
     save_id: str
     committed_at: float
     reports: dict[int, dict[str, Any]]
+    lineage: Lineage | None = None
 
 
 class Promoter:
@@ -133,7 +140,7 @@ class Promoter:
         self._assigned: dict[int, _Assigned] = {}
         self._last_assigned = -1
         self._commits = 0
-        self._newest: tuple[int, str] | None = None
+        self._newest: tuple[int, str, Lineage | None] | None = None
         self._busy: tuple[int, int] = (0, 0)  # (most unfinished promotions on a rank, rank)
         self._unreachable = ""  # the ranks that cannot reach the tier ("": none)
         self._committing: dict[int, str] = {}  # rank 0: steps whose commit object is due
@@ -146,6 +153,10 @@ class Promoter:
         self._acquiring = threading.Lock()
         self._opened = False  # open() has returned: a later connection acquires in background
         self._lost_url: str | None = None
+        # Rewinds this pipeline knows of, and those rank 0 has yet to record in the tier.
+        self._rewinds: dict[int, Rewind] = {}
+        self._pending: dict[int, Rewind] = {}
+        self._recorded: set[int] = set()
 
     # ------------------------------------------------------------------ open and close
 
@@ -437,12 +448,13 @@ class Promoter:
                                      url=self.url, error=f"not committed: {reason}"))
         self._assigned.clear()
 
-    def committed(self, step: int, save_id: str) -> None:
-        """A step committed on every rank: assign it when it is due (same on every rank)."""
+    def committed(self, step: int, save_id: str, lineage: Lineage | None = None) -> None:
+        """A step committed on every rank: assign it when it is due (same on every rank).
+        ``lineage``: its commit records' (the commit object names it too)."""
         self._commits += 1
-        self._newest = (step, save_id)
+        self._newest = (step, save_id, lineage)
         if self._commits % self.config.persist_every == 0:
-            self._assign(step, save_id, closing=False)
+            self._assign(step, save_id, lineage, closing=False)
 
     def closing(self) -> None:
         """At a clean close: promote the newest step committed since open too
@@ -455,7 +467,8 @@ class Promoter:
         with self._lock:
             return set(self._unfinished)
 
-    def _assign(self, step: int, save_id: str, *, closing: bool) -> None:
+    def _assign(self, step: int, save_id: str, lineage: Lineage | None, *,
+                closing: bool) -> None:
         if step <= self._last_assigned:
             return
         if self._lost_url is not None:  # never silent: each step due fails, naming why
@@ -477,7 +490,7 @@ class Promoter:
                 reason=f"rank {rank} still has {most} earlier promotion(s) unfinished"))
             return
         self._last_assigned = step
-        self._assigned[step] = _Assigned(save_id, time.monotonic(), {})
+        self._assigned[step] = _Assigned(save_id, time.monotonic(), {}, lineage)
         with self._lock:
             self._unfinished[step] = save_id
         self._submit(self._uploads, self._upload, step, save_id)
@@ -543,6 +556,12 @@ class Promoter:
         remote = self.remote
         assert remote is not None  # assigned only while every rank reaches the tier
         dir_name = step_dir_name(step)
+        self._flush_rewinds()
+        if abandoned(step, assigned.lineage, self.marks()):
+            log.info("ckpt.persist.abandoned_not_committed", step=step, rank=self.rank,
+                     url=self.url, save_id=assigned.save_id)
+            self._remove_step(step)
+            return
         try:
             lost = self._lost()
         except Exception as exc:
@@ -559,7 +578,8 @@ class Promoter:
         try:
             objects, stamps = self._reported(step, assigned)
             self._check_objects(remote, dir_name, objects, stamps)
-            record = StepRecord(step, assigned.save_id, self.world_size, objects)
+            record = StepRecord(step, assigned.save_id, self.world_size, objects,
+                                lineage=assigned.lineage)
             if self._stopped:
                 return
             remote.put_small(f"{dir_name}/{STEP_COMMIT}", encode_step_record(record))
@@ -691,6 +711,65 @@ class Promoter:
                 self._sweep(step)
             else:
                 self._remove_step(step)
+
+    # ------------------------------------------------------------------ rewinds
+
+    def rewound(self, rewinds: Sequence[Rewind]) -> bool:
+        """The run was rewound (``rewinds``: this one, or those a local root records): on
+        rank 0, record them in the tier and take the abandoned steps' commit objects off it.
+        Returns whether the tier has them now (True on other ranks). When it cannot be
+        reached they stay pending (logged), recorded before the next commit object; readers
+        meanwhile ignore the abandoned steps by the local records. Worker thread."""
+        with self._lock:
+            for rewind in rewinds:
+                if rewind.timeline not in self._rewinds:
+                    self._rewinds[rewind.timeline] = rewind
+                    if self.rank == 0:
+                        self._pending[rewind.timeline] = rewind
+        return self._flush_rewinds()
+
+    def marks(self) -> set[Mark]:
+        """The marks of the rewinds this pipeline knows of."""
+        with self._lock:
+            return {r.mark for r in self._rewinds.values()}
+
+    def _flush_rewinds(self) -> bool:
+        with self._lock:
+            pending = list(self._pending.values())
+        if not pending:
+            return True
+        remote = self.remote
+        try:
+            if remote is None:
+                raise CheckpointError("the persistent tier is not open")
+            if self._owner is None or self._owner.lost is not None:
+                raise CheckpointError("this open does not hold the persistent URL")
+            # Recorded by this pipeline already (its drop failed), or new to the tier: the
+            # abandoned commit objects go. One the tier recorded before is left alone.
+            recorded = [r for r in pending if r.timeline in self._recorded]
+            recorded += record_rewinds(remote, [r for r in pending if r not in recorded])
+            self._recorded |= {r.timeline for r in recorded}
+            gone: list[int] = []
+            if recorded:
+                records = complete_steps(remote, rank=self.rank)
+                gone = drop_commit_objects(remote, records,
+                                           tier_marks(records, pending) | self.marks())
+        except Exception as exc:
+            error = exc.message if isinstance(exc, CheckpointError) else (
+                f"{type(exc).__name__}: {exc}")
+            log.warning("ckpt.persist.rewind_pending", rank=self.rank, url=self.url,
+                        timelines=[r.timeline for r in pending], error=error,
+                        action="the rewind is recorded in the local roots; it is recorded "
+                               "in the tier before the next commit object")
+            return False
+        with self._lock:
+            for rewind in pending:
+                self._pending.pop(rewind.timeline, None)
+        for step in gone:  # before any upload of the new timeline can reuse the prefix
+            self._remove_step(step)
+        log.debug("ckpt.persist.rewind_recorded", rank=self.rank, url=self.url,
+                  timelines=[r.timeline for r in pending], abandoned=gone)
+        return True
 
     # ------------------------------------------------------------------ restore
 

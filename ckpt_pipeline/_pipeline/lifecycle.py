@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._lineage import Timeline, local_timeline, read_rewinds
 from .._logging import log
 from .._persist.promote import Promoter
 from .._persist.remote import is_url
@@ -130,12 +131,15 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         self.replication = Replication(self.storage, self.config, self.emitter.emit)
         self.promoter = (None if self.config.persistent is None
                          else Promoter(self.storage, self.config, self.emitter.emit))
+        self.timeline = Timeline()
         self.runner = StageRunner(
             Stages(self.config, self.storage, self.coordinator, self.ledger, self._pool,
-                   self.emitter.emit, self._limiter, self.replication, self.promoter),
+                   self.emitter.emit, self._limiter, self.replication, self.promoter,
+                   self.timeline),
             self.ledger, self.emitter.emit, self.config.queue_depth)
         self._recovery = Recovery(self.storage, self.coordinator, self.config,
-                                  self.emitter.emit, self.replication, self.promoter)
+                                  self.emitter.emit, self.replication, self.promoter,
+                                  self.timeline)
         self.state = PipelineState.NEW
 
     # ------------------------------------------------------------------ lifecycle
@@ -253,6 +257,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 await self._open_persistent(self.promoter)
             self.admission.run_id = await self.replication.start(self.coordinator,
                                                                  self._limiter)
+            await self._open_timeline()
             committed = await in_thread(self._limiter, _scan.committed_steps, self.storage,
                                         self.rank)
             self.ledger.resume_at(max(committed, default=None))
@@ -263,6 +268,17 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             lock.release()
             raise
         return lock
+
+    async def _open_timeline(self) -> None:
+        """Agree on the timeline the commits carry until a restore (the newest any rank's
+        records name); rank 0 records in the persistent tier any rewind its root records
+        that the tier lacks (one left pending by an outage)."""
+        rewinds = await in_thread(self._limiter, read_rewinds, self.storage)
+        mine = await in_thread(self._limiter, local_timeline, self.storage, self.rank)
+        answers = await gather_shared(self.coordinator, mine, what="open timeline")
+        self.timeline.timeline = max((a for a in answers if type(a) is int), default=0)
+        if self.promoter is not None and rewinds:
+            await in_thread(self._limiter, self.promoter.rewound, rewinds)
 
     # ------------------------------------------------------------------ saving
 

@@ -26,13 +26,21 @@ from typing import Literal
 
 import anyio
 
+from .._lineage import Timeline
 from .._logging import log, warn_unless_shown
 from .._persist.promote import Promoter
 from .._replicate.replication import Replication
 from .._save.buffers import HostPool
 from .._save.commit import commit
 from .._save.job import SaveJob
-from .._save.retain import Pruned, PruneFailed, clear_marker, prune, write_marker
+from .._save.retain import (
+    Pruned,
+    PruneFailed,
+    clear_marker,
+    prune,
+    prune_rewound,
+    write_marker,
+)
 from .._save.seal import write_shard
 from .._save.write_data import serialize
 from .._threads import in_thread
@@ -65,7 +73,7 @@ class Stages:
     def __init__(self, config: PipelineConfig, storage: Storage, coordinator: Coordinator,
                  ledger: Ledger, pool: HostPool, emit: Callable[[Event], None],
                  limiter: anyio.CapacityLimiter, replication: Replication | None = None,
-                 promoter: Promoter | None = None) -> None:
+                 promoter: Promoter | None = None, timeline: Timeline | None = None) -> None:
         self.config = config
         self.rank = config.rank
         self.storage = storage
@@ -76,6 +84,8 @@ class Stages:
         self.limiter = limiter
         self.replication = replication
         self.promoter = promoter
+        self.timeline = timeline if timeline is not None else Timeline()
+        """What each commit record names as its parent and timeline (moved on by commits)."""
 
     def _uploads_paused(self) -> contextlib.AbstractContextManager[None]:
         """The persistent tier's uploads wait while this save writes (see ``Promoter``)."""
@@ -134,15 +144,17 @@ class Stages:
                                 bytes=job.shard_size, seconds=time.perf_counter() - started))
 
     async def commit(self, job: SaveJob) -> None:
+        lineage = self.timeline.lineage()
         replicas = await commit(job, self.storage, self.coordinator, limiter=self.limiter,
                                 replication=self.replication, promoter=self.promoter,
-                                metrics=self.config.retention_metrics)
+                                metrics=self.config.retention_metrics, lineage=lineage)
         job.push = None
         if job.error is not None:
             return
         seconds = time.perf_counter() - job.requested_at
         path = os.path.join(str(self.storage.root), job.files.dir_name)
         job.committed = True
+        self.timeline.committed(job.step, job.save_id)
         pushed = replicas.pushed
         if pushed is not None and self.replication is not None:
             for holder in pushed.acked:
@@ -179,7 +191,7 @@ class Stages:
                                        path=path, bytes=job.shard_size, seconds=seconds))
         job.handle._resolve(info)
         if self.promoter is not None:
-            self.promoter.committed(job.step, job.save_id)
+            self.promoter.committed(job.step, job.save_id, lineage)
 
     async def retain(self, job: SaveJob) -> None:
         """Prune older steps. Never fails the save: it is committed already.
@@ -189,6 +201,7 @@ class Stages:
         """
         started = time.perf_counter()
         pruned: list[Pruned] = []
+        rewound: list[Pruned] = []
         try:
             failed: list[PruneFailed] = []
             try:
@@ -204,12 +217,28 @@ class Stages:
                                            committed_step=job.step, path=item.path,
                                            error=item.error))
             await self._record_prunes(pruned, failed)
+            rewound = await self._prune_rewound(job)
         finally:
             self.ledger.settle(job.handle)
-        for done in pruned:
+        for done in [*pruned, *rewound]:
             self._emit(CheckpointPruned(step=done.step, rank=self.rank, path=done.path,
                                         bytes=done.bytes,
                                         seconds=time.perf_counter() - started))
+
+    async def _prune_rewound(self, job: SaveJob) -> list[Pruned]:
+        """Remove the steps a rewind older than this commit moved aside (``prune_rewound``);
+        a failure is reported as ``RetentionFailed``, without a marker (nothing of the
+        current timeline is left behind)."""
+        try:
+            removed, failed = await in_thread(self.limiter, prune_rewound, self.storage,
+                                              self.rank, job.step)
+        except Exception as exc:
+            removed, failed = [], [PruneFailed(-1, str(self.storage.root),
+                                               f"{type(exc).__name__}: {exc}")]
+        for item in failed:
+            self._emit(RetentionFailed(step=item.step, rank=self.rank, committed_step=job.step,
+                                       path=item.path, error=item.error))
+        return removed
 
     async def _record_prunes(self, pruned: list[Pruned], failed: list[PruneFailed]) -> None:
         """Leave a marker for each step that could not be pruned, drop those of pruned ones."""

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from .._format.documents import CommitRecord, encode_commit
+from .._format.timeline import Lineage
 from .._logging import log
 from .._restore.scan import scan_replicas
 from .._threads import in_thread
@@ -121,10 +122,12 @@ class Replication:
                     timeout_s=self.config.replication_timeout_s)
 
     def settle(self, step: int, save_id: str, commit: Sequence[int],
-               metrics: Mapping[str, float] | None = None) -> dict[int, str]:
+               metrics: Mapping[str, float] | None = None,
+               lineage: Lineage | None = None) -> dict[int, str]:
         """Commit the copies this rank holds of the sources in ``commit``, remove the others
-        (worker thread; see ``Receptions.settle``). ``metrics``: what the copies' commit
-        records carry, as the owners' do (retention ranks a held copy by them too)."""
+        (worker thread; see ``Receptions.settle``). ``metrics`` and ``lineage``: what the
+        copies' commit records carry, as the owners' do (retention ranks a held copy by them
+        too; recovery tells a copy of an abandoned timeline by its lineage)."""
         if self.server is None:
             return {src: f"rank {self.rank} runs no copy server" for src in commit}
         world = self.config.world_size
@@ -133,7 +136,7 @@ class Replication:
             import time
 
             return encode_commit(CommitRecord(step, source, world, save_id, time.time(),
-                                              dict(metrics or {})))
+                                              dict(metrics or {}), lineage))
 
         return self.server.receptions.settle(step, save_id, commit, record)
 

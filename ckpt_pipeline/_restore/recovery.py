@@ -13,16 +13,20 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
+from .._crash import crash_point
 from .._format.names import step_dir_name
 from .._format.shard import TensorRecord
+from .._format.timeline import Rewind
+from .._lineage import Timeline, forget_rewind, read_rewinds, write_rewind
 from .._logging import log
+from .._persist.rewinds import read_tier_rewinds
 from .._threads import in_thread
 from .._tree import find_mesh, to_dtensor
 from ..config import PipelineConfig
@@ -44,6 +48,7 @@ from ..errors import (
 from ..events import (
     CheckpointRejected,
     CheckpointRestored,
+    CheckpointRewound,
     Event,
     ForeignFilesSetAside,
     ShardDownloaded,
@@ -55,6 +60,7 @@ from ..train_state import TrainState
 from . import scan as _recovery
 from .apply import apply_state
 from .read import device_bytes, read_shard
+from .rewind import TimelineView, agree_timeline
 from .rollback import AppliedState, BackupCopies
 
 if TYPE_CHECKING:
@@ -101,6 +107,13 @@ class Loaded:
     """{rank: save ids} of every rank's files of the step of other saves, set aside."""
     held_copies: dict[int, tuple[int, ...]] | None = None
     """{source: ranks holding a valid copy of its shard of the step} (the agreement's)."""
+    rewind: Rewind | None = None
+    """The rewind this restore makes (steps of the current timeline newer than it exist)."""
+    timeline: int = 0
+    """The timeline the run goes on as after this restore."""
+    rewound: frozenset[tuple[int, str]] = frozenset()
+    """(step, directory) of this rank's valid steps that the restore abandons: moved aside
+    as rewound (the others newer than the restored step as rejected)."""
 
 
 class Recovery:
@@ -108,7 +121,8 @@ class Recovery:
 
     def __init__(self, storage: Storage, coordinator: Coordinator, config: PipelineConfig,
                  emit: Callable[[Event], None], replication: Replication | None = None,
-                 promoter: Promoter | None = None) -> None:
+                 promoter: Promoter | None = None, timeline: Timeline | None = None) -> None:
+        self.timeline = timeline if timeline is not None else Timeline()
         self.replication = replication
         self.promoter = promoter
         self._persisted: dict[int, StepRecord] = {}
@@ -141,10 +155,17 @@ class Recovery:
             if copy.complete and not copy.valid:
                 _log.warning("ckpt.recovery.copy_invalid", step=copy.step, rank=self.rank,
                              source=copy.source, path=copy.path, reason=copy.reason)
+        self._persisted = await self._list_persisted(limiter)
+        view = await self._agree_timeline(statuses, copies, limiter)
+        held_dirs = {(s.step, s.dir_name): view.abandons(s.step, s.lineage)
+                     for s in [*statuses, *copies] if s.valid}
+        scanned = frozenset((st.step, st.dir_name) for st in statuses)
+        statuses, copies = self._current(view, statuses), self._current(view, copies)
+        self._persisted = {step: r for step, r in self._persisted.items()
+                           if not view.abandons(step, r.lineage)}
         valid = {s.step: s for s in statuses if s.valid}
         held = [(c.step, c.files.source, c.save_id or "", c.world_size or 0)
                 for c in copies if c.valid and c.files is not None]
-        self._persisted = await self._list_persisted(limiter)
         persisted = [(r.step, r.save_id, r.world_size) for r in self._persisted.values()]
         agreed = await agree_candidates(
             self.coordinator, {step: (s.save_id or "", s.world_size or 0)
@@ -162,6 +183,7 @@ class Recovery:
                     f"rank (steps that are: {listed})", step=wanted, rank=self.rank,
                     path=str(self.storage.root),
                     hint="pick one of those steps (ckpt-pipeline ls ROOT)")
+        failed: set[int] = set()  # candidates every rank rejected: corruption, not a rewind
         for step, save_id in candidates:
             status = valid.get(step)
             if status is not None and status.save_id != save_id:
@@ -176,7 +198,7 @@ class Recovery:
                 loaded, source = await self._load_step(
                     step, save_id, status, agreed.holders.get((step, self.rank), ()), state,
                     started, rejected, agreed, limiter)
-                loaded.scanned = frozenset((st.step, st.dir_name) for st in statuses)
+                loaded.scanned = scanned
                 # Steps fetched for an earlier candidate that then failed elsewhere are newer
                 # than this one: they are moved aside with the others.
                 loaded.scanned |= self._fetched_dirs
@@ -206,9 +228,11 @@ class Recovery:
                 self._log_unresolved(agreed, newer_than=step)
                 loaded.restore_rng = (self.config.restore_rng if restore_rng is None
                                       else restore_rng)
+                self._note_rewind(loaded, view, held_dirs, failed)
                 return loaded
             path = status.path if status is not None else ""
             rejected.append(self._reject(step, path, _listing(failures)))
+            failed.add(step)
         if not agreed.held_any:
             return None
         self._log_unresolved(agreed, newer_than=-1)
@@ -500,16 +524,22 @@ class Recovery:
                                f"{sorted(failures)}: {_listing(failures)}", step=loaded.step,
                                rank=self.rank, hint="every rank rolls its live state back "
                                                     "to what it was before the restore")
+        if loaded.rewind is not None:
+            await self._record_rewind(loaded, limiter)
         dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
         for step, dir_name in sorted(dirs.items()):
-            if step > loaded.step and (step, dir_name) in loaded.scanned:
-                moved = await in_thread(limiter, _recovery.quarantine, self.storage, step,
-                                        dir_name, self.rank)
+            rewound = (step, dir_name) in loaded.rewound
+            if (step > loaded.step or rewound) and (step, dir_name) in loaded.scanned:
+                moved = await in_thread(limiter, functools.partial(
+                    _recovery.quarantine, self.storage, step, dir_name, self.rank,
+                    rewound_to=loaded.step if rewound else None))
                 if moved is not None:
                     _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
-                                 path=moved)
+                                 path=moved, rewound_to=loaded.step if rewound else None)
         resending = await self._clear_lacking_copies(loaded, limiter)
         await agree_barrier(self.coordinator, what="restore done", step=loaded.step)
+        self.timeline.timeline = loaded.timeline
+        self.timeline.head = (loaded.step, loaded.save_id)
         self._resend_copies(loaded, resending)
         seconds = time.perf_counter() - loaded.started
         self._emit(CheckpointRestored(step=loaded.step, rank=self.rank, save_id=loaded.save_id,
@@ -561,6 +591,94 @@ class Recovery:
         _log.info("ckpt.recovery.resending", step=loaded.step, rank=self.rank,
                   holders=holders)
         self.replication.resend(loaded.step, loaded.save_id, holders)
+
+    async def _agree_timeline(self, statuses: list[_recovery.StepStatus],
+                              copies: list[_recovery.StepStatus],
+                              limiter: anyio.CapacityLimiter) -> TimelineView:
+        """Every rank's marks and steps (``rewind.py``): the same view on every rank."""
+        rewinds = await in_thread(limiter, read_rewinds, self.storage)
+        if self.promoter is not None:
+            rewinds += await self._tier_rewinds(limiter)
+        return await agree_timeline(
+            self.coordinator, own=[s for s in statuses if s.valid],
+            copies=[c for c in copies if c.valid], persisted=self._persisted,
+            rewinds=rewinds, known=() if self.promoter is None else self.promoter.marks(),
+            timeline=self.timeline.timeline)
+
+    async def _tier_rewinds(self, limiter: anyio.CapacityLimiter) -> list[Rewind]:
+        """The rewinds the persistent tier records ([] and a log line when it cannot be
+        read: the local records still count)."""
+        promoter = self.promoter
+        assert promoter is not None
+        if promoter.remote is None:
+            return []
+        try:
+            return await in_thread(limiter, read_tier_rewinds, promoter.remote)
+        except CheckpointError as exc:
+            _log.warning("ckpt.recovery.tier_rewinds_unreadable", rank=self.rank,
+                         url=promoter.url, error=exc.message)
+            return []
+
+    def _current(self, view: TimelineView, statuses: list[_recovery.StepStatus]
+                 ) -> list[_recovery.StepStatus]:
+        """``statuses`` less the valid ones of an abandoned timeline (logged)."""
+        out = []
+        for status in statuses:
+            if status.valid and view.abandons(status.step, status.lineage):
+                _log.info("ckpt.recovery.abandoned_skipped", step=status.step, rank=self.rank,
+                          save_id=status.save_id, source=status.source, path=status.path)
+                continue
+            out.append(status)
+        return out
+
+    @staticmethod
+    def _note_rewind(loaded: Loaded, view: TimelineView,
+                     held_dirs: Mapping[tuple[int, str], bool], failed: Set[int]) -> None:
+        """Whether restoring ``loaded`` rewinds the run, and which of this rank's steps it
+        abandons (the same decision on every rank: the view and ``failed``, the candidates
+        every rank rejected, are). ``held_dirs``: {(step, directory): abandoned already} of
+        the rank's valid files (own or copies). A rejected candidate is moved aside as
+        rejected, kept for inspection, as before lineage."""
+        loaded.rewind = view.rewind_for(loaded.step, loaded.save_id, failed)
+        loaded.timeline = view.top + 1
+        loaded.rewound = frozenset(
+            key for key, gone in held_dirs.items() if key[0] not in failed
+            and (gone or (loaded.rewind is not None and key[0] > loaded.step)))
+
+    async def _record_rewind(self, loaded: Loaded, limiter: anyio.CapacityLimiter) -> None:
+        """Record the rewind in every tier before anything is moved aside: this rank's file in
+        its root, a vote (a rank that could not write it fails the restore on every rank, each
+        removing its own record: nothing changed), rank 0's record in the persistent tier
+        (pending, logged, when unreachable), then a barrier, so that no rank moves a step
+        aside before the records are durable (any one of them is enough for a recovery)."""
+        rewind = loaded.rewind
+        assert rewind is not None
+        error: CheckpointError | None = None
+        path = ""
+        try:
+            path = await in_thread(limiter, write_rewind, self.storage, self.rank, rewind)
+        except CheckpointError as exc:
+            error = exc
+        failures, _ = await agree_outcome(
+            self.coordinator, loaded.step, loaded.save_id,
+            None if error is None else error.message, what="restore rewind")
+        if failures:
+            if path:
+                await in_thread(limiter, forget_rewind, self.storage, self.rank, rewind)
+            raise RestoreError(
+                f"the rewind to step {loaded.step} could not be recorded on rank(s) "
+                f"{sorted(failures)}: {_listing(failures)}", step=loaded.step, rank=self.rank,
+                path=str(self.storage.root),
+                hint="every rank rolls its live state back; free space in the root (a rewind "
+                     "record is a few hundred bytes) and restore again")
+        self._emit(CheckpointRewound(step=rewind.step, rank=self.rank, save_id=rewind.save_id,
+                                     timeline=rewind.timeline,
+                                     abandoned=tuple(s for s, _ in rewind.abandoned),
+                                     path=path))
+        if self.promoter is not None:
+            await in_thread(limiter, self.promoter.rewound, [rewind])
+        await agree_barrier(self.coordinator, what="restore rewind", step=rewind.step)
+        crash_point("restore.rewind_recorded")
 
     def _reject(self, step: int, path: str, reason: str) -> RejectedStep:
         self._emit(CheckpointRejected(step=step, rank=self.rank, path=path, reason=reason))

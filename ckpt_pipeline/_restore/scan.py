@@ -23,9 +23,11 @@ from .._format.names import (
     parse_step_dir,
     rejected_dir_name,
     replica_name,
+    rewound_dir_name,
     temp_owner,
 )
 from .._format.shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
+from .._format.timeline import Lineage
 from ..errors import CheckpointIntegrityError, StateError, StorageError
 from ..storage import Storage
 from ..train_state import TrainState
@@ -119,6 +121,8 @@ class StepStatus:
     header: ShardHeader | None = None
     files: FileSet | None = None
     """Which files were looked at (None: this rank's own)."""
+    lineage: Lineage | None = None
+    """The commit record's lineage (None: none recorded)."""
 
     @property
     def source(self) -> int | None:
@@ -286,7 +290,8 @@ def scan_files(storage: Storage, files: FileSet, step: int, dir_name: str,
     return StepStatus(step, dir_name, path, complete=True, valid=True, reason=None,
                       save_id=record.save_id, world_size=record.world_size,
                       shard_size=manifest.shard_size, data_bytes=manifest.data_bytes,
-                      committed_unix=record.committed_unix, header=header, files=files)
+                      committed_unix=record.committed_unix, header=header, files=files,
+                      lineage=record.lineage)
 
 
 def check_arriving(storage: Storage, step: int, dir_name: str, rank: int, *,
@@ -304,7 +309,8 @@ def check_arriving(storage: Storage, step: int, dir_name: str, rank: int, *,
     return StepStatus(step, dir_name, path, complete=True, valid=True, reason=None,
                       save_id=record.save_id, world_size=record.world_size,
                       shard_size=manifest.shard_size, data_bytes=manifest.data_bytes,
-                      committed_unix=record.committed_unix, header=header, files=files)
+                      committed_unix=record.committed_unix, header=header, files=files,
+                      lineage=record.lineage)
 
 
 def _read_manifest(storage: Storage, dir_name: str, step: int, rank: int,
@@ -378,13 +384,15 @@ def decode_contents(status: StepStatus, rank: int) -> tuple[dict[str, Any], Trai
 
 
 def quarantine(storage: Storage, step: int, dir_name: str, rank: int, *,
-               own_only: bool = False) -> str | None:
+               own_only: bool = False, rewound_to: int | None = None) -> str | None:
     """Move this rank's files of a step aside (kept for inspection, invisible to scans).
 
     Only this rank's files move (its own, and the copies it holds), into a directory of this
     rank's own, so ranks sharing a root never touch each other's files. ``own_only``: only
-    its own shard's files (a corrupt shard about to be replaced by a fetched copy). Returns
-    the new directory, or None if nothing was there. Runs in a worker thread.
+    its own shard's files (a corrupt shard about to be replaced by a fetched copy).
+    ``rewound_to``: the step is abandoned by a rewind to that step (the directory is named
+    so; retention removes it, see ``retain.py``). Returns the new directory, or None if
+    nothing was there. Runs in a worker thread.
     """
     names = [e.name for e in storage.list_dir(dir_name)]
     held = {name for files in owned_sets(names, rank)
@@ -392,7 +400,9 @@ def quarantine(storage: Storage, step: int, dir_name: str, rank: int, *,
     own = [name for name in names if name in held or temp_owner(name) == rank]
     if not own:
         return None
-    target = rejected_dir_name(step, rank, secrets.token_hex(4))
+    token = secrets.token_hex(4)
+    target = (rejected_dir_name(step, rank, token) if rewound_to is None
+              else rewound_dir_name(step, rewound_to, rank, token))
     storage.make_dir(target)
     for name in own:
         storage.move(os.path.join(dir_name, name), os.path.join(target, name))

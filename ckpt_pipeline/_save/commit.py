@@ -26,6 +26,7 @@ import anyio
 from .._crash import crash_point
 from .._format.documents import CommitRecord, encode_commit
 from .._format.names import commit_name
+from .._format.timeline import Lineage
 from .._logging import log
 from .._replicate.push import PushOutcome
 from .._replicate.replication import Replication
@@ -60,7 +61,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                  limiter: anyio.CapacityLimiter,
                  replication: Replication | None = None,
                  promoter: Promoter | None = None,
-                 metrics: Sequence[str] = ()) -> Replicas:
+                 metrics: Sequence[str] = (), lineage: Lineage | None = None) -> Replicas:
     """Vote with the other ranks; write this rank's commit record if every rank succeeded.
 
     A job that failed earlier still votes (with its error), so the other ranks learn of it and
@@ -71,6 +72,8 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
     this rank holds of the step are removed here. Shielded from cancellation: once the vote
     starts, the commit finishes or fails cleanly. ``metrics``: the ``TrainState.extra``
     keys to record (see the module docstring); rank 0 checks them before it votes.
+    ``lineage``: what the commit records (this rank's and the copies') name as the step's
+    parent and timeline, the same on every rank (``_lineage.Timeline``).
     """
     with anyio.CancelScope(shield=True):
         own = None if job.error is None else f"{job.failed_stage}: {job.error.message}"
@@ -120,7 +123,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
         try:
             recorded = _recorded_metrics(job, first[0], metrics, storage)
             record = encode_commit(CommitRecord(job.step, job.rank, job.world_size,
-                                                job.save_id, time.time(), recorded))
+                                                job.save_id, time.time(), recorded, lineage))
             await publish_small(job, storage, commit_name(job.rank), record, limiter=limiter)
         except CheckpointError as exc:
             written = exc
@@ -132,7 +135,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                               if isinstance(extra, dict)
                               and job.rank in (extra.get("acked") or ())]
             copy_failed = await in_thread(limiter, replication.settle, job.step, job.save_id,
-                                          commit_sources, recorded)
+                                          commit_sources, recorded, lineage)
         # Second vote: the step is complete only once every rank's commit record is durable.
         # Until then no rank prunes an older step for it.
         failures, _, second = await gather_outcome(

@@ -8,6 +8,11 @@ after a restart, decides from the same values.
 A step that cannot be removed stays on disk and is reported, never silently: the stage emits
 ``RetentionFailed`` and leaves a marker file in the root (``.retain-failed-rNNNNN-step-…``,
 holding the error) that ``ckpt-pipeline ls`` shows, until a later prune removes the step.
+
+Steps a rewind moved aside (``step-….rewound-<N>-r…``) are removed by one rule, whatever the
+policy (``prune_rewound``): once a step newer than the rewind point N is committed on every
+rank, the new timeline has a checkpoint of its own past N, and the abandoned steps go. Steps
+moved aside for failing verification (``.rejected-``) are kept for inspection.
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ from collections.abc import Collection, Mapping, Set
 from dataclasses import dataclass
 
 from .._crash import crash_point
-from .._format.names import step_dir_name
+from .._format.names import parse_rewound_dir, step_dir_name
 from .._restore.scan import committed_steps, owned_sets, read_commit, step_dirs, tidy_step_dir
 from ..errors import CheckpointError
 from ..retention import MetricPolicy, RetentionPolicy, StepInfo
 from ..storage import Storage
 
-__all__ = ("PruneFailed", "Pruned", "clear_marker", "marker_name", "prune", "read_markers",
-           "recorded_metrics", "write_marker")
+__all__ = ("PruneFailed", "Pruned", "clear_marker", "marker_name", "prune", "prune_rewound",
+           "read_markers", "recorded_metrics", "write_marker")
 
 _MARKER = re.compile(r"^\.retain-failed-r([0-9]{5,})-(step-[0-9]{10,})$")
 _MARKER_MAX_BYTES = 4096
@@ -74,6 +79,36 @@ def prune(storage: Storage, rank: int, policy: RetentionPolicy, complete: int,
             failed.append(PruneFailed(step, path, str(exc)))
             continue
         out.append(Pruned(step, path, size))
+    return out, failed
+
+
+def prune_rewound(storage: Storage, rank: int, complete: int
+                  ) -> tuple[list[Pruned], list[PruneFailed]]:
+    """Remove this rank's directories that a rewind to a step older than ``complete`` (a step
+    committed on every rank) moved aside; report those that could not be removed. Worker
+    thread."""
+    out: list[Pruned] = []
+    failed: list[PruneFailed] = []
+    for entry in storage.list_dir(""):
+        parsed = parse_rewound_dir(entry.name)
+        if parsed is None or parsed[2] != rank or parsed[1] >= complete or not entry.is_dir \
+                or entry.is_symlink:
+            continue
+        path = os.path.join(str(storage.root), entry.name)
+        try:
+            size = 0
+            for item in storage.list_dir(entry.name):
+                if not item.is_file:
+                    raise CheckpointError(f"{item.name} in it is not a regular file",
+                                          path=path, hint="remove the directory by hand")
+                storage.unlink(os.path.join(entry.name, item.name))
+                size += item.size
+            storage.rmdir(entry.name)
+            storage.fsync_dir("")
+        except CheckpointError as exc:
+            failed.append(PruneFailed(parsed[0], path, str(exc)))
+            continue
+        out.append(Pruned(parsed[0], path, size))
     return out, failed
 
 

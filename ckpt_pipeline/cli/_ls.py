@@ -2,8 +2,10 @@
 
 A cheap look: names, sizes, commit records, manifests and shard headers (``scan``), never the
 tensor data. Each step is complete, incomplete (no commit record of this rank), corrupt (its
-files do not check out) or rejected (moved aside by recovery); a step that a running job's
-retention could not remove says so. The copies of other ranks' shards that the rank holds in a
+files do not check out), rejected (moved aside by recovery: it failed verification, or was
+newer than the restored step) or rewound (moved aside by a rewind, ``restore(step=N)``); a
+complete step that a rewind recorded in the root abandons, not moved aside yet, says so; a step
+that a running job's retention could not remove says so. The copies of other ranks' shards that the rank holds in a
 step directory (replication, ``replica-S-on-H.*``) are listed with the step, each complete,
 incomplete or corrupt by the same cheap checks (``scan_replicas``). Nothing under the root is
 created, changed or removed.
@@ -25,8 +27,11 @@ from .._format.names import (
     parse_foreign_dir,
     parse_rank_file,
     parse_rejected_dir,
+    parse_rewound_dir,
     shard_name,
 )
+from .._format.timeline import Lineage, abandoned
+from .._lineage import local_marks
 from .._restore import scan as _recovery
 from .._save.retain import read_markers
 from ..errors import CheckpointError
@@ -97,20 +102,39 @@ def _list_steps(storage: Storage, rank: int) -> list[_Listing]:
             for s in _recovery.scan(storage, rank)]
     for entry in storage.list_dir(""):
         parsed = parse_rejected_dir(entry.name)
-        step = None if parsed is None else parsed[0]
+        rewound = parse_rewound_dir(entry.name)
+        step = rewound[0] if rewound is not None else None if parsed is None else parsed[0]
         if step is not None and entry.is_dir and not entry.is_symlink:
-            rows.append(_listing(storage, rank, step, entry.name, None))
+            rows.append(_listing(storage, rank, step, entry.name, None,
+                                 rewound_to=None if rewound is None else rewound[1]))
         foreign = parse_foreign_dir(entry.name)
         if foreign is not None and entry.is_dir and not entry.is_symlink:
             row = _listing(storage, rank, foreign[0], entry.name, None)
             rows.append(replace(row, reason="of another save than the run's (another run's "
                                             "root?): set aside at restore, never loaded"))
     failed = read_markers(storage, rank)
+    aside = ("rejected", "rewound")
     rows = [replace(r, retention_failed=failed[r.step],
                     reason=r.reason or f"retention could not remove it: {failed[r.step]}")
-            if r.step in failed and r.status != "rejected" else r for r in rows]
-    rows.sort(key=lambda r: (r.step, r.status != "rejected", r.dir_name), reverse=True)
+            if r.step in failed and r.status not in aside else r for r in rows]
+    rows = _abandoned(storage, rank, rows)
+    rows.sort(key=lambda r: (r.step, r.status not in aside, r.dir_name), reverse=True)
     return rows
+
+
+def _abandoned(storage: Storage, rank: int, rows: list[_Listing]) -> list[_Listing]:
+    """Say so on a complete step that the root's rewind records (or a newer timeline's
+    lineage) abandon: a rewind that ended before it moved the step aside."""
+    lineages = {r.step: _lineage(storage, rank, r) for r in rows if r.status == "complete"}
+    marks = local_marks(storage, lineages.values())
+    return [replace(r, reason="abandoned by a rewind: never restored, moved aside at the "
+                              "next restore") if r.step in lineages
+            and abandoned(r.step, lineages[r.step], marks) else r for r in rows]
+
+
+def _lineage(storage: Storage, rank: int, row: _Listing) -> Lineage | None:
+    record = _commit_record(storage, row.dir_name, row.step, rank)
+    return None if record is None else record.lineage
 
 
 def _copies_by_dir(storage: Storage, rank: int) -> dict[str, list[_recovery.StepStatus]]:
@@ -123,9 +147,11 @@ def _copies_by_dir(storage: Storage, rank: int) -> dict[str, list[_recovery.Step
 
 def _listing(storage: Storage, rank: int, step: int, dir_name: str,
              status: _recovery.StepStatus | None,
-             copies: Sequence[_recovery.StepStatus] = ()) -> _Listing:
-    """Describe one directory; ``status`` is None for a directory that recovery moved aside;
-    ``copies``: the cheap look at the copies this rank holds in it."""
+             copies: Sequence[_recovery.StepStatus] = (), *,
+             rewound_to: int | None = None) -> _Listing:
+    """Describe one directory; ``status`` is None for a directory that recovery moved aside
+    (``rewound_to``: a rewind to that step did); ``copies``: the cheap look at the copies
+    this rank holds in it."""
     entries = storage.list_dir(dir_name)
     own = {shard_name(rank), manifest_name(rank), commit_name(rank)}
     size = sum(e.size for e in entries if e.is_file and e.name in own)
@@ -151,7 +177,10 @@ def _listing(storage: Storage, rank: int, step: int, dir_name: str,
                         mtime, status.save_id, status.world_size, tuple(sorted(committed)),
                         tuple(sorted(present)), copies=held, samples=samples, extra=extra)
     reason: str | None
-    if status is None:
+    if status is None and rewound_to is not None:
+        state, reason = "rewound", (f"moved aside by a rewind to step {rewound_to}; removed "
+                                    f"once a step after {rewound_to} is committed")
+    elif status is None:
         state, reason = "rejected", "moved aside by recovery"
     elif not status.complete:
         state, reason = "incomplete", status.reason

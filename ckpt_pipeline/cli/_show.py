@@ -16,7 +16,7 @@ from .._persist.remote import open_remote
 from .._persist.stream import ShardStream
 from .._restore import scan as _recovery
 from ..errors import CheckpointIntegrityError
-from ..loading import pick_step, tier_step
+from ..loading import newest_candidates, pick_step, tier_step
 from ..storage import LocalStorage, Storage
 from ._output import _human_bytes, _print_json, _table
 from ._remote import parse_options
@@ -27,8 +27,9 @@ __all__ = ("_cmd_show", "_cmd_show_remote")
 
 def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
     rank: int = args.rank
-    step, dir_name = pick_step(_recovery.committed_steps(storage, rank, copies=True),
-                               args.step, rank, str(storage.root))
+    steps = (newest_candidates(storage, rank) if args.step is None
+             else _recovery.committed_steps(storage, rank, copies=True))
+    step, dir_name = pick_step(steps, args.step, rank, str(storage.root))
     names = {e.name for e in storage.list_dir(dir_name)}
     looked = [_recovery.scan_files(storage, files, step, dir_name, names)
               for files in _recovery.rank_sets(names, rank)]

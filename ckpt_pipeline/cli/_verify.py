@@ -20,7 +20,7 @@ from typing import TextIO
 
 import anyio
 
-from .._format.names import commit_name, parse_rejected_dir
+from .._format.names import commit_name, parse_rejected_dir, parse_rewound_dir
 from .._format.shard import ShardHeader
 from .._restore import scan as _recovery
 from .._restore.read import LoadedShard, read_shard
@@ -137,8 +137,8 @@ def _select(storage: Storage, rank: int, step: int | None,
         match = [s for s in statuses if s.step == step]
         if not match:
             hint = ""
-            if any((parse_rejected_dir(e.name) or (None,))[0] == step
-                   for e in storage.list_dir("")):
+            if any((parse_rejected_dir(e.name) or parse_rewound_dir(e.name) or (None,))[0]
+                   == step for e in storage.list_dir("")):
                 hint = " (only a directory that recovery moved aside holds it)"
             raise _UsageError(f"step {step} not found under {storage.root}{hint}")
         return match, True

@@ -12,8 +12,9 @@ It joins a gloo process group and opens a ``cp.CheckpointPipeline`` on ``ROOT/ra
 
 - ``save``: saves each of ``--steps`` and waits for its result; records per step the
   ``CommitInfo`` (or the error), and the replication events;
-- ``restore``: restores into a state of zeros; records the result (step, ``fetched``,
-  TrainState) and which values differ from those saved at that step by this rank, or the error;
+- ``restore``: restores into a state of zeros (``restore_latest``, or ``restore(step=N)`` with
+  ``--restore-step N``); records the result (step, ``fetched``, TrainState) and which values
+  differ from those saved at that step by this rank, or the error;
 - ``save-restore``: ``restore``, then ``save`` of ``--steps`` (the next save after a restore).
 
 ``--variant V`` shifts every saved value by ``7 V``: another run's root, with the same step
@@ -211,7 +212,8 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
 
         pipe.subscribe(record)
         try:
-            result = pipe.restore_latest(state)
+            result = (pipe.restore_latest(state) if args.restore_step is None
+                      else pipe.restore(state, step=args.restore_step))
         except cp.CheckpointError as exc:
             out["restore"] = {"ok": False, "error": _error(exc)}
         else:
@@ -292,6 +294,7 @@ def main() -> None:
                         help="another run's values: every saved value is shifted by it")
     parser.add_argument("--wait-copies", action="store_true",
                         help="after a restore, wait for this rank's copies sent again")
+    parser.add_argument("--restore-step", type=int, default=None)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",") if s]

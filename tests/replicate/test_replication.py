@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 from conftest import spawn_child
 
+from ckpt_pipeline.testing import CRASH_ENV
+
 WORKER = "replica_worker.py"
 DEADLINE_S = 150.0
 
@@ -391,3 +393,62 @@ def test_more_copies_than_other_nodes_is_a_config_error_at_open(tmp_path: Path) 
     for out in results.values():
         assert out["fatal"]["type"] == "ConfigError"
         assert "replicas=1 needs 2 nodes, this job runs on 1" in out["fatal"]["message"]
+
+
+# ---------------------------------------------------------------- a rewind and the copies
+#
+# Two ranks on two nodes, replicas=1 (each rank's shard copied to the other), steps 10-60,
+# then restore(step=30). When a rank's root is lost afterwards, the copies the other rank holds
+# never bring back the abandoned steps 40-60, whether the rewind finished or was killed once
+# it was recorded.
+
+REWIND_STEPS = "10,20,30,40,50,60"
+
+
+def _saved_to_60(tmp_path: Path) -> tuple[Path, dict[int, Any]]:
+    root = tmp_path / "root"
+    results = launch("save", root, tmp_path / "logs-save", world=2, nodes=2, replicas=1,
+                     steps=REWIND_STEPS, args=("--keep-last", "10"))
+    for rank, out in results.items():
+        assert all(s["ok"] for s in out["saves"].values()), (rank, out["saves"])
+    return root, results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_after_a_rewind_a_lost_root_is_restored_from_copies_of_the_current_timeline(
+        tmp_path: Path) -> None:
+    root, saved = _saved_to_60(tmp_path)
+    rewound = launch("restore", root, tmp_path / "logs-rewind", steps="",
+                     world=2, nodes=2, replicas=1,
+                     args=("--keep-last", "10", "--restore-step", "30"))
+    assert_restored(rewound, saved, 30, fetched={})
+    # Rank 0 moved aside its own steps 40-60 and the copies of rank 1's that it holds.
+    for step in (40, 50, 60):
+        assert not step_dir(root, 0, step).exists()
+        assert len(list((root / "rank-0").glob(f"step-{step:010d}.rewound-0000000030-*"))) == 1
+    shutil.rmtree(root / "rank-1")  # rank 1's node is replaced
+    results = launch("restore", root, tmp_path / "logs-after", steps="", world=2, nodes=2,
+                     replicas=1, args=("--keep-last", "10"))
+    assert_restored(results, saved, 30, fetched={1: 0})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rewind_killed_once_recorded_still_resumes_the_rewind_point_from_the_copies(
+        tmp_path: Path) -> None:
+    root, saved = _saved_to_60(tmp_path)
+    crash = {CRASH_ENV: "restore.rewind_recorded"}
+    launch("restore", root, tmp_path / "logs-rewind", steps="", world=2, nodes=2, replicas=1,
+           args=("--keep-last", "10", "--restore-step", "30"), env={0: crash, 1: crash},
+           codes={0: -9, 1: -9})
+    # Killed before anything was moved aside: rank 0 still holds its 40-60 and the copies of
+    # rank 1's; only the rewind records say they are abandoned.
+    assert all(step_dir(root, 0, s).exists() for s in (40, 50, 60))
+    assert sorted(p.name for p in (root / "rank-0").glob("rewind-*")) == [
+        "rewind-0000000001-r00000"]
+    shutil.rmtree(root / "rank-1")
+    results = launch("restore", root, tmp_path / "logs-after", steps="", world=2, nodes=2,
+                     replicas=1, args=("--keep-last", "10"))
+    assert_restored(results, saved, 30, fetched={1: 0})
+    assert all(not step_dir(root, 0, s).exists() for s in (40, 50, 60))

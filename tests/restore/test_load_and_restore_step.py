@@ -152,7 +152,7 @@ def test_restore_a_chosen_step_moves_newer_ones_aside_and_the_run_goes_on(
         assert torch.equal(torch.get_rng_state(), saved[20]["rng"])  # restore_rng default
         names = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
         assert names[:2] == ["step-0000000010", "step-0000000020"]
-        assert len(names) == 3 and names[2].startswith("step-0000000030.rejected-")
+        assert len(names) == 3 and names[2].startswith("step-0000000030.rewound-0000000020-")
         # The run goes on from step 20: the next save may be step 30 again.
         pipe.save(30, {"model": model, "optim": opt, "meta": {}},
                   cp.TrainState(step=30)).result(60)

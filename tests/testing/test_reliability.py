@@ -252,7 +252,7 @@ def _save_first(root: Path, steps: Sequence[int]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", [p for p in CRASH_POINTS if p != "scrub.removed"
-                                   and not p.startswith("replicate.")])
+                                   and not p.startswith(("replicate.", "restore."))])
 def test_a_crash_at_each_labelled_point_keeps_the_last_acknowledged_step(
         tmp_path: Path, label: str) -> None:
     """Killed at the 1st, 2nd and 3rd hit of the label: each a later save, on more history."""
