@@ -83,7 +83,7 @@ from .remote import (
     _display,
     open_remote,
 )
-from .rewinds import drop_commit_objects, record_rewinds, tier_marks
+from .rewinds import drop_commit_objects, read_tier_rewinds, record_rewinds, tier_marks
 from .stream import ShardStream
 from .workers import DaemonPool, bounded
 
@@ -726,7 +726,13 @@ class Promoter:
                     self._rewinds[rewind.timeline] = rewind
                     if self.rank == 0:
                         self._pending[rewind.timeline] = rewind
-        return self._flush_rewinds()
+        try:  # a hung store must not hold the restore up: then the rewind stays pending
+            return bounded(self._flush_rewinds, LIST_WAIT_S, f"ckpt-persist-rewind-r{self.rank}")
+        except TimeoutError as exc:
+            log.warning("ckpt.persist.rewind_pending", rank=self.rank, url=self.url,
+                        error=str(exc), action="the rewind is recorded in the local roots; "
+                        "it is recorded in the tier before the next commit object")
+            return False
 
     def marks(self) -> set[Mark]:
         """The marks of the rewinds this pipeline knows of."""
@@ -794,6 +800,21 @@ class Promoter:
                         steps=[r.step for r in found], wait_s=LIST_WAIT_S,
                         action="the restore considers the newest steps read in time")
         return {r.step: r for r in list(found)}
+
+    def recorded_rewinds(self) -> list[Rewind]:
+        """The rewinds the tier records (``timeline.rewinds``), within ``LIST_WAIT_S``: a
+        RemoteError when the store is not reachable or does not answer in that time. Runs
+        in a worker thread."""
+        remote = self.remote
+        if remote is None or not self._connection.reachable:
+            raise RemoteError(f"the persistent tier {self.url} is unreachable", path=self.url,
+                              transient=True, hint=UNAVAILABLE_HINT)
+        try:
+            return bounded(lambda: read_tier_rewinds(remote), LIST_WAIT_S,
+                           f"ckpt-persist-rewinds-r{self.rank}")
+        except TimeoutError as exc:
+            raise RemoteError(f"reading the rewinds of {self.url}: {exc}", path=self.url,
+                              transient=True, hint=UNAVAILABLE_HINT) from None
 
     def stream(self, record: StepRecord) -> ShardStream:
         """This rank's shard of ``record``'s step, downloading into its root while the

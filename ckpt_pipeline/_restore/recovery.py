@@ -26,7 +26,6 @@ from .._format.shard import TensorRecord
 from .._format.timeline import Rewind
 from .._lineage import Timeline, forget_rewind, read_rewinds, write_rewind
 from .._logging import log
-from .._persist.rewinds import read_tier_rewinds
 from .._threads import in_thread
 from .._tree import find_mesh, to_dtensor
 from ..config import PipelineConfig
@@ -126,6 +125,8 @@ class Recovery:
         self.replication = replication
         self.promoter = promoter
         self._persisted: dict[int, StepRecord] = {}
+        self._tier_listed = False
+        """Whether this restore's listing of the persistent tier succeeded."""
         self._fetched_dirs: frozenset[tuple[int, str]] = frozenset()
         self.storage = storage
         self.coordinator = coordinator
@@ -358,12 +359,15 @@ class Recovery:
         listed: that is logged, and restore goes on with the other tiers)."""
         if self.promoter is None:
             return {}
+        self._tier_listed = False
         try:
-            return await in_thread(limiter, self.promoter.complete_steps)
+            found = await in_thread(limiter, self.promoter.complete_steps)
         except CheckpointError as exc:
             _log.warning("ckpt.recovery.persistent_unreachable", rank=self.rank,
                          url=self.promoter.url, error=exc.message)
             return {}
+        self._tier_listed = True
+        return found
 
     async def _download(self, record: StepRecord, state: Mapping[str, Any], started: float,
                         rejected: list[RejectedStep], agreed: Candidates,
@@ -610,10 +614,10 @@ class Recovery:
         read: the local records still count)."""
         promoter = self.promoter
         assert promoter is not None
-        if promoter.remote is None:
+        if not self._tier_listed:  # unreachable in this restore: not waited for twice
             return []
         try:
-            return await in_thread(limiter, read_tier_rewinds, promoter.remote)
+            return await in_thread(limiter, promoter.recorded_rewinds)
         except CheckpointError as exc:
             _log.warning("ckpt.recovery.tier_rewinds_unreadable", rank=self.rank,
                          url=promoter.url, error=exc.message)
