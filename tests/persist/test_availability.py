@@ -10,7 +10,6 @@ moto server of ``conftest.py``. Bounds are measured by a thread's join timeout o
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -455,36 +454,3 @@ def test_a_call_to_an_fsspec_file_system_that_never_returns_times_out_and_is_ret
     assert info.value.transient and info.value.attempts == 3, info.value
     assert "TimeoutError" in info.value.message
     assert len(calls) == 3
-
-
-# ------------------------------------------------------------------------- leftovers
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_a_temporary_left_by_a_killed_upload_to_a_directory_tier_goes_with_its_step(
-    tmp_path: Path
-) -> None:
-    local, tier = tmp_path / "local", tmp_path / "shared" / "run"
-    child = spawn_child("persist_kill_child.py", local, tier, stdout=subprocess.PIPE,
-                        stderr=tmp_path / "child.log", text=True)
-    try:
-        assert child.stdout is not None
-        lines = {child.stdout.readline().strip() for _ in range(2)}
-        assert lines == {"committed 10", "uploading"}, (tmp_path / "child.log").read_text()
-        child.send_signal(signal.SIGKILL)
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    [temp] = (tier / "step-0000000010").glob(".rank-00000.shard.tmp-*")
-    assert temp.stat().st_size > 0  # a part of the shard, in a file list_dir does not show
-
-    events: list[cp.Event] = []
-    with _pipeline(local, str(tier), None, events) as pipe:
-        pipe.save(20, {"w": torch.ones(1000)}, cp.TrainState(step=20)).result(60)
-    assert [e.step for e in _of(events, cp.StepPersisted)] == [20]
-    assert [(e.step, e.complete) for e in _of(events, cp.PersistPruned)] == [(10, False)]
-    assert sorted(p.name for p in tier.iterdir()) == ["step-0000000020"]
-    assert not list(tier.rglob(".*.tmp-*"))
