@@ -188,20 +188,7 @@ class DirRemote(Remote):
         return _stamp(info) if stat.S_ISREG(info.st_mode) else None
 
     def _stamps(self, prefix: str) -> dict[str, str | None]:
-        try:
-            with os.scandir(self._path(prefix)) as it:
-                entries = list(it)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        except OSError as exc:
-            raise RemoteError(f"listing {self._where(prefix)} failed: {exc.strerror}",
-                              path=self._where(prefix), key=prefix, op="list") from exc
-        out: dict[str, str | None] = {}
-        for e in entries:
-            if e.is_file(follow_symlinks=False) and not e.name.startswith("."):
-                with contextlib.suppress(FileNotFoundError):
-                    out[e.name] = _stamp(e.stat(follow_symlinks=False))
-        return out
+        return {name: _stamp(info) for name, info in self._files(prefix).items()}
 
     def leftovers(self, prefix: str) -> list[str]:
         check_key(prefix)
@@ -262,6 +249,11 @@ class DirRemote(Remote):
 
     def list_dir(self, prefix: str) -> dict[str, int]:
         check_key(prefix)
+        return {name: info.st_size for name, info in self._files(prefix).items()}
+
+    def _files(self, prefix: str) -> dict[str, os.stat_result]:
+        """The regular files directly under ``prefix`` that are objects (not temporaries or
+        lock files, whose names start with a dot), with their stat; {} when none."""
         try:
             with os.scandir(self._path(prefix)) as it:
                 entries = list(it)
@@ -275,7 +267,7 @@ class DirRemote(Remote):
         for e in entries:
             if e.is_file(follow_symlinks=False) and not e.name.startswith("."):
                 with contextlib.suppress(FileNotFoundError):
-                    out[e.name] = e.stat(follow_symlinks=False).st_size
+                    out[e.name] = e.stat(follow_symlinks=False)
         return out
 
     def delete(self, keys: Sequence[str]) -> None:
