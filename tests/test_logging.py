@@ -45,6 +45,7 @@ def _restored_step(root: Path) -> int | None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_unconfigured_library_prints_nothing(tmp_path: Path) -> None:
     proc, result = _run_child("silent", tmp_path)
     assert result == "ok 5\n", proc.stderr.decode()
@@ -104,6 +105,7 @@ def test_log_lines_carry_the_event_and_plain_numbers(root: Path) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["stdout-basic", "stdout-enabled"])
+@pytest.mark.slow
 def test_saves_commit_when_stdout_is_a_closed_pipe(mode: str, tmp_path: Path) -> None:
     proc, result = _run_child_with_closed_stdout(mode, tmp_path)
     assert result == "ok 5\n", proc.stderr.decode()[-3000:]
@@ -113,6 +115,7 @@ def test_saves_commit_when_stdout_is_a_closed_pipe(mode: str, tmp_path: Path) ->
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_saves_commit_when_the_log_file_is_on_a_full_disk(tmp_path: Path) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
@@ -122,6 +125,7 @@ def test_saves_commit_when_the_log_file_is_on_a_full_disk(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_raising_handler_and_subscriber_are_reported_once(tmp_path: Path) -> None:
     proc, result = _run_child("raising-handler", tmp_path)
     assert result == "ok 5\n", proc.stderr.decode()[-3000:]

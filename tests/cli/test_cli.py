@@ -31,6 +31,7 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:010d}"
 
 
+@pytest.mark.slow
 def test_the_command_runs_as_its_own_process(root: Path) -> None:
     with cp.CheckpointPipeline(root) as pipe:
         pipe.save(1, {"x": torch.ones(4)}).result(30)

@@ -95,6 +95,7 @@ def test_every_dtype_round_trips_through_load_torch_and_safetensors(tmp_path: Pa
 # ------------------------------------------------------------------- model to inference
 
 
+@pytest.mark.slow
 def test_compiled_model_exports_with_stripped_prefix_into_a_fresh_model(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     torch.manual_seed(0)

@@ -47,6 +47,7 @@ def _fresh_state() -> dict[str, Any]:
     return {"model": model, "optimizer": opt, "extras": {}}
 
 
+@pytest.mark.slow
 def test_a_format_1_checkpoint_restores_bit_exact(root: Path) -> None:
     expected = json.loads((FIXTURE / "expected.json").read_text())
     state = _fresh_state()
@@ -73,6 +74,7 @@ def test_a_format_1_checkpoint_verifies_and_lists(root: Path,
     assert '"step": 7' in listed or '"step":7' in listed
 
 
+@pytest.mark.slow
 def test_a_new_save_next_to_a_format_1_step_is_format_2(root: Path) -> None:
     state = _fresh_state()
     with cp.CheckpointPipeline(root, keep_last=5) as pipe:

@@ -97,6 +97,7 @@ def silent() -> Iterator[SilentServer]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_open_save_and_close_work_from_the_local_tier_when_the_store_never_answers(
     tmp_path: Path, silent: SilentServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -121,6 +122,7 @@ def test_open_save_and_close_work_from_the_local_tier_when_the_store_never_answe
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_open_on_a_black_holed_endpoint_ends_by_the_connect_deadline(tmp_path: Path) -> None:
     hole = BlackHole()
     try:
@@ -140,6 +142,7 @@ def test_open_on_a_black_holed_endpoint_ends_by_the_connect_deadline(tmp_path: P
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_close_gives_up_on_a_hung_upload_and_never_commits_it(
     tmp_path: Path, s3_url: tuple[str, dict[str, Any]],
     fault_proxy: Callable[[dict[str, Any]], FaultProxy]
@@ -188,6 +191,7 @@ def test_a_process_exits_after_close_while_its_upload_hangs(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_store_down_at_open_is_reached_in_the_background_and_promotion_resumes(
     tmp_path: Path, s3_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -279,6 +283,7 @@ def test_two_gloo_ranks_skip_the_same_steps_while_one_of_them_cannot_reach_the_s
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("when", ["at open", "after open"])
+@pytest.mark.slow
 def test_a_restore_falls_back_to_the_local_tier_when_the_store_hangs(
     tmp_path: Path, s3_url: tuple[str, dict[str, Any]], silent: SilentServer,
     fault_proxy: Callable[[dict[str, Any]], FaultProxy], monkeypatch: pytest.MonkeyPatch,
@@ -418,6 +423,7 @@ def test_missing_credentials_fail_open_at_once_instead_of_waiting_for_the_store(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_call_to_an_fsspec_file_system_that_never_returns_times_out_and_is_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

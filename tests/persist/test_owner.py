@@ -110,6 +110,7 @@ def _steps(kind: type, events: list[cp.Event]) -> list[int]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_second_job_on_a_url_whose_holder_is_alive_is_refused_naming_the_holder(
     tmp_path: Path, any_tier: Tier
 ) -> None:
@@ -175,6 +176,7 @@ def test_a_url_whose_heartbeat_is_older_than_its_lease_is_taken_over_with_an_eve
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_holder_whose_heartbeat_does_not_advance_for_one_lease_is_taken_over(
     tmp_path: Path
 ) -> None:
@@ -193,6 +195,7 @@ def test_a_holder_whose_heartbeat_does_not_advance_for_one_lease_is_taken_over(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_job_that_lost_its_url_to_a_takeover_never_reports_the_other_jobs_step(
     tmp_path: Path, any_tier: Tier, caplog: pytest.LogCaptureFixture
 ) -> None:

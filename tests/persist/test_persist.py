@@ -180,6 +180,7 @@ def test_a_restore_from_the_tier_reads_the_shard_while_it_downloads(
         "rank-00000.commit", "rank-00000.manifest", "rank-00000.shard"]
 
 
+@pytest.mark.slow
 def test_persistent_keep_prunes_oldest_complete_steps_commit_object_first(
     tmp_path: Path, tier: tuple[str, dict[str, Any] | None]
 ) -> None:
@@ -231,6 +232,7 @@ def test_a_url_as_the_local_root_fails_at_open_and_points_to_persistent() -> Non
     assert "persistent=" in (info.value.hint or "")
 
 
+@pytest.mark.slow
 def test_throttled_puts_are_retried_and_the_step_persists(
     tmp_path: Path, s3_url: tuple[str, dict[str, Any]], fault_proxy: Any
 ) -> None:
@@ -244,6 +246,7 @@ def test_throttled_puts_are_retried_and_the_step_persists(
     assert proxy.answered_faults == 2
 
 
+@pytest.mark.slow
 def test_failing_puts_end_in_an_event_and_leave_training_and_the_local_tier_alone(
     tmp_path: Path, s3_url: tuple[str, dict[str, Any]], fault_proxy: Any
 ) -> None:
@@ -268,6 +271,7 @@ def test_failing_puts_end_in_an_event_and_leave_training_and_the_local_tier_alon
     assert result is not None and result.step == 20
 
 
+@pytest.mark.slow
 def test_a_slow_tier_skips_promotions_instead_of_delaying_saves(
     tmp_path: Path, s3_url: tuple[str, dict[str, Any]], fault_proxy: Any
 ) -> None:

@@ -99,6 +99,7 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_after_a_rewind_and_a_new_save_the_new_step_is_restored_whatever_tier_survives(
     tmp_path: Path, tier: Tier
 ) -> None:
@@ -113,6 +114,7 @@ def test_after_a_rewind_and_a_new_save_the_new_step_is_restored_whatever_tier_su
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_rewind_closed_without_a_new_save_resumes_the_rewind_point_from_the_tier(
     tmp_path: Path, dir_tier: Tier
 ) -> None:

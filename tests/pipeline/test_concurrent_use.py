@@ -15,6 +15,7 @@ from ckpt_pipeline.testing import GatedStorage
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_restore_while_another_thread_saves_loses_no_acknowledged_step(root: Path) -> None:
     acknowledged: list[int] = []
     refused: list[int] = []
@@ -127,6 +128,7 @@ def test_forked_child_that_does_not_use_the_pipeline_works(root: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_skip_policy_never_blocks_the_caller_on_a_stuck_disk(root: Path) -> None:
     storage = GatedStorage(root)  # every shard write waits until the gate opens
     results: list[cp.SaveHandle] = []

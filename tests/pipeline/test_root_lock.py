@@ -133,6 +133,7 @@ def alive(pid: int) -> bool:
 # ---------------------------------------------------------------------- the behaviours
 
 
+@pytest.mark.slow
 def test_second_process_is_refused_at_open_and_the_first_is_unaffected(root: Path) -> None:
     state = {"x": torch.zeros(4)}
     with cp.CheckpointPipeline(root) as pipe:
@@ -171,6 +172,7 @@ def test_second_pipeline_in_the_same_process_is_refused_until_the_first_closes(
         assert holder_record(root)["pid"] == os.getpid()
 
 
+@pytest.mark.slow
 def test_lock_left_by_a_sigkilled_process_is_taken_over(
         root: Path, tmp_path: Path, holders: list[Holder],
         caplog: pytest.LogCaptureFixture) -> None:
@@ -193,6 +195,7 @@ def test_lock_left_by_a_sigkilled_process_is_taken_over(
     assert f"pid {report['pid']} on host" in taken[0].ckpt_fields["previous_holder"]
 
 
+@pytest.mark.slow
 def test_ranks_sharing_a_root_do_not_block_each_other(root: Path) -> None:
     root.mkdir()
     rank0 = RootLock.acquire(root, 0)
@@ -212,6 +215,7 @@ def test_ranks_sharing_a_root_do_not_block_each_other(root: Path) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork") or not Path("/proc/self/fd").is_dir(),
                     reason="needs fork() and /proc")
+@pytest.mark.slow
 def test_forked_child_does_not_keep_the_lock_after_its_parent_dies(
         root: Path, tmp_path: Path, holders: list[Holder]) -> None:
     root.mkdir()

@@ -1187,6 +1187,7 @@ def _decode_header_checked(raw: bytes, file_size: int, header_offset: int,
 @given(st.binary(max_size=1024) | hostile.map(enc),
        st.sampled_from([PREAMBLE_SIZE, ALIGN, 2 * ALIGN]) | st.integers(0, U64),
        st.integers(0, 2**65), st.sampled_from([1, 2]))
+@pytest.mark.slow
 def test_random_bytes_as_shard_header(raw: bytes, header_offset: int, file_size: int,
                                       version: int) -> None:
     _decode_header_checked(raw, file_size, header_offset, version)
@@ -1194,6 +1195,7 @@ def test_random_bytes_as_shard_header(raw: bytes, header_offset: int, file_size:
 
 @fuzz("header_mutated")
 @given(st.data())
+@pytest.mark.slow
 def test_mutated_valid_shard_header(data: st.DataObject) -> None:
     h = data.draw(shard_headers())
     raw = data.draw(mutated(st.just(encode_header(h))))
@@ -1203,6 +1205,7 @@ def test_mutated_valid_shard_header(data: st.DataObject) -> None:
 
 @fuzz("header_fields")
 @given(st.data())
+@pytest.mark.slow
 def test_shard_header_with_hostile_fields(data: st.DataObject) -> None:
     h = data.draw(shard_headers())
     doc = data.draw(hostile_header_doc(_plain_of(encode_header(h))))
@@ -1213,6 +1216,7 @@ def test_shard_header_with_hostile_fields(data: st.DataObject) -> None:
 
 @fuzz("header_impossible")
 @given(st.data())
+@pytest.mark.slow
 def test_shard_header_with_an_impossible_geometry_is_refused(data: st.DataObject) -> None:
     h = data.draw(shard_headers(min_storages=2))
     what, doc = data.draw(impossible_header_doc(h))
@@ -1223,6 +1227,7 @@ def test_shard_header_with_an_impossible_geometry_is_refused(data: st.DataObject
 
 @fuzz("header_numbers")
 @given(hostile_view_numbers(), st.integers(0, 3))
+@pytest.mark.slow
 def test_views_with_overflowing_or_outside_numbers(doc: dict[str, Any], extra: int) -> None:
     raw = enc(doc)
     header_offset = PREAMBLE_SIZE + doc["data_length"] + (extra == 3)
@@ -1231,6 +1236,7 @@ def test_views_with_overflowing_or_outside_numbers(doc: dict[str, Any], extra: i
 
 @fuzz("header_round_trip")
 @given(shard_headers())
+@pytest.mark.slow
 def test_valid_shard_header_round_trips(h: ShardHeader) -> None:
     raw = encode_header(h)
     size, offset = _geometry(h, raw)
@@ -1246,6 +1252,7 @@ def test_valid_shard_header_round_trips(h: ShardHeader) -> None:
 
 @fuzz("v1_mutated")
 @given(st.data())
+@pytest.mark.slow
 def test_mutated_valid_format_1_header(data: st.DataObject) -> None:
     doc, offset = data.draw(v1_bases())
     raw = data.draw(mutated(st.just(_pack(doc))))
@@ -1254,6 +1261,7 @@ def test_mutated_valid_format_1_header(data: st.DataObject) -> None:
 
 @fuzz("v1_fields")
 @given(st.data())
+@pytest.mark.slow
 def test_format_1_header_with_hostile_fields(data: st.DataObject) -> None:
     doc, offset = data.draw(v1_bases())
     raw = enc(data.draw(hostile_header_doc(doc, version=1)))
@@ -1262,6 +1270,7 @@ def test_format_1_header_with_hostile_fields(data: st.DataObject) -> None:
 
 @fuzz("v1_impossible")
 @given(st.data())
+@pytest.mark.slow
 def test_format_1_header_with_an_impossible_geometry_is_refused(data: st.DataObject) -> None:
     doc, offset = data.draw(v1_bases())
     what, bad = data.draw(impossible_v1_doc(doc))
@@ -1292,6 +1301,7 @@ def test_format_1_records_with_overflowing_or_outside_numbers(
 
 @fuzz("v1_round_trip")
 @given(v1_documents())
+@pytest.mark.slow
 def test_valid_format_1_header_decodes_to_storages_and_views(
         case: tuple[dict[str, Any], ShardHeader]) -> None:
     doc, h = case
@@ -1354,6 +1364,7 @@ def tree_inputs(draw: st.DrawFn) -> tuple[bytes, int | None]:
 
 @fuzz("tree")
 @given(tree_inputs())
+@pytest.mark.slow
 def test_fuzzed_state_tree(case: tuple[bytes, int | None]) -> None:
     raw, count = case
     tree = _outcome(lambda: decode_tree(raw, "x", count))
@@ -1363,6 +1374,7 @@ def test_fuzzed_state_tree(case: tuple[bytes, int | None]) -> None:
 
 @fuzz("tree_round_trip")
 @given(st.data())
+@pytest.mark.slow
 def test_valid_state_tree_round_trips(data: st.DataObject) -> None:
     count = data.draw(st.integers(0, 5))
     tree = data.draw(trees(count))
@@ -1453,6 +1465,7 @@ def _header_around(train_state: Any, tree: bytes = b"\x80", step: int = 0) -> Sh
 
 @fuzz("train_state")
 @given(hostile_train_state_doc(), st.binary(max_size=64) | trees(0).map(encode_tree))
+@pytest.mark.slow
 def test_fuzzed_train_state(doc: Any, tree: bytes) -> None:
     decoded = _outcome(lambda: decode_message(enc({"ts": doc}), "train state"))
     if decoded is None:
@@ -1473,6 +1486,7 @@ def test_fuzzed_train_state(doc: Any, tree: bytes) -> None:
 
 @fuzz("train_state_round_trip")
 @given(train_states, trees(0))
+@pytest.mark.slow
 def test_valid_train_state_round_trips_through_a_header(ts: TrainState,
                                                         tree: dict[str, Any]) -> None:
     h = _header_around(ts.to_plain(), encode_tree(tree), ts.step)
@@ -1521,6 +1535,7 @@ def small_file_inputs(valid: st.SearchStrategy[bytes], keys: tuple[str, ...]
 
 @fuzz("manifest")
 @given(small_file_inputs(manifests.map(encode_manifest), MANIFEST_KEYS))
+@pytest.mark.slow
 def test_fuzzed_manifest(raw: bytes) -> None:
     m = _outcome(lambda: decode_manifest(raw, "x"))
     if m is not None:
@@ -1529,6 +1544,7 @@ def test_fuzzed_manifest(raw: bytes) -> None:
 
 @fuzz("commit")
 @given(small_file_inputs(commits.map(encode_commit), COMMIT_KEYS))
+@pytest.mark.slow
 def test_fuzzed_commit_record(raw: bytes) -> None:
     c = _outcome(lambda: decode_commit(raw, "x"))
     if c is not None:
@@ -1901,6 +1917,7 @@ def _mutated_preamble(data: st.DataObject, t: Template, root: Path) -> bytes:
 
 @fuzz("e2e_header")
 @given(st.data())
+@pytest.mark.slow
 def test_restore_with_a_fuzzed_shard_header(template: Template, data: st.DataObject) -> None:
     header, fix = data.draw(fuzzed_headers(template))
     with _copy_of(template) as root:
@@ -1941,6 +1958,7 @@ def _placement_kept(decode: Callable[[bytes, str], Manifest | CommitRecord], raw
 
 @fuzz("e2e_manifest")
 @given(st.data())
+@pytest.mark.slow
 def test_restore_with_a_fuzzed_manifest(template: Template, data: st.DataObject) -> None:
     raw = data.draw(fuzzed_small_file(template.manifest, MANIFEST_KEYS))
     with _copy_of(template) as root:
@@ -1951,6 +1969,7 @@ def test_restore_with_a_fuzzed_manifest(template: Template, data: st.DataObject)
 
 @fuzz("e2e_commit")
 @given(st.data())
+@pytest.mark.slow
 def test_restore_with_a_fuzzed_commit_record(template: Template, data: st.DataObject) -> None:
     raw = data.draw(fuzzed_small_file(template.commit, COMMIT_KEYS))
     with _copy_of(template) as root:
@@ -2053,6 +2072,7 @@ def fuzzed_v1_headers(draw: st.DrawFn, t: Template) -> tuple[bytes, str]:
 
 @fuzz("e2e_v1_header")
 @given(st.data())
+@pytest.mark.slow
 def test_restore_of_a_format_1_checkpoint_with_a_fuzzed_header(
         v1_template: Template, data: st.DataObject) -> None:
     header, fix = data.draw(fuzzed_v1_headers(v1_template))
@@ -2191,6 +2211,7 @@ def _run_child(body: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=240, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_fixed_nested_tuple_extensions_crash_the_interpreter(tmp_path: Path) -> None:
     proc = _run_child("""
         from ckpt_pipeline._format.documents import decode_commit, decode_tree
@@ -2209,6 +2230,7 @@ def test_fixed_nested_tuple_extensions_crash_the_interpreter(tmp_path: Path) -> 
     assert proc.stdout.split() == ["refused", "refused"]
 
 
+@pytest.mark.slow
 def test_fixed_nested_tuples_in_a_commit_record_kill_pipeline_open(
         template: Template) -> None:
     with _copy_of(template) as root:

@@ -49,6 +49,7 @@ def jobs(draw: st.DrawFn) -> tuple[list[str], int]:
 
 @settings(max_examples=200, deadline=None)
 @given(jobs())
+@pytest.mark.slow
 def test_every_copy_is_on_another_node_than_the_shard_and_the_other_copies(
         job: tuple[list[str], int]) -> None:
     names, replicas = job

@@ -123,6 +123,7 @@ def flip_data_byte(shard: Path, offset: int = 4096 + 17) -> None:
 # ---------------------------------------------------------------- saving with copies
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_every_shard_is_copied_to_the_other_node_as_placed(
         saved_4x2: tuple[Path, dict[int, Any]]) -> None:
     root, results = saved_4x2
@@ -152,6 +153,7 @@ def test_every_shard_is_copied_to_the_other_node_as_placed(
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_lost_node_is_restored_from_the_copies_and_gets_its_shards_back(
         saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
     root = fresh(saved_4x2, tmp_path)
@@ -209,6 +211,7 @@ def test_a_corrupt_copy_does_not_matter_while_the_original_is_good(
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_corrupt_original_is_replaced_by_its_good_copy(
         saved_4x2: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
     root = fresh(saved_4x2, tmp_path)

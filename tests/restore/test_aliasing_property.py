@@ -211,6 +211,7 @@ def check(sizes: list[int], vs: list[View], live_sizes: list[int], live_vs: list
 
 @SETTINGS
 @given(layout=layouts(), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_restore_into_the_saved_aliasing_gives_back_every_byte(
         layout: tuple[list[int], list[View]], seed: int) -> None:
     sizes, vs = layout
@@ -219,6 +220,7 @@ def test_restore_into_the_saved_aliasing_gives_back_every_byte(
 
 @SETTINGS
 @given(data=st.data(), layout=layouts(), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_restore_into_another_aliasing_is_exact_or_refused_untouched(
         data: st.DataObject, layout: tuple[list[int], list[View]], seed: int) -> None:
     live_sizes, live_vs = data.draw(relaid(layout))
@@ -227,6 +229,7 @@ def test_restore_into_another_aliasing_is_exact_or_refused_untouched(
 
 @SETTINGS
 @given(layout=layouts(), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_failed_restore_into_aliased_tensors_leaves_every_byte_as_it_was(
         layout: tuple[list[int], list[View]], seed: int) -> None:
     sizes, vs = layout

@@ -334,6 +334,7 @@ def _overlapping_view() -> torch.Tensor:
     (_meta, "meta device"),
     (_sparse, "sparse_coo tensor"),
 ], ids=["overlapping-view", "inference", "meta", "sparse"])
+@pytest.mark.slow
 def test_live_tensor_that_cannot_receive_data_in_place(saved_dict: Path,
                                                        make: Callable[[], torch.Tensor],
                                                        match: str) -> None:
@@ -611,6 +612,7 @@ def _module(seed: int, extra_buffer: bool) -> nn.Module:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(spec=_spec_trees(), with_module=st.booleans(), data=st.data(),
        kind=st.sampled_from(["shape", "dtype", "missing-key", "module-extra-key"]))
+@pytest.mark.slow
 def test_random_mismatch_leaves_the_live_state_bit_identical(
         spec: dict[str, Any], with_module: bool, kind: str, data: st.DataObject) -> None:
     saved_spec: dict[str, Any] = dict(spec)

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -82,6 +83,7 @@ def _expected(value: Any) -> Any:
 @given(state=st.dictionaries(st.text(min_size=1, max_size=6),
                              st.dictionaries(keys, values, max_size=4), min_size=1, max_size=3),
        extra_values=extra)
+@pytest.mark.slow
 def test_whatever_save_accepts_restore_gives_back_exactly(state: dict[str, Any],
                                                           extra_values: dict[str, Any]) -> None:
     ts = cp.TrainState(step=1, extra=extra_values)

@@ -84,6 +84,7 @@ def tensor_mixes(draw: st.DrawFn) -> list[torch.Tensor]:
 
 @settings(max_examples=60, deadline=None)
 @given(tensor_mixes())
+@pytest.mark.slow
 def test_any_mix_of_sizes_is_packed_within_5_percent_of_its_bytes(tensors: list[torch.Tensor]
                                                                   ) -> None:
     layout = plan_layout(tensors)
@@ -102,6 +103,7 @@ def test_any_mix_of_sizes_is_packed_within_5_percent_of_its_bytes(tensors: list[
         end = item.offset + item.nbytes
 
 
+@pytest.mark.slow
 def test_many_small_tensors_take_their_bytes_plus_the_header(root: Path) -> None:
     state = {"t": {str(i): torch.full((16,), float(i)) for i in range(5000)},
              "s": [torch.tensor(i, dtype=torch.int64) for i in range(300)],
@@ -212,6 +214,7 @@ def aliased_states(draw: st.DrawFn) -> dict[str, torch.Tensor]:
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(aliased_states())
+@pytest.mark.slow
 def test_aliases_come_back_aliased_and_values_exact(tmp_path: Path,
                                                     state: dict[str, torch.Tensor]) -> None:
     root = tmp_path / f"r{len(list(tmp_path.iterdir()))}"

@@ -104,6 +104,7 @@ def test_wait_snapshot_returns_once_every_piece_is_copied(tmp_path: Path) -> Non
     assert step == 1 and _same(live, expected)
 
 
+@pytest.mark.slow
 def test_an_update_before_wait_snapshot_fails_that_save_as_torn(tmp_path: Path) -> None:
     storage = SlowStorage(tmp_path / "ckpt", delay_s=0.01)
     state = _state(3)

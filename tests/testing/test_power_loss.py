@@ -636,6 +636,7 @@ def _cut_after_pruning_unlinks() -> Callable[[StorageCall], bool]:
     return trigger
 
 
+@pytest.mark.slow
 def test_a_pruned_step_never_looks_complete_after_a_power_cut(tmp_path: Path) -> None:
     """Regression (found by this suite): retention fsyncs the step directory right after it
     unlinks the commit record, so a power cut cannot keep the record and lose the data."""
