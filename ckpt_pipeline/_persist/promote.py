@@ -291,8 +291,13 @@ class Promoter:
         except PersistentInUseError as exc:
             self._refused = exc.message  # reported, so that every rank stops promoting
             raise
-        self._owner = owner
-        owner.start_heartbeat()
+        with self._quiet:  # against close(): a URL taken after it is let go at once
+            closed = self._stopped
+            if not closed:
+                self._owner = owner
+                owner.start_heartbeat()
+        if closed:
+            owner.release()
 
     def release(self) -> None:
         """Rank 0, at a clean close: release the URL (``Ownership.release``), waiting at
@@ -353,11 +358,12 @@ class Promoter:
         with self._quiet:
             self._stopped = True
             self._quiet.notify_all()
+            owner = self._owner
         self._connection.close()
         self._uploads.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
-        if self._owner is not None:
-            self._owner.stop()
+        if owner is not None:
+            owner.stop()
         unfinished = {**{s: a.save_id for s, a in self._assigned.items()}, **self._committing}
         self._assigned.clear()
         for step, save_id in sorted(unfinished.items()):
