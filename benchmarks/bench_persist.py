@@ -45,8 +45,8 @@ import torch  # noqa: E402
 from _machine import machine_info  # noqa: E402
 
 import ckpt_pipeline as cp  # noqa: E402
-from ckpt_pipeline._persist.layout import ObjectSum  # noqa: E402
-from ckpt_pipeline._persist.remote import open_remote  # noqa: E402
+from ckpt_pipeline._tiers.persistent.layout import ObjectSum  # noqa: E402
+from ckpt_pipeline._tiers.persistent.remote import open_remote  # noqa: E402
 
 KEY, SECRET, REGION = "bench", "bench-secret", "us-east-1"
 

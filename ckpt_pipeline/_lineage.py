@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ._format.documents import decode_rewinds, encode_rewinds
 from ._format.limits import MAX_SMALL_FILE_BYTES
 from ._format.names import TIER_REWINDS, parse_rewind_file, rewind_file_name
+from ._format.scan import committed_steps, rank_sets, read_commit
 from ._format.timeline import (
     Lineage,
     Mark,
@@ -23,7 +24,6 @@ from ._format.timeline import (
     marks_of,
 )
 from ._logging import log
-from ._restore.scan import committed_steps, rank_sets, read_commit
 from .errors import CheckpointError, CheckpointIntegrityError
 from .storage import Storage
 

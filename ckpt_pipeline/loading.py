@@ -34,13 +34,13 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
+from ._format import scan as _scan
 from ._format.documents import TensorRef
 from ._format.names import step_dir_name
 from ._format.shard import DistLayout
-from ._persist.layout import StepRecord
-from ._persist.remote import Remote, is_url
-from ._restore import scan as _scan
 from ._restore.read import read_shard
+from ._tiers.persistent.layout import StepRecord
+from ._tiers.persistent.remote import Remote, is_url
 from ._tree import materialize
 from .errors import CheckpointError, CheckpointIntegrityError, ConfigError, StorageError
 from .storage import LocalStorage, Storage
@@ -161,8 +161,8 @@ def tier_step(remote: Remote, step: int | None, rank: int | None) -> StepRecord:
     """The commit object of a persistent tier's complete ``step`` (None: the newest), checked
     to have a rank ``rank`` (None: not checked); CheckpointError naming what is there
     otherwise. Worker thread."""
-    from ._persist.promote import complete_steps
-    from ._persist.rewinds import current_records, read_tier_rewinds, tier_marks
+    from ._tiers.persistent.promote import complete_steps
+    from ._tiers.persistent.rewinds import current_records, read_tier_rewinds, tier_marks
 
     records = complete_steps(remote)
     if step is None:  # the newest of the current timeline, never an abandoned one
@@ -197,8 +197,8 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
                        ) -> LoadedCheckpoint:
     """``load`` of a persistent tier's step: each rank's files stream into a temporary
     directory (``ShardStream``) while they are read, and are removed afterwards."""
-    from ._persist.remote import open_remote
-    from ._persist.stream import ShardStream
+    from ._tiers.persistent.remote import open_remote
+    from ._tiers.persistent.stream import ShardStream
 
     limiter = anyio.CapacityLimiter(_THREADS)
     remote = await anyio.to_thread.run_sync(functools.partial(

@@ -27,8 +27,8 @@ import torch
 from ..errors import StateError
 
 if TYPE_CHECKING:
-    from .._save.layout import DataLayout
     from .._tree import FlatState
+    from .layout import DataLayout
 
 __all__ = (
     "ALIGN",

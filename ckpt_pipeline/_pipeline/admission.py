@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._format.documents import encode_tree
+from .._format.layout import DataLayout, plan_layout
 from .._format.limits import DTYPE_NAMES, check_byte_copyable, check_save
 from .._gc import gc_paused
 from .._save.buffers import DeviceStaging, HostPool, Slot
 from .._save.copy import begin_streamed_snapshot, item_sources, take_snapshot
 from .._save.job import SaveJob
-from .._save.layout import DataLayout, plan_layout
 from .._tree import FlatState, flatten_state
 from ..config import PipelineConfig
 from ..errors import ForkedProcessError, PoolBusyError, StateError, StepOrderError

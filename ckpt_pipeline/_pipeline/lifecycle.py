@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._format import scan as _scan
 from .._lineage import Timeline, local_timeline, read_rewinds
 from .._logging import log
-from .._persist.promote import Promoter
-from .._persist.remote import is_url
-from .._replicate.replication import Replication
-from .._restore import scan as _scan
 from .._restore.recovery import AppliedState, Loaded, Recovery
 from .._restore.rollback import undone_on_error
 from .._save.buffers import DeviceStaging, HostPool
 from .._save.job import SaveJob
 from .._threads import in_thread
+from .._tiers.persistent.promote import Promoter
+from .._tiers.persistent.remote import is_url
+from .._tiers.replica.replication import Replication
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
 from ..coordination._agree import gather_shared

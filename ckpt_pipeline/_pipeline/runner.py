@@ -27,8 +27,8 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._crash import crash_point
+from .._format import scan as _scan
 from .._logging import log, warn_unless_shown
-from .._restore import scan as _scan
 from .._save.job import SaveJob
 from .._threads import in_thread
 from ..errors import CheckpointError, CheckpointWarning, PipelineClosedError, SaveError

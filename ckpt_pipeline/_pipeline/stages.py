@@ -28,8 +28,6 @@ import anyio
 
 from .._lineage import Timeline
 from .._logging import log, warn_unless_shown
-from .._persist.promote import Promoter
-from .._replicate.replication import Replication
 from .._save.buffers import HostPool
 from .._save.commit import commit
 from .._save.job import SaveJob
@@ -44,6 +42,8 @@ from .._save.retain import (
 from .._save.seal import write_shard
 from .._save.write_data import serialize
 from .._threads import in_thread
+from .._tiers.persistent.promote import Promoter
+from .._tiers.replica.replication import Replication
 from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..errors import CheckpointWarning, SaveError

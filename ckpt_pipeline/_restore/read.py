@@ -20,15 +20,15 @@ import anyio
 import torch
 import xxhash
 
+from .._format.layout import LARGE_STORAGE
 from .._format.limits import DTYPES
 from .._format.names import shard_name
+from .._format.scan import StepStatus
 from .._format.shard import ShardHeader, checksum
 from .._hostmem import byte_view
 from .._parallel import run_groups, split_balanced
-from .._save.layout import LARGE_STORAGE
 from ..errors import CheckpointIntegrityError, StorageError
 from ..storage import Storage
-from .scan import StepStatus
 
 __all__ = ("LoadedShard", "device_bytes", "read_shard")
 

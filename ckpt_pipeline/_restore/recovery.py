@@ -21,6 +21,7 @@ import anyio
 import torch
 
 from .._crash import crash_point
+from .._format import scan as _recovery
 from .._format.names import step_dir_name
 from .._format.shard import TensorRecord
 from .._format.timeline import Rewind
@@ -56,17 +57,16 @@ from ..events import (
 from ..handle import RejectedStep, RestoreResult
 from ..storage import Storage
 from ..train_state import TrainState
-from . import scan as _recovery
 from .apply import apply_state
 from .read import device_bytes, read_shard
 from .rewind import TimelineView, agree_timeline
 from .rollback import AppliedState, BackupCopies
 
 if TYPE_CHECKING:
-    from .._persist.layout import StepRecord
-    from .._persist.promote import Promoter
-    from .._persist.stream import ShardStream
-    from .._replicate.replication import Replication
+    from .._tiers.persistent.layout import StepRecord
+    from .._tiers.persistent.promote import Promoter
+    from .._tiers.persistent.stream import ShardStream
+    from .._tiers.replica.replication import Replication
 from .validate import validate_state
 
 __all__ = ("AppliedState", "Loaded", "Recovery")

@@ -17,14 +17,14 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._format.scan import StepStatus
 from .._format.timeline import Lineage, Mark, Rewind, abandoned, marks_of
 from ..coordination import Coordinator
 from ..coordination._agree import gather_shared
 from ..errors import CoordinationError
-from .scan import StepStatus
 
 if TYPE_CHECKING:
-    from .._persist.layout import StepRecord
+    from .._tiers.persistent.layout import StepRecord
 
 __all__ = ("TimelineView", "agree_timeline")
 

@@ -28,9 +28,9 @@ from .._format.documents import CommitRecord, encode_commit
 from .._format.names import commit_name
 from .._format.timeline import Lineage
 from .._logging import log
-from .._replicate.push import PushOutcome
-from .._replicate.replication import Replication
 from .._threads import in_thread
+from .._tiers.replica.push import PushOutcome
+from .._tiers.replica.replication import Replication
 from ..coordination import Coordinator
 from ..coordination._agree import gather_outcome
 from ..errors import CheckpointError, SaveError, StateError
@@ -40,7 +40,7 @@ from .job import SaveJob
 from .seal import publish_small
 
 if TYPE_CHECKING:
-    from .._persist.promote import Promoter
+    from .._tiers.persistent.promote import Promoter
 
 __all__ = ("Replicas", "commit")
 

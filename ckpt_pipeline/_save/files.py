@@ -13,7 +13,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 
-from .._restore.scan import tidy_step_dir
+from .._format.scan import tidy_step_dir
 from ..errors import StorageError
 from ..storage import Storage
 

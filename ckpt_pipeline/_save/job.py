@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._format.layout import EMPTY_LAYOUT, DataLayout
 from .._format.shard import DistLayout
-from .._replicate.push import Push
+from .._tiers.replica.push import Push
 from ..errors import CheckpointError
 from ..handle import SaveHandle
 from .buffers import Slot
 from .copy import Snapshot
 from .files import SaveFiles
-from .layout import EMPTY_LAYOUT, DataLayout
 
 __all__ = ("DataWritten", "SaveJob", "Sealed")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .._crash import crash_point
 from .._format.names import parse_rewound_dir, step_dir_name
-from .._restore.scan import committed_steps, owned_sets, read_commit, step_dirs, tidy_step_dir
+from .._format.scan import committed_steps, owned_sets, read_commit, step_dirs, tidy_step_dir
 from ..errors import CheckpointError
 from ..retention import MetricPolicy, RetentionPolicy, StepInfo
 from ..storage import Storage

@@ -27,7 +27,7 @@ from .._format.shard import (
 )
 from .._hostmem import byte_view
 from .._parallel import first_leaf, run_groups, split_balanced
-from .._replicate.push import Push
+from .._tiers.replica.push import Push
 from ..errors import StorageError
 from ..storage import Storage
 from .copy import Snapshot, copy_piece

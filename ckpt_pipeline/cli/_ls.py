@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .._format import scan as _recovery
 from .._format.documents import CommitRecord, decode_commit
 from .._format.names import (
     commit_name,
@@ -32,7 +33,6 @@ from .._format.names import (
 )
 from .._format.timeline import Lineage, abandoned
 from .._lineage import local_marks
-from .._restore import scan as _recovery
 from .._save.retain import read_markers
 from ..errors import CheckpointError
 from ..storage import Storage

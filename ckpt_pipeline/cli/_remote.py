@@ -16,11 +16,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .._format import scan as _recovery
 from .._format.names import parse_step_dir, step_dir_name
-from .._persist.layout import STEP_COMMIT, StepRecord
-from .._persist.promote import download_rank, read_step_record
-from .._persist.remote import Remote, open_remote
-from .._restore import scan as _recovery
+from .._tiers.persistent.layout import STEP_COMMIT, StepRecord
+from .._tiers.persistent.promote import download_rank, read_step_record
+from .._tiers.persistent.remote import Remote, open_remote
 from ..errors import CheckpointError
 from ..storage import LocalStorage
 from ._output import _human_bytes, _print_json

@@ -76,9 +76,9 @@ import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 import ckpt_pipeline as cp
+from ckpt_pipeline._format import scan as _recovery
 from ckpt_pipeline._format.documents import decode_commit
 from ckpt_pipeline._format.names import commit_name
-from ckpt_pipeline._restore import scan as _recovery
 from ckpt_pipeline._restore.read import LoadedShard, read_shard
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.events import CheckpointCommitted, Event, TemporariesScrubbed

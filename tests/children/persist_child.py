@@ -44,7 +44,7 @@ def main() -> None:
 def _hold_upload() -> None:
     """The upload's gate (called before each part and between its 4 MiB chunks) stops for
     good at its third call: two chunks of the shard are in the temporary."""
-    from ckpt_pipeline._persist.promote import Promoter
+    from ckpt_pipeline._tiers.persistent.promote import Promoter
 
     calls = itertools.count(1)
     gate = Promoter._wait_for_quiet

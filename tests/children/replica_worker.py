@@ -122,8 +122,8 @@ def _error(exc: BaseException) -> dict[str, Any]:
 
 def _patch_scenario(args: argparse.Namespace, rank: int) -> None:
     """Install the scenario's fault in this process's copy server."""
-    from ckpt_pipeline._replicate import server as copy_server
-    from ckpt_pipeline._replicate import wire
+    from ckpt_pipeline._tiers.replica import server as copy_server
+    from ckpt_pipeline._tiers.replica import wire
 
     if args.scenario == "slow-holder":
         original = wire.recv_data

@@ -21,7 +21,7 @@ from conftest import run_cli as _cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_commit
-from ckpt_pipeline._restore.scan import scan, scan_replicas
+from ckpt_pipeline._format.scan import scan, scan_replicas
 
 COPY = "replica-00000-on-00001"
 """The names of rank 0's files as rank 1 holds them."""

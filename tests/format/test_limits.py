@@ -24,6 +24,7 @@ from ckpt_pipeline._format import documents as _documents
 from ckpt_pipeline._format import limits as _limits
 from ckpt_pipeline._format import names as _names
 from ckpt_pipeline._format import shard as _shard
+from ckpt_pipeline._format.layout import plan_layout
 from ckpt_pipeline._format.limits import (
     ALIGN,
     DTYPES,
@@ -39,7 +40,6 @@ from ckpt_pipeline._format.limits import (
     small_file_bytes_bound,
 )
 from ckpt_pipeline._format.shard import DistLayout
-from ckpt_pipeline._save.layout import plan_layout
 from ckpt_pipeline._tree import FlatState
 
 Check = Callable[[Path, pytest.MonkeyPatch], None]

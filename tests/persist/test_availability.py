@@ -21,10 +21,10 @@ import torch
 from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._persist import connect as connect_mod
-from ckpt_pipeline._persist import promote as promote_mod
-from ckpt_pipeline._persist.layout import STEP_COMMIT
-from ckpt_pipeline._persist.remote import RemoteError, open_remote
+from ckpt_pipeline._tiers.persistent import connect as connect_mod
+from ckpt_pipeline._tiers.persistent import promote as promote_mod
+from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
+from ckpt_pipeline._tiers.persistent.remote import RemoteError, open_remote
 from ckpt_pipeline.config import PipelineConfig
 from ckpt_pipeline.storage import LocalStorage
 
@@ -433,7 +433,7 @@ def test_a_call_to_an_fsspec_file_system_that_never_returns_times_out_and_is_ret
     fsspec = pytest.importorskip("fsspec")
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from ckpt_pipeline._persist import tier_fsspec
+    from ckpt_pipeline._tiers.persistent import tier_fsspec
 
     release = threading.Event()
     calls: list[str] = []

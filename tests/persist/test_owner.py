@@ -22,8 +22,8 @@ import torch
 from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._persist.layout import STEP_COMMIT
-from ckpt_pipeline._persist.owner import (
+from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
+from ckpt_pipeline._tiers.persistent.owner import (
     MAX_OWNER_BYTES,
     OWNER_KEY,
     OwnerRecord,
@@ -31,8 +31,8 @@ from ckpt_pipeline._persist.owner import (
     decode_owner,
     encode_owner,
 )
-from ckpt_pipeline._persist.promote import read_step_record
-from ckpt_pipeline._persist.remote import open_remote
+from ckpt_pipeline._tiers.persistent.promote import read_step_record
+from ckpt_pipeline._tiers.persistent.remote import open_remote
 
 Tier = tuple[str, "dict[str, Any] | None"]
 

@@ -20,10 +20,10 @@ import structlog
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._persist import promote as promote_mod
-from ckpt_pipeline._persist.layout import STEP_COMMIT, decode_step_record
-from ckpt_pipeline._persist.remote import open_remote
-from ckpt_pipeline._persist.stream import ShardStream
+from ckpt_pipeline._tiers.persistent import promote as promote_mod
+from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT, decode_step_record
+from ckpt_pipeline._tiers.persistent.remote import open_remote
+from ckpt_pipeline._tiers.persistent.stream import ShardStream
 
 
 def _state(seed: int) -> dict[str, Any]:

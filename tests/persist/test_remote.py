@@ -16,8 +16,8 @@ import pytest
 import structlog
 import xxhash
 
-from ckpt_pipeline._persist import tier_s3
-from ckpt_pipeline._persist.remote import ObjectSum, Remote, RemoteError, open_remote
+from ckpt_pipeline._tiers.persistent import tier_s3
+from ckpt_pipeline._tiers.persistent.remote import ObjectSum, Remote, RemoteError, open_remote
 from ckpt_pipeline.errors import CheckpointIntegrityError, ConfigError
 
 from .s3_server import DROP, FaultProxy, s3_client

@@ -19,10 +19,10 @@ from conftest import run_child, run_cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_rewinds
-from ckpt_pipeline._persist import promote as promote_mod
-from ckpt_pipeline._persist.layout import STEP_COMMIT
-from ckpt_pipeline._persist.remote import RemoteError, open_remote
-from ckpt_pipeline._persist.rewinds import TIER_REWINDS
+from ckpt_pipeline._tiers.persistent import promote as promote_mod
+from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
+from ckpt_pipeline._tiers.persistent.remote import RemoteError, open_remote
+from ckpt_pipeline._tiers.persistent.rewinds import TIER_REWINDS
 from ckpt_pipeline.testing import CRASH_ENV
 
 Tier = tuple[str, "dict[str, Any] | None"]

@@ -82,6 +82,7 @@ from ckpt_pipeline._format.limits import (
     MAX_PATH_LEN,
     MAX_SMALL_FILE_BYTES,
 )
+from ckpt_pipeline._format.scan import StepStatus, decode_contents
 from ckpt_pipeline._format.shard import (
     PREAMBLE_SIZE,
     SHARD_MAGIC,
@@ -97,7 +98,6 @@ from ckpt_pipeline._format.shard import (
     encode_preamble,
 )
 from ckpt_pipeline._format.shard_v1 import V1_PREAMBLE_SIZE
-from ckpt_pipeline._restore.scan import StepStatus, decode_contents
 from ckpt_pipeline.train_state import RNGState, TrainState
 
 T = TypeVar("T")

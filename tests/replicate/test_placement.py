@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._replicate.placement import place_replicas
+from ckpt_pipeline._tiers.replica.placement import place_replicas
 
 
 def test_four_ranks_on_two_nodes_swap_their_copies_rank_for_rank() -> None:

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ckpt_pipeline as cp
+from ckpt_pipeline._format.layout import LARGE_STORAGE, plan_layout
 from ckpt_pipeline._format.limits import DTYPES
 from ckpt_pipeline._format.shard import PREAMBLE_SIZE
-from ckpt_pipeline._save.layout import LARGE_STORAGE, plan_layout
 
 SHARD = "step-{:010d}/rank-00000.shard"
 

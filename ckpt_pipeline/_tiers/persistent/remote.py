@@ -40,8 +40,8 @@ from typing import Any
 
 import xxhash
 
-from .._logging import log, report_once
-from ..errors import CheckpointIntegrityError, ConfigError, StorageError
+from ..._logging import log, report_once
+from ...errors import CheckpointIntegrityError, ConfigError, StorageError
 from .workers import DaemonPool
 
 __all__ = ("PART_BYTES_DEFAULT", "Conflict", "ObjectSum", "Remote", "RemoteError", "is_url",

@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import time
 
-from .._format.documents import decode_commit
-from .._format.names import step_dir_name
-from .._restore.scan import FileSet
-from ..errors import CheckpointError, CheckpointIntegrityError
-from ..storage import Storage
+from ..._format.documents import decode_commit
+from ..._format.names import step_dir_name
+from ..._format.scan import FileSet
+from ...errors import CheckpointError, CheckpointIntegrityError
+from ...storage import Storage
 from .incoming import Incoming
 from .push import Peer
 from .wire import (

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from .._format.documents import decode_rewinds, encode_rewinds
-from .._format.names import TIER_REWINDS, step_dir_name
-from .._format.timeline import Mark, Rewind, abandoned, marks_of
+from ..._format.documents import decode_rewinds, encode_rewinds
+from ..._format.names import TIER_REWINDS, step_dir_name
+from ..._format.timeline import Mark, Rewind, abandoned, marks_of
 from .layout import STEP_COMMIT, StepRecord
 from .remote import Remote
 

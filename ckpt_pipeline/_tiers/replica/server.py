@@ -30,15 +30,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .._crash import crash_point
-from .._format.documents import decode_commit
-from .._format.names import step_dir_name
-from .._format.shard import checksum
-from .._logging import log
-from .._restore.scan import FileSet, scan_files
-from ..errors import CheckpointError, ConfigError
-from ..events import Event, ReplicaStored
-from ..storage import Storage
+from ..._crash import crash_point
+from ..._format.documents import decode_commit
+from ..._format.names import step_dir_name
+from ..._format.scan import FileSet, scan_files
+from ..._format.shard import checksum
+from ..._logging import log
+from ...errors import CheckpointError, ConfigError
+from ...events import Event, ReplicaStored
+from ...storage import Storage
 from .incoming import Incoming
 from .wire import (
     PIECE_BYTES,

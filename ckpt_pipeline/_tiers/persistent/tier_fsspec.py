@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .remote import (
     KEY_PART,
     SMALL_TIMEOUT_S,

@@ -47,7 +47,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .remote import (
     BACKOFF_CAP_S,
     KEY_PART,

@@ -17,17 +17,17 @@ from typing import Any
 
 import anyio
 
-from .._format.documents import CommitRecord, encode_commit
-from .._format.timeline import Lineage
-from .._logging import log
-from .._restore.scan import scan_replicas
-from .._threads import in_thread
-from ..config import PipelineConfig
-from ..coordination import Coordinator
-from ..coordination._agree import Opening, agree_open
-from ..errors import CheckpointError, ConfigError
-from ..events import Event
-from ..storage import Storage
+from ..._format.documents import CommitRecord, encode_commit
+from ..._format.scan import scan_replicas
+from ..._format.timeline import Lineage
+from ..._logging import log
+from ..._threads import in_thread
+from ...config import PipelineConfig
+from ...coordination import Coordinator
+from ...coordination._agree import Opening, agree_open
+from ...errors import CheckpointError, ConfigError
+from ...events import Event
+from ...storage import Storage
 from .fetch import fetch_shard
 from .placement import Placement, place_replicas
 from .push import Peer, Push

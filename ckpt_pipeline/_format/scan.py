@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crash_point
-from .._format.documents import CommitRecord, Manifest, decode_commit, decode_manifest, decode_tree
-from .._format.names import (
+from ..errors import CheckpointIntegrityError, StateError, StorageError
+from ..storage import Storage
+from ..train_state import TrainState
+from .documents import CommitRecord, Manifest, decode_commit, decode_manifest, decode_tree
+from .names import (
     foreign_dir_name,
     parse_rank_file,
     parse_replica_file,
@@ -26,11 +29,8 @@ from .._format.names import (
     rewound_dir_name,
     temp_owner,
 )
-from .._format.shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
-from .._format.timeline import Lineage
-from ..errors import CheckpointIntegrityError, StateError, StorageError
-from ..storage import Storage
-from ..train_state import TrainState
+from .shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
+from .timeline import Lineage
 
 __all__ = (
     "FileSet",

@@ -23,13 +23,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .._format.names import step_dir_name
-from .._format.shard import checksum
-from .._logging import log
-from .._restore.scan import FileSet, scan_files
-from ..errors import CheckpointError
-from ..events import Event, ReplicaRestored, ReplicaRestoreFailed
-from ..storage import Storage
+from ..._format.names import step_dir_name
+from ..._format.scan import FileSet, scan_files
+from ..._format.shard import checksum
+from ..._logging import log
+from ...errors import CheckpointError
+from ...events import Event, ReplicaRestored, ReplicaRestoreFailed
+from ...storage import Storage
 from .push import Peer, Push, PushOutcome
 from .server import copy_frames
 from .wire import piece_buffer

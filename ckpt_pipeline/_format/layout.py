@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._format.limits import ALIGN
-from .._format.shard import PREAMBLE_SIZE, StorageRecord
+from .limits import ALIGN
+from .shard import PREAMBLE_SIZE, StorageRecord
 
 __all__ = ("EMPTY_LAYOUT", "LARGE_STORAGE", "DataLayout", "StoredItem", "plan_layout", "span_source")
 

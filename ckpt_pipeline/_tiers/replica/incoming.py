@@ -14,11 +14,11 @@ import contextlib
 import errno
 import os
 
-from .._format.documents import Manifest, decode_manifest
-from .._format.shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
-from .._restore.scan import FileSet, tidy_step_dir
-from ..errors import CheckpointError, CheckpointIntegrityError, StorageError
-from ..storage import Storage
+from ..._format.documents import Manifest, decode_manifest
+from ..._format.scan import FileSet, tidy_step_dir
+from ..._format.shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
+from ...errors import CheckpointError, CheckpointIntegrityError, StorageError
+from ...storage import Storage
 from .wire import Received
 
 __all__ = ("Incoming",)

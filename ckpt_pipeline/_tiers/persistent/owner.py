@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .._format.documents import FORMAT_VERSION, decode_message, encode_message
-from .._logging import log
-from ..errors import CheckpointError, CheckpointIntegrityError, PersistentInUseError
-from ..events import Event, PersistentTakenOver
+from ..._format.documents import FORMAT_VERSION, decode_message, encode_message
+from ..._logging import log
+from ...errors import CheckpointError, CheckpointIntegrityError, PersistentInUseError
+from ...events import Event, PersistentTakenOver
 from .remote import Conflict, Remote
 
 __all__ = ("MAX_OWNER_BYTES", "OWNER_KEY", "OwnerRecord", "Ownership", "decode_owner",

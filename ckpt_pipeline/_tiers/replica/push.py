@@ -20,10 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .._crash import crash_point
-from .._format.shard import checksum
-from .._logging import log
-from ..errors import CheckpointError
+from ..._crash import crash_point
+from ..._format.shard import checksum
+from ..._logging import log
+from ...errors import CheckpointError
 from .wire import ProtocolError, connect, recv_message, send_data, send_message
 
 __all__ = ("Peer", "Push", "PushOutcome")

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from .._logging import log
-from ..errors import CheckpointError, ConfigError
-from ..events import Event, PersistentAvailable, PersistentUnavailable
+from ..._logging import log
+from ...errors import CheckpointError, ConfigError
+from ...events import Event, PersistentAvailable, PersistentUnavailable
 from .remote import RemoteError
 
 __all__ = ("RETRY_FIRST_S", "RETRY_MAX_S", "Connection", "as_config_error")

@@ -50,12 +50,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._format.names import parse_step_dir, step_dir_name
-from .._format.timeline import Lineage, Mark, Rewind, abandoned
-from .._logging import log
-from ..config import PipelineConfig
-from ..errors import CheckpointError, CheckpointIntegrityError, PersistentInUseError
-from ..events import (
+from ..._format.names import parse_step_dir, step_dir_name
+from ..._format.timeline import Lineage, Mark, Rewind, abandoned
+from ..._logging import log
+from ...config import PipelineConfig
+from ...errors import CheckpointError, CheckpointIntegrityError, PersistentInUseError
+from ...events import (
     Event,
     PersistFailed,
     PersistPruned,
@@ -63,7 +63,7 @@ from ..events import (
     ShardUploaded,
     StepPersisted,
 )
-from ..storage import Storage
+from ...storage import Storage
 from .connect import Connection
 from .layout import (
     MAX_COMMIT_BYTES,

@@ -20,11 +20,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .._format.documents import FORMAT_VERSION, decode_message, encode_message
-from .._format.names import step_dir_name
-from .._format.timeline import Lineage, decode_lineage, encode_lineage
-from .._restore.scan import FileSet
-from ..errors import CheckpointIntegrityError
+from ..._format.documents import FORMAT_VERSION, decode_message, encode_message
+from ..._format.names import step_dir_name
+from ..._format.scan import FileSet
+from ..._format.timeline import Lineage, decode_lineage, encode_lineage
+from ...errors import CheckpointIntegrityError
 from .remote import ObjectSum, _uint
 
 __all__ = ("MAX_COMMIT_BYTES", "STEP_COMMIT", "ObjectSum", "StepRecord", "decode_step_record",

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 __all__ = ("PIECE_BYTES", "ProtocolError", "Received", "connect", "piece_buffer", "recv_data",
            "recv_message", "send_data", "send_message")

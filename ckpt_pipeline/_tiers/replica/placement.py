@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ("Placement", "place_replicas")
 

@@ -17,12 +17,12 @@ import os
 import threading
 import time
 
-from .._format.names import step_dir_name
-from .._format.shard import PREAMBLE_SIZE, decode_preamble
-from .._replicate.incoming import Incoming
-from .._restore import scan as _scan
-from ..errors import CheckpointError, CheckpointIntegrityError, StorageError
-from ..storage import Storage
+from ..._format import scan as _scan
+from ..._format.names import step_dir_name
+from ..._format.shard import PREAMBLE_SIZE, decode_preamble
+from ...errors import CheckpointError, CheckpointIntegrityError, StorageError
+from ...storage import Storage
+from ..replica.incoming import Incoming
 from .layout import MAX_COMMIT_BYTES, StepRecord, rank_keys
 from .remote import ObjectSum, Remote
 
