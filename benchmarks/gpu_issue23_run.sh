@@ -20,8 +20,8 @@ if [ "$MODE" = after ]; then
   echo "cuda set exit $?" >> "$OUT/cuda_set.log"
 fi
 (cd benchmarks && python3 bench_training.py --variants ckpt_pipeline,ckpt_pipeline_staged \
-  --budget-s "${BUDGET_S:-300}" --hard-limit-s "${HARD_LIMIT_S:-360}" \
-  --out "$OUT/training_gpu_issue23_$MODE.json") > "$OUT/bench.log" 2>&1
+  --budget-s "${BUDGET_S:-300}" --hard-limit-s "${HARD_LIMIT_S:-360}" ${STEPS:+--steps "$STEPS"} \
+  --out "$OUT/training_gpu_issue23_$MODE${STEPS:+_$STEPS}.json") > "$OUT/bench.log" 2>&1
 echo "bench exit $?" >> "$OUT/bench.log"
 cat "$OUT/gpu.txt"
 [ "$MODE" = after ] && tail -6 "$OUT/gpu_tests.log" && tail -4 "$OUT/cuda_set.log"
