@@ -17,7 +17,6 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from roundtrip import STEP, assert_refused, restore, round_trip, save, step_dirs
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format import documents as _documents
@@ -41,6 +40,7 @@ from ckpt_pipeline._format.limits import (
 )
 from ckpt_pipeline._format.shard import DistLayout
 from ckpt_pipeline._tree import FlatState
+from tests._support.roundtrip import STEP, assert_refused, restore, round_trip, save, step_dirs
 
 Check = Callable[[Path, pytest.MonkeyPatch], None]
 

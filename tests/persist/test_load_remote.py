@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent.remote import open_remote
+from tests._support.cli import run_cli
 
 from .test_persist import _save_steps
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import _crash
 from ckpt_pipeline._crash import parse_crash_at
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.testing import CRASH_ENV, CRASH_POINTS, Fault, FaultyStorage
+from tests._support.children import child_script, load_script, spawn_child
 
 CHILD = child_script("crash_point_child.py")
 
