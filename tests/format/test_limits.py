@@ -451,7 +451,7 @@ def test_train_state_extra_nested_to_the_limit_round_trips(root: Path) -> None:
                    path=deep_path("train_state/extra", MAX_NESTING - 2), match="limit nesting")
 
 
-@pytest.mark.parametrize("where", ["state", "train_state"])
+@pytest.mark.parametrize("where", [pytest.param("state", marks=pytest.mark.slow), "train_state"])
 def test_a_270_mib_bytes_value_is_refused(root: Path, where: str) -> None:
     blob = bytes(270 << 20)
     if where == "state":
