@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, child_env
+
+from tests._support.children import REPO, child_env
 
 pytestmark = pytest.mark.slow  # the example trains in child processes: the slow suite
 

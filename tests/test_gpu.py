@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_state, make_training_state, train_one_step
 
 import ckpt_pipeline as cp
+from tests._support.states import assert_same_state, make_training_state, train_one_step
 
 pytestmark = pytest.mark.gpu
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.testing import capture_logs
+from tests._support.children import run_child
 
 CHILD = "logging_child.py"
 CHILD_TIMEOUT_S = 120

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import child_env
-from conftest import run_cli as _cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.cli._output import _progress_text, _ranks_text
+from tests._support.children import child_env
+from tests._support.cli import run_cli as _cli
 
 
 def _save_steps(root: Path, steps: list[int]) -> None:

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_cli as _cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_commit
 from ckpt_pipeline._format.scan import scan, scan_replicas
+from tests._support.cli import run_cli as _cli
 
 COPY = "replica-00000-on-00001"
 """The names of rank 0's files as rank 1 holds them."""

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import child_env
-from conftest import run_cli as _cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.limits import DTYPES
 from ckpt_pipeline.export import export
+from tests._support.children import child_env
+from tests._support.cli import run_cli as _cli
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 REPO = Path(__file__).resolve().parents[2]

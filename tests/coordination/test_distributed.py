@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import child_script, load_script, spawn_child
+
+from tests._support.children import child_script, load_script, spawn_child
 
 pytestmark = pytest.mark.slow
 

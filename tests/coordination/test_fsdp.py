@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import child_script, spawn_child
+
+from tests._support.children import child_script, spawn_child
 
 WORKER = child_script("fsdp_worker.py")
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tensor_hashes
 from torch import nn
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.cli import main as cli_main
+from tests._support.states import tensor_hashes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "format-v1"
 

@@ -17,7 +17,6 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from roundtrip import STEP, assert_refused, restore, round_trip, save, step_dirs
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format import documents as _documents
@@ -41,6 +40,7 @@ from ckpt_pipeline._format.limits import (
 )
 from ckpt_pipeline._format.shard import DistLayout
 from ckpt_pipeline._tree import FlatState
+from tests._support.roundtrip import STEP, assert_refused, restore, round_trip, save, step_dirs
 
 Check = Callable[[Path, pytest.MonkeyPatch], None]
 
@@ -451,7 +451,7 @@ def test_train_state_extra_nested_to_the_limit_round_trips(root: Path) -> None:
                    path=deep_path("train_state/extra", MAX_NESTING - 2), match="limit nesting")
 
 
-@pytest.mark.parametrize("where", ["state", "train_state"])
+@pytest.mark.parametrize("where", [pytest.param("state", marks=pytest.mark.slow), "train_state"])
 def test_a_270_mib_bytes_value_is_refused(root: Path, where: str) -> None:
     blob = bytes(270 << 20)
     if where == "state":

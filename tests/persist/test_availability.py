@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent import connect as connect_mod
@@ -27,12 +26,10 @@ from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
 from ckpt_pipeline._tiers.persistent.remote import RemoteError, open_remote
 from ckpt_pipeline.config import PipelineConfig
 from ckpt_pipeline.storage import LocalStorage
+from tests._support.children import spawn_child
+from tests._support.replicas import launch
 
 from .s3_server import HANG, BlackHole, FaultProxy, SilentServer, free_port, new_bucket
-
-launch = load_script(Path(__file__).resolve().parents[1] / "replicate" /
-                     "test_replication.py").launch
-"""The multi-process launcher of the replication tests."""
 
 BOUND_S = 60.0
 """A join timeout far above every bound under test and far below the hangs they replace

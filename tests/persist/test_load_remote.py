@@ -15,15 +15,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent.remote import open_remote
+from tests._support.cli import run_cli
 
 from .test_persist import _save_steps
 
 
-@pytest.fixture(params=["s3", "dir"])
+# S3 in the slow suite: the fast one covers S3 in test_remote.py, test_owner.py and the CLI's URLs
+@pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.slow), "dir"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any] | None]:
     """(URL, options) of an empty persistent tier; the directory is named by file://."""
     if request.param == "dir":

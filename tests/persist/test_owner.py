@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
@@ -33,12 +32,10 @@ from ckpt_pipeline._tiers.persistent.owner import (
 )
 from ckpt_pipeline._tiers.persistent.promote import read_step_record
 from ckpt_pipeline._tiers.persistent.remote import open_remote
+from tests._support.children import spawn_child
+from tests._support.replicas import launch
 
 Tier = tuple[str, "dict[str, Any] | None"]
-
-launch = load_script(Path(__file__).resolve().parents[1] / "replicate" /
-                     "test_replication.py").launch
-"""The multi-process launcher of the replication tests (gloo ranks)."""
 
 
 def _tier(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:

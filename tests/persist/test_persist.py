@@ -45,7 +45,8 @@ def _flat(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(params=["s3", "dir"])
+# S3 in the slow suite: the fast one covers S3 in test_remote.py, test_owner.py and the CLI's URLs
+@pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.slow), "dir"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any] | None]:
     """(persistent URL or path, its options) of an empty persistent tier."""
     if request.param == "dir":

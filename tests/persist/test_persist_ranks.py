@@ -17,15 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT, decode_step_record
 from ckpt_pipeline._tiers.persistent.remote import open_remote
-
-launch = load_script(Path(__file__).resolve().parents[1] / "replicate" /
-                     "test_replication.py").launch
-"""The multi-process launcher of the replication tests."""
+from tests._support.children import spawn_child
+from tests._support.replicas import launch
 
 
 def _objects(url: str, options: dict[str, Any]) -> dict[str, dict[str, int]]:

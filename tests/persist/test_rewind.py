@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_child, run_cli
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_rewinds
@@ -24,6 +23,8 @@ from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
 from ckpt_pipeline._tiers.persistent.remote import RemoteError, open_remote
 from ckpt_pipeline._tiers.persistent.rewinds import TIER_REWINDS
 from ckpt_pipeline.testing import CRASH_ENV
+from tests._support.children import run_child
+from tests._support.cli import run_cli
 
 Tier = tuple[str, "dict[str, Any] | None"]
 

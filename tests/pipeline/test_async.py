@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_state, make_training_state
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.testing import GatedStorage
+from tests._support.states import assert_same_state, make_training_state
 
 
 @pytest.mark.asyncio

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.testing import Fault, FaultyStorage
+from tests._support.children import run_child
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,8 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import child_script, spawn_child
-from conftest import run_child as run_script
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.names import (
@@ -35,6 +33,8 @@ from ckpt_pipeline._format.names import (
 from ckpt_pipeline._pipeline import rootlock as _rootlock
 from ckpt_pipeline._pipeline.rootlock import RootLock
 from ckpt_pipeline.errors import RootInUseError, UnsafeRootError
+from tests._support.children import child_script, spawn_child
+from tests._support.children import run_child as run_script
 
 CHILD_SCRIPT = child_script("lock_child.py")
 CHILD_TIMEOUT_S = 120.0  # a child imports torch first: seconds on a loaded machine

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_state, make_training_state, train_one_step
 
 import ckpt_pipeline as cp
+from tests._support.states import assert_same_state, make_training_state, train_one_step
 
 
 def test_restore_returns_none_when_root_is_empty(root: Path) -> None:

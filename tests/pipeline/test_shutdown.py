@@ -29,10 +29,10 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.testing import GatedStorage, capture_logs
+from tests._support.children import child_script, load_script, spawn_child
 
 CHILD_SCRIPT = child_script("shutdown_child.py")
 DEADLINE_S = 60.0

@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import cli
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.testing import CRASH_ENV
+from tests._support.children import child_script, load_script, spawn_child
 
 CHILD = child_script("concurrent_child.py")
 DEADLINE_S = 100.0

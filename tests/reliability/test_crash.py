@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
+from tests._support.children import child_script, load_script, spawn_child
 
 CHILD_SCRIPT = child_script("crash_child.py")
 

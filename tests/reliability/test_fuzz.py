@@ -55,7 +55,6 @@ from typing import Any, TypeVar
 import msgpack
 import pytest
 import torch
-from conftest import tensor_hashes
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -99,6 +98,7 @@ from ckpt_pipeline._format.shard import (
 )
 from ckpt_pipeline._format.shard_v1 import V1_PREAMBLE_SIZE
 from ckpt_pipeline.train_state import RNGState, TrainState
+from tests._support.states import tensor_hashes
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """Restore with copies on other nodes, when a node comes back with another run's root and when
 a replaced node comes back empty: real gloo process groups, one process per rank
-(``tests/children/replica_worker.py``, through the launcher of ``test_replication.py``).
+(``tests/children/replica_worker.py``, through ``tests._support.replicas.launch``).
 
 Every value a rank saves is a function of (step, rank, run): another run (``--variant 1``)
 saves the same step numbers with other values, so a restore is checked bit-exact against the
@@ -15,12 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import load_script, run_cli
 
-_replication = load_script(Path(__file__).resolve().parent / "test_replication.py")
-launch = _replication.launch
-step_dir = _replication.step_dir
-assert_restored = _replication.assert_restored
+from tests._support.cli import run_cli
+from tests._support.replicas import assert_restored, launch, step_dir
 
 
 def _copy_root(source: Path, target: Path) -> None:

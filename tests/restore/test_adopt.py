@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import child_script, load_script
 from torch import nn
 
 import ckpt_pipeline as cp
 import ckpt_pipeline._restore.recovery as restore_module
+from tests._support.children import child_script, load_script
 
 Flaky = load_script(child_script("restore_atomic_worker.py")).Flaky
 

@@ -24,7 +24,6 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import child_script, load_script, spawn_child
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -35,6 +34,7 @@ from ckpt_pipeline._restore.apply import apply_state
 from ckpt_pipeline._restore.validate import validate_state
 from ckpt_pipeline._tree import flatten_state
 from ckpt_pipeline.train_state import RNGState
+from tests._support.children import child_script, load_script, spawn_child
 
 WORKER = child_script("restore_atomic_worker.py")
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from roundtrip import assert_same, restore, save
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.limits import DTYPES, INT_MAX, INT_MIN
+from tests._support.roundtrip import assert_same, restore, save
 
 DTYPE_LIST = list(DTYPES.values())
 

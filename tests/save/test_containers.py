@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from roundtrip import assert_refused, assert_same, restore, round_trip, save
 
 import ckpt_pipeline as cp
+from tests._support.roundtrip import assert_refused, assert_same, restore, round_trip, save
 
 
 class Point(NamedTuple):

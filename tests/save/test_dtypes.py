@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from roundtrip import assert_bit_equal, assert_refused, restore, round_trip, save
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.limits import DTYPES, MAX_NDIM
+from tests._support.roundtrip import assert_bit_equal, assert_refused, restore, round_trip, save
 
 ALL_DTYPES: list[torch.dtype] = sorted(
     {value for name in dir(torch) if isinstance(value := getattr(torch, name), torch.dtype)},

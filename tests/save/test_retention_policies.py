@@ -291,7 +291,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_every_rank_keeps_the_steps_rank_0s_metric_chooses(tmp_path: Path) -> None:
-    from conftest import spawn_child
+    from tests._support.children import spawn_child
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     procs = [spawn_child(Path(__file__), "--root", tmp_path / "ckpt", "--out",

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_script, load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import _crash
 from ckpt_pipeline._crash import parse_crash_at
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.testing import CRASH_ENV, CRASH_POINTS, Fault, FaultyStorage
+from tests._support.children import child_script, load_script, spawn_child
 
 CHILD = child_script("crash_point_child.py")
 
@@ -53,7 +53,7 @@ def _calls_of_one_save(root: Path) -> dict[str, int]:
         return storage.calls()
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+@pytest.mark.parametrize("code", [pytest.param(errno.ENOSPC, marks=pytest.mark.slow), errno.EIO])
 def test_a_fault_at_every_io_call_of_a_save_loses_nothing(tmp_path: Path, code: int) -> None:
     calls = _calls_of_one_save(tmp_path)
     assert calls["pwrite"] >= 4 and calls["fsync"] >= 3

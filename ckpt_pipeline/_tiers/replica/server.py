@@ -212,6 +212,8 @@ class CopyServer:
         """Stop accepting; wait (bounded) for the connections in progress; remove every copy
         that was not committed."""
         self._stop.set()
+        with contextlib.suppress(OSError):  # wakes the accept at once, not at its next poll
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._accept.join(timeout=5)
         with contextlib.suppress(OSError):
             self._sock.close()
