@@ -36,8 +36,8 @@ import torch
 
 from ._format import scan as _scan
 from ._format.documents import TensorRef
+from ._format.header import DistLayout
 from ._format.names import step_dir_name
-from ._format.shard import DistLayout
 from ._restore.read import read_shard
 from ._tiers.persistent.layout import StepRecord
 from ._tiers.persistent.remote import Remote, is_url

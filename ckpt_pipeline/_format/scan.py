@@ -19,6 +19,7 @@ from ..errors import CheckpointIntegrityError, StateError, StorageError
 from ..storage import Storage
 from ..train_state import TrainState
 from .documents import CommitRecord, Manifest, decode_commit, decode_manifest, decode_tree
+from .header import ShardHeader
 from .names import (
     foreign_dir_name,
     parse_rank_file,
@@ -29,7 +30,8 @@ from .names import (
     rewound_dir_name,
     temp_owner,
 )
-from .shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
+from .region import checksum
+from .shard import PREAMBLE_SIZE, decode_header, decode_preamble
 from .timeline import Lineage
 
 __all__ = (

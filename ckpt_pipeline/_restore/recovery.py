@@ -22,8 +22,8 @@ import torch
 
 from .._crash import crash_point
 from .._format import scan as _recovery
+from .._format.header import TensorRecord
 from .._format.names import step_dir_name
-from .._format.shard import TensorRecord
 from .._format.timeline import Rewind
 from .._lineage import Timeline, forget_rewind, read_rewinds, write_rewind
 from .._logging import log

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._format.header import DistLayout
 from .._format.layout import EMPTY_LAYOUT, DataLayout
-from .._format.shard import DistLayout
 from .._tiers.replica.push import Push
 from ..errors import CheckpointError
 from ..handle import SaveHandle

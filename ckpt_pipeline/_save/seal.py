@@ -11,7 +11,8 @@ import anyio
 from .._crash import crash_point
 from .._format.documents import Manifest, encode_manifest
 from .._format.names import manifest_name, shard_name
-from .._format.shard import checksum, encode_preamble
+from .._format.region import checksum
+from .._format.shard import encode_preamble
 from .._threads import in_thread
 from ..storage import Storage
 from .files import close_quietly

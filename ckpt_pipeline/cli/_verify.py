@@ -21,8 +21,8 @@ from typing import TextIO
 import anyio
 
 from .._format import scan as _recovery
+from .._format.header import ShardHeader
 from .._format.names import commit_name, parse_rejected_dir, parse_rewound_dir
-from .._format.shard import ShardHeader
 from .._restore.read import LoadedShard, read_shard
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..storage import Storage

@@ -74,6 +74,7 @@ from ckpt_pipeline._format.documents import (
     encode_manifest,
     encode_tree,
 )
+from ckpt_pipeline._format.header import DistLayout, ShardHeader, StorageRecord, TensorRecord
 from ckpt_pipeline._format.limits import (
     ALIGN,
     DTYPES,
@@ -82,16 +83,11 @@ from ckpt_pipeline._format.limits import (
     MAX_PATH_LEN,
     MAX_SMALL_FILE_BYTES,
 )
+from ckpt_pipeline._format.region import align_up, checksum
 from ckpt_pipeline._format.scan import StepStatus, decode_contents
 from ckpt_pipeline._format.shard import (
     PREAMBLE_SIZE,
     SHARD_MAGIC,
-    DistLayout,
-    ShardHeader,
-    StorageRecord,
-    TensorRecord,
-    align_up,
-    checksum,
     decode_header,
     decode_preamble,
     encode_header,

@@ -15,8 +15,10 @@ import errno
 import os
 
 from ..._format.documents import Manifest, decode_manifest
+from ..._format.header import ShardHeader
+from ..._format.region import checksum
 from ..._format.scan import FileSet, tidy_step_dir
-from ..._format.shard import PREAMBLE_SIZE, ShardHeader, checksum, decode_header, decode_preamble
+from ..._format.shard import PREAMBLE_SIZE, decode_header, decode_preamble
 from ...errors import CheckpointError, CheckpointIntegrityError, StorageError
 from ...storage import Storage
 from .wire import Received

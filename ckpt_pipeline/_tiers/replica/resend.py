@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..._format.names import step_dir_name
+from ..._format.region import checksum
 from ..._format.scan import FileSet, scan_files
-from ..._format.shard import checksum
 from ..._logging import log
 from ...errors import CheckpointError
 from ...events import Event, ReplicaRestored, ReplicaRestoreFailed

@@ -33,8 +33,8 @@ from typing import Any
 from ..._crash import crash_point
 from ..._format.documents import decode_commit
 from ..._format.names import step_dir_name
+from ..._format.region import checksum
 from ..._format.scan import FileSet, scan_files
-from ..._format.shard import checksum
 from ..._logging import log
 from ...errors import CheckpointError, ConfigError
 from ...events import Event, ReplicaStored
