@@ -13,9 +13,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ._format.documents import decode_rewinds, encode_rewinds
+from ._format.filesets import rank_sets
 from ._format.limits import MAX_SMALL_FILE_BYTES
 from ._format.names import TIER_REWINDS, parse_rewind_file, rewind_file_name
-from ._format.scan import committed_steps, rank_sets, read_commit
+from ._format.steps import committed_steps, read_commit
 from ._format.timeline import (
     Lineage,
     Mark,

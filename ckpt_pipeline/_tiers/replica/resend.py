@@ -23,16 +23,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from ..._format.filesets import FileSet
 from ..._format.names import step_dir_name
 from ..._format.region import checksum
-from ..._format.scan import FileSet, scan_files
+from ..._format.scan import scan_files
 from ..._logging import log
 from ...errors import CheckpointError
 from ...events import Event, ReplicaRestored, ReplicaRestoreFailed
 from ...storage import Storage
 from .push import Peer, Push, PushOutcome
-from .server import copy_frames
-from .wire import piece_buffer
+from .wire import copy_frames, piece_buffer
 
 __all__ = ("Resend",)
 
