@@ -13,6 +13,7 @@ import re
 from ..errors import CheckpointError
 from ..storage import Storage
 from .names import step_dir_name
+from .publish import publish_file
 
 __all__ = ("clear_marker", "marker_name", "read_markers", "write_marker")
 
@@ -32,18 +33,7 @@ def write_marker(storage: Storage, rank: int, step: int, error: str) -> None:
     if any(e.name == name for e in storage.list_dir("")):
         return
     data = error.encode("utf-8", "replace")[:_MARKER_MAX_BYTES]
-    fd, temp = storage.create_temp("", name)
-    try:
-        storage.pwrite(fd, memoryview(data), 0)
-        storage.fsync(fd)
-    finally:
-        storage.close(fd)
-    try:
-        storage.publish("", temp, name)
-    except CheckpointError:
-        storage.unlink(temp)
-        raise
-    storage.fsync_dir("")
+    publish_file(storage, "", name, data)
 
 
 def clear_marker(storage: Storage, rank: int, step: int) -> None:

@@ -17,18 +17,44 @@ import errno
 import os
 from dataclasses import dataclass, field
 
-from ..errors import StorageError
+from ..errors import CheckpointError, StorageError
 from ..storage import Storage
 from .filesets import FileSet
 from .tidy import tidy_step_dir
 
-__all__ = ("ArrivingShard", "PendingFiles", "close_quietly")
+__all__ = ("ArrivingShard", "PendingFiles", "close_quietly", "publish_file")
 
 
 def close_quietly(storage: Storage, fd: int) -> None:
     """Close a descriptor on a path that is failing already: a close error adds nothing."""
     with contextlib.suppress(StorageError):
         storage.close(fd)
+
+
+def _write_durably(storage: Storage, fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the new file ``fd``, fsync and close it."""
+    try:
+        storage.pwrite(fd, memoryview(data), 0)
+        storage.fsync(fd)
+    except BaseException:
+        close_quietly(storage, fd)
+        raise
+    storage.close(fd)
+
+
+def publish_file(storage: Storage, dir_name: str, final: str, data: bytes) -> None:
+    """Publish one small file of its own (no set to undo: a retention marker, a rewind
+    record) durably as ``final`` in ``dir_name``; its temporary is removed again if that
+    fails. Worker thread."""
+    fd, temp = storage.create_temp(dir_name, final)
+    try:
+        _write_durably(storage, fd, data)
+        storage.publish(dir_name, temp, final)
+    except CheckpointError:
+        with contextlib.suppress(CheckpointError):
+            storage.unlink(os.path.join(dir_name, temp))
+        raise
+    storage.fsync_dir(dir_name)
 
 
 @dataclass(slots=True)
@@ -61,13 +87,7 @@ class PendingFiles:
         """Publish ``data`` durably as ``final`` (directory fsynced too). Worker thread."""
         fd, temp = storage.create_temp(self.dir_name, final)
         self.created(temp)
-        try:
-            storage.pwrite(fd, memoryview(data), 0)
-            storage.fsync(fd)
-        except BaseException:
-            close_quietly(storage, fd)
-            raise
-        storage.close(fd)
+        _write_durably(storage, fd, data)
         self.publish(storage, temp, final)
         storage.fsync_dir(self.dir_name)
 
