@@ -145,8 +145,8 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
 
     Everything accepted here comes back from restore as it was (tensors bit for bit, plain
     values with their types): anything that would not, or that a reader's limit refuses
-    (``_format/limits.py``), raises StateError naming its path. Containers are counted in the depth the
-    state tree's decoder sees: the state mapping is depth 0, ``state[name]`` depth 1.
+    (``_format/limits.py``), raises StateError naming its path. Containers are counted in the
+    depth the state tree's decoder sees: the state mapping is depth 0, ``state[name]`` depth 1.
     """
     if not isinstance(state, Mapping):
         raise StateError(f"the state must be a mapping of names to objects, got "

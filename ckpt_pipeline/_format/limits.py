@@ -156,4 +156,4 @@ LIMITS: tuple[Limit, ...] = (
           "_tree.dist_layout (placement kinds), check_save",
           "_format._decode_dist"),
 )
-"""The one table. ``tests/test_limits.py`` holds a case for each entry."""
+"""The one table. ``tests/format/test_limits.py`` holds a case for each entry."""
