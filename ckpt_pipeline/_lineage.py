@@ -7,15 +7,15 @@ are abandoned, and the rewind it records) and the readers (``cp.load``, ``show``
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ._format.documents import decode_rewinds, encode_rewinds
-from ._format.limits import MAX_SMALL_FILE_BYTES
+from ._format.filesets import rank_sets
 from ._format.names import TIER_REWINDS, parse_rewind_file, rewind_file_name
-from ._format.scan import committed_steps, rank_sets, read_commit
+from ._format.publish import publish_file
+from ._format.steps import committed_steps, read_commit, read_small
 from ._format.timeline import (
     Lineage,
     Mark,
@@ -24,7 +24,7 @@ from ._format.timeline import (
     marks_of,
 )
 from ._logging import log
-from .errors import CheckpointError, CheckpointIntegrityError
+from .errors import CheckpointError
 from .storage import Storage
 
 __all__ = ("Timeline", "current_steps", "forget_rewind", "local_marks", "local_timeline", "read_rewinds",
@@ -56,20 +56,7 @@ def write_rewind(storage: Storage, rank: int, rewind: Rewind) -> str:
     path = os.path.join(str(storage.root), name)
     if any(e.name == name for e in storage.list_dir("")):
         return path
-    data = encode_rewinds([rewind])
-    fd, temp = storage.create_temp("", name)
-    try:
-        try:
-            storage.pwrite(fd, memoryview(data), 0)
-            storage.fsync(fd)
-        finally:
-            storage.close(fd)
-        storage.publish("", temp, name)
-    except CheckpointError:
-        with contextlib.suppress(CheckpointError):
-            storage.unlink(temp)
-        raise
-    storage.fsync_dir("")
+    publish_file(storage, "", name, encode_rewinds([rewind]))
     return path
 
 
@@ -98,15 +85,7 @@ def read_rewinds(storage: Storage) -> list[Rewind]:
             continue
         path = os.path.join(str(storage.root), entry.name)
         try:
-            fd, size = storage.open_read(entry.name)
-            try:
-                if size > MAX_SMALL_FILE_BYTES:
-                    raise CheckpointIntegrityError("a rewind record is too large", path=path)
-                buf = bytearray(size)
-                storage.pread_into(fd, memoryview(buf), 0)
-            finally:
-                storage.close(fd)
-            rewinds = decode_rewinds(bytes(buf), path)
+            rewinds = decode_rewinds(read_small(storage, entry.name), path)
         except CheckpointError as exc:
             log.warning("ckpt.lineage.rewind_unreadable", path=path, error=exc.message)
             continue

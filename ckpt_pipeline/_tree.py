@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ._format.documents import TensorRef
+from ._format.header import DistLayout
 from ._format.limits import (
     DEVICE_PATTERN,
     DEVICE_TYPES,
@@ -25,18 +26,18 @@ from ._format.limits import (
     MAX_NESTING,
     MAX_PATH_LEN,
     MAX_TENSORS,
-    check_text,
-    nesting_error,
 )
-from ._format.shard import DistLayout
 from .errors import StateError
 
 __all__ = (
     "FlatState",
+    "check_text",
     "dist_layout",
     "find_mesh",
     "flatten_state",
     "materialize",
+    "nesting_error",
+    "short_path",
     "to_dtensor",
 )
 
@@ -144,8 +145,8 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
 
     Everything accepted here comes back from restore as it was (tensors bit for bit, plain
     values with their types): anything that would not, or that a reader's limit refuses
-    (``_limits``), raises StateError naming its path. Containers are counted in the depth the
-    state tree's decoder sees: the state mapping is depth 0, ``state[name]`` depth 1.
+    (``_format/limits.py``), raises StateError naming its path. Containers are counted in the
+    depth the state tree's decoder sees: the state mapping is depth 0, ``state[name]`` depth 1.
     """
     if not isinstance(state, Mapping):
         raise StateError(f"the state must be a mapping of names to objects, got "
@@ -221,18 +222,18 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
         refusal = _tensor_refusal(t)
         if refusal is not None:
             what, hint = refusal
-            raise StateError(f"tensor {_short(path)} {what}", step=step, path=path,
+            raise StateError(f"tensor {short_path(path)} {what}", step=step, path=path,
                              hint=hint)
         if len(path) > MAX_PATH_LEN:
             raise StateError(
-                f"the path of tensor {_short(path)} is {len(path)} characters; a reader "
+                f"the path of tensor {short_path(path)} is {len(path)} characters; a reader "
                 f"accepts at most {MAX_PATH_LEN} (limit path_length)", step=step, path=path,
                 hint="use shorter keys (a tensor's path joins the keys leading to it with "
                      "'/')")
         if len(tensors) >= MAX_TENSORS:
             raise StateError(
                 f"the state holds more than {MAX_TENSORS} tensors, the most a shard may hold "
-                f"(limit tensor_count); the next is {_short(path)}", step=step, path=path,
+                f"(limit tensor_count); the next is {short_path(path)}", step=step, path=path,
                 hint="merge small tensors into larger ones (for example one flat buffer "
                      "per dtype)")
         paths.append(path)
@@ -248,8 +249,32 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
     return FlatState(skeleton, tuple(paths), tuple(tensors), tuple(layouts))
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
+    """A path cut to at most about 120 characters, for an error message."""
     return path if len(path) <= 120 else f"{path[:60]}...{path[-40:]}"
+
+
+def nesting_error(path: str, depth: int, *, step: int | None, rank: int | None = None,
+                  document: str = "the state tree") -> StateError:
+    """The refusal of a container nested as deep as a reader refuses (limit nesting)."""
+    return StateError(
+        f"{short_path(path)} is a container at depth {depth} of {document}; a reader refuses "
+        f"containers at depth {MAX_NESTING} or deeper (limit nesting)", step=step, rank=rank,
+        path=path, hint="flatten the structure (for example join keys into one string key) or "
+                        "store the deep part as a str or bytes value")
+
+
+def check_text(text: str, path: str, *, step: int | None, rank: int | None = None) -> None:
+    """Strings are stored as UTF-8: a lone surrogate cannot be encoded."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise StateError(f"a string at {short_path(path)} cannot be encoded as UTF-8 "
+                         f"({exc.reason} at index {exc.start}) (limit value_types)", step=step,
+                         rank=rank, path=path, hint="remove lone surrogates (or save it as "
+                                                    "bytes)") from exc
 
 
 def _is_dtensor(t: object) -> bool:

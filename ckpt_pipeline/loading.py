@@ -34,10 +34,12 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from ._format import scan as _scan
 from ._format.documents import TensorRef
+from ._format.filesets import rank_sets
+from ._format.header import DistLayout
 from ._format.names import step_dir_name
-from ._format.shard import DistLayout
+from ._format.scan import StepStatus, decode_contents, scan_files
+from ._format.steps import committed_steps
 from ._restore.read import read_shard
 from ._tiers.persistent.layout import StepRecord
 from ._tiers.persistent.remote import Remote, is_url
@@ -154,7 +156,7 @@ def newest_candidates(storage: Storage, rank: int, *, copies: bool = True) -> di
     Worker thread."""
     from ._lineage import current_steps
 
-    return current_steps(storage, rank, _scan.committed_steps(storage, rank, copies=copies))
+    return current_steps(storage, rank, committed_steps(storage, rank, copies=copies))
 
 
 def tier_step(remote: Remote, step: int | None, rank: int | None) -> StepRecord:
@@ -182,7 +184,7 @@ async def _load_local(storage: LocalStorage, step: int | None, rank: int,
                       device: torch.device, consolidate: bool) -> LoadedCheckpoint:
     limiter = anyio.CapacityLimiter(_THREADS)
     steps = await anyio.to_thread.run_sync(functools.partial(
-        newest_candidates if step is None else _scan.committed_steps, storage, rank,
+        newest_candidates if step is None else committed_steps, storage, rank,
         copies=True), limiter=limiter)
     step, dir_name = pick_step(steps, step, rank, str(storage.root))
 
@@ -264,8 +266,8 @@ async def _read_rank(storage: LocalStorage, step: int, dir_name: str, rank: int,
     names = await anyio.to_thread.run_sync(
         lambda: {e.name for e in storage.list_dir(dir_name)}, limiter=limiter)
     failures: list[str] = []
-    for files in _scan.rank_sets(names, rank):
-        status = await anyio.to_thread.run_sync(_scan.scan_files, storage, files, step,
+    for files in rank_sets(names, rank):
+        status = await anyio.to_thread.run_sync(scan_files, storage, files, step,
                                                 dir_name, names, limiter=limiter)
         if not status.valid or status.header is None:
             failures.append(str(status.reason))  # names the copy's holder itself
@@ -285,7 +287,7 @@ async def _read_rank(storage: LocalStorage, step: int, dir_name: str, rank: int,
         hint="load another step (ckpt-pipeline ls ROOT)")
 
 
-async def _read_status(storage: LocalStorage, status: _scan.StepStatus, rank: int,
+async def _read_status(storage: LocalStorage, status: StepStatus, rank: int,
                        device: torch.device, limiter: anyio.CapacityLimiter,
                        shard_file: str | None = None,
                        arrived: Callable[[int, int], None] | None = None
@@ -297,7 +299,7 @@ async def _read_status(storage: LocalStorage, status: _scan.StepStatus, rank: in
     shard = await read_shard(storage, status, rank, devices=[device] * len(header.tensors),
                              threads=_THREADS, limiter=limiter, shard_file=shard_file,
                              arrived=arrived)
-    tree, train_state = _scan.decode_contents(status, rank)
+    tree, train_state = decode_contents(status, rank)
     loaded = LoadedCheckpoint(status.step, rank, status.world_size or 1, status.save_id or "",
                               status.path, materialize(tree, shard.tensors), train_state,
                               status.data_bytes)

@@ -5,7 +5,7 @@ plain values strictly, with two extensions: a ``TensorRef`` placeholder in the s
 tuple. Decoding (``_unpack``) runs with explicit length limits, bounds the nesting, refuses
 anything the library does not write (non-string/int map keys, duplicate keys, timestamps), and
 each document is then validated field by field into its dataclass. The field checkers
-(``_req``, ``_nonneg``, ``_is_format``) serve the shard header (``shard.py``) as well.
+(``required_field``, ``nonneg_field``, ``_is_format``) serve the shard header (``shard.py``) as well.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ __all__ = (
     "Manifest",
     "TensorRef",
     "decode_commit",
+    "decode_document",
     "decode_manifest",
     "decode_message",
     "decode_rewinds",
@@ -46,6 +47,9 @@ __all__ = (
     "encode_message",
     "encode_rewinds",
     "encode_tree",
+    "nonneg_field",
+    "pack_plain",
+    "required_field",
 )
 
 FORMAT_VERSION = 2
@@ -63,7 +67,8 @@ _EXT_TUPLE = 2
 # --------------------------------------------------------------------------- msgpack
 
 
-def _pack(obj: Any) -> bytes:
+def pack_plain(obj: Any) -> bytes:
+    """Pack plain values strictly (exact types; tensor references and tuples as extensions)."""
     return bytes(msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_default))
 
 
@@ -71,7 +76,7 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, TensorRef):
         return msgpack.ExtType(_EXT_TENSOR, struct.pack("<Q", obj.index))
     if isinstance(obj, tuple):
-        return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
+        return msgpack.ExtType(_EXT_TUPLE, pack_plain(list(obj)))
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
@@ -155,7 +160,11 @@ def _checked_map(pairs: Sequence[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
-def _decode(data: bytes, what: str, path: str, unwalked: tuple[str, ...] = ()) -> Any:
+def decode_document(data: bytes, what: str, path: str, unwalked: tuple[str, ...] = ()
+                    ) -> Any:
+    """Decode one msgpack document with the readers' limits; CheckpointIntegrityError
+    naming ``what`` otherwise. ``unwalked``: top-level keys whose values the caller checks
+    field by field itself."""
     try:
         return _unpack(data, max_len=MAX_HEADER_BYTES, unwalked=unwalked)
     except (ValueError, TypeError, RecursionError, msgpack.ExtraData,
@@ -172,12 +181,12 @@ class TensorRef:
 
 def encode_tree(tree: Any) -> bytes:
     """msgpack of a state skeleton (plain values, tuples, TensorRef placeholders)."""
-    return _pack(tree)
+    return pack_plain(tree)
 
 
 def decode_tree(data: bytes, path: str, tensor_count: int | None = None) -> dict[Any, Any]:
     """Decode a state tree; it must be a map of names, and refer only to existing tensors."""
-    tree = _decode(data, "state tree", path)
+    tree = decode_document(data, "state tree", path)
     if not isinstance(tree, dict) or not all(isinstance(k, str) for k in tree):
         raise CheckpointIntegrityError("state tree is not a map of names", path=path)
     if tensor_count is not None:
@@ -198,12 +207,12 @@ def decode_tree(data: bytes, path: str, tensor_count: int | None = None) -> dict
 
 def encode_message(message: dict[str, Any]) -> bytes:
     """A control-plane message between ranks (msgpack, never pickle)."""
-    return _pack(message)
+    return pack_plain(message)
 
 
 def decode_message(data: bytes, what: str) -> dict[str, Any]:
     """Decode a control-plane message with the same limits as files; it must be a map."""
-    value = _decode(data, what, "<control plane>")
+    value = decode_document(data, what, "<control plane>")
     if not isinstance(value, dict):
         raise CheckpointIntegrityError(f"{what} is not a map")
     return value
@@ -218,7 +227,9 @@ def _is_format(data: Mapping[str, Any]) -> bool:
     return type(version) is int and version in READABLE_VERSIONS
 
 
-def _req(data: Mapping[str, Any], key: str, typ: type | tuple[type, ...], path: str) -> Any:
+def required_field(data: Mapping[str, Any], key: str, typ: type | tuple[type, ...],
+                   path: str) -> Any:
+    """The value of ``key``, which must be present and of type ``typ`` (a bool is no int)."""
     value = data.get(key)
     if not isinstance(value, typ) or (isinstance(value, bool) and bool not in _as_tuple(typ)):
         raise CheckpointIntegrityError(f"field {key!r} is missing or has the wrong type",
@@ -230,8 +241,9 @@ def _as_tuple(typ: type | tuple[type, ...]) -> tuple[type, ...]:
     return typ if isinstance(typ, tuple) else (typ,)
 
 
-def _nonneg(data: Mapping[str, Any], key: str, path: str) -> int:
-    value = _req(data, key, int, path)
+def nonneg_field(data: Mapping[str, Any], key: str, path: str) -> int:
+    """The value of ``key``: a non-negative int."""
+    value = required_field(data, key, int, path)
     if value < 0:
         raise CheckpointIntegrityError(f"field {key!r} is negative", path=path)
     return int(value)
@@ -273,7 +285,7 @@ class CommitRecord:
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    return _pack({"format": FORMAT_VERSION, "kind": "manifest", "step": m.step,
+    return pack_plain({"format": FORMAT_VERSION, "kind": "manifest", "step": m.step,
                   "rank": m.rank, "world_size": m.world_size, "save_id": m.save_id,
                   "shard_size": m.shard_size, "header_checksum": m.header_checksum,
                   "data_bytes": m.data_bytes})
@@ -289,13 +301,13 @@ def encode_commit(c: CommitRecord) -> bytes:
         doc["metrics"] = {str(name): float(value) for name, value in c.metrics.items()}
     if c.lineage is not None:
         doc.update(encode_lineage(c.lineage))
-    return _pack(doc)
+    return pack_plain(doc)
 
 
 def _small(raw: bytes, kind: str, path: str) -> dict[str, Any]:
     if len(raw) > MAX_SMALL_FILE_BYTES:
         raise CheckpointIntegrityError(f"{kind} is too large", path=path)
-    data = _decode(raw, kind, path)
+    data = decode_document(raw, kind, path)
     if not isinstance(data, dict) or not _is_format(data) or (
         data.get("kind") != kind
     ):
@@ -304,10 +316,10 @@ def _small(raw: bytes, kind: str, path: str) -> dict[str, Any]:
 
 
 def _placement(d: Mapping[str, Any], path: str) -> tuple[int, int, int, str]:
-    step, rank, world = (_nonneg(d, k, path) for k in ("step", "rank", "world_size"))
+    step, rank, world = (nonneg_field(d, k, path) for k in ("step", "rank", "world_size"))
     if world < 1 or rank >= world:
         raise CheckpointIntegrityError(f"rank {rank} is outside world size {world}", path=path)
-    save_id = _req(d, "save_id", str, path)
+    save_id = required_field(d, "save_id", str, path)
     if not (0 < len(save_id) <= MAX_SAVE_ID_LEN):
         raise CheckpointIntegrityError("save id is malformed", path=path)
     return step, rank, world, save_id
@@ -315,13 +327,13 @@ def _placement(d: Mapping[str, Any], path: str) -> tuple[int, int, int, str]:
 
 def decode_manifest(raw: bytes, path: str) -> Manifest:
     d = _small(raw, "manifest", path)
-    return Manifest(*_placement(d, path), _nonneg(d, "shard_size", path),
-                    _nonneg(d, "header_checksum", path), _nonneg(d, "data_bytes", path))
+    return Manifest(*_placement(d, path), nonneg_field(d, "shard_size", path),
+                    nonneg_field(d, "header_checksum", path), nonneg_field(d, "data_bytes", path))
 
 
 def decode_commit(raw: bytes, path: str) -> CommitRecord:
     d = _small(raw, "commit", path)
-    return CommitRecord(*_placement(d, path), _req(d, "committed_unix", float, path),
+    return CommitRecord(*_placement(d, path), required_field(d, "committed_unix", float, path),
                         _metrics(d, path), decode_lineage(d, path))
 
 
@@ -347,7 +359,7 @@ def encode_rewinds(rewinds: Sequence[Rewind]) -> bytes:
     """A rewind record: a rank's file in a local root (one rewind) or the persistent tier's
     ``timeline.rewinds`` (the newest ``MAX_REWINDS``), oldest timeline first."""
     newest = sorted(rewinds, key=lambda r: r.timeline)[-MAX_REWINDS:]
-    return _pack({"format": FORMAT_VERSION, "kind": "rewinds",
+    return pack_plain({"format": FORMAT_VERSION, "kind": "rewinds",
                   "rewinds": [rewind_doc(r) for r in newest]})
 
 

@@ -18,8 +18,9 @@ from typing import NamedTuple
 
 import torch
 
+from .header import StorageRecord
 from .limits import ALIGN
-from .shard import PREAMBLE_SIZE, StorageRecord
+from .shard import PREAMBLE_SIZE
 
 __all__ = ("EMPTY_LAYOUT", "LARGE_STORAGE", "DataLayout", "StoredItem", "plan_layout", "span_source")
 

@@ -1,4 +1,4 @@
-"""Reading format 1 shards (written before 2026-12), into the classes of ``shard.py``.
+"""Reading format 1 shards (written before 2026-12), into the classes of ``header.py``.
 
 Format 1 put every tensor at a 4096-aligned offset of its own, with checksums of each tensor's
 chunks, and a 4096-byte preamble. Each tensor becomes a storage of its own here (format 1 wrote
@@ -12,21 +12,21 @@ import math
 from typing import Any
 
 from ..errors import CheckpointIntegrityError
-from .documents import _nonneg, _req
-from .limits import ALIGN, DTYPES, MAX_PATH_LEN, MAX_TENSORS
-from .shard import (
-    _DEVICE,
+from .documents import nonneg_field, required_field
+from .header import (
+    DEVICE,
     ShardHeader,
     StorageRecord,
     TensorRecord,
-    _decode_dist,
-    _ints,
-    _is_u64,
-    align_up,
     contiguous_stride,
+    decode_dist,
     decode_identity,
+    is_u64,
     numel_fits,
+    sizes_ok,
 )
+from .limits import ALIGN, DTYPES, MAX_PATH_LEN, MAX_TENSORS
+from .region import align_up
 
 __all__ = ("V1_PREAMBLE_SIZE", "decode_v1_body")
 
@@ -36,12 +36,12 @@ V1_PREAMBLE_SIZE = ALIGN
 def decode_v1_body(data: dict[str, Any], path: str, *, file_size: int,
                    header_offset: int) -> ShardHeader:
     step, rank, world, save_id, created, chunk = decode_identity(data, path)
-    data_offset = _nonneg(data, "data_offset", path)
-    data_length = _nonneg(data, "data_length", path)
+    data_offset = nonneg_field(data, "data_offset", path)
+    data_length = nonneg_field(data, "data_length", path)
     if (data_offset != V1_PREAMBLE_SIZE or align_up(data_offset + data_length) != header_offset
             or header_offset > file_size):
         raise CheckpointIntegrityError("data region does not match the preamble", path=path)
-    records_raw = _req(data, "tensors", list, path)
+    records_raw = required_field(data, "tensors", list, path)
     if len(records_raw) > MAX_TENSORS:
         raise CheckpointIntegrityError("too many tensors", path=path)
     storages: list[StorageRecord] = []
@@ -58,8 +58,8 @@ def decode_v1_body(data: dict[str, Any], path: str, *, file_size: int,
         tensors.append(record)
         starts = range(storage.offset, max(storage.end, storage.offset + 1), chunk)
         checks.extend((a, min(a + chunk, storage.end), s) for a, s in zip(starts, sums))
-    tree = _req(data, "tree", bytes, path)
-    train_state = _req(data, "train_state", dict, path)
+    tree = required_field(data, "tree", bytes, path)
+    train_state = required_field(data, "train_state", dict, path)
     return ShardHeader(step, rank, world, save_id, created, chunk, data_offset, data_length,
                        tuple(storages), tuple(tensors), (), tree, train_state, version=1,
                        legacy_checks=tuple(checks))
@@ -77,7 +77,7 @@ def _decode_v1_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: 
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointIntegrityError(f"{where} ({tpath}) has dtype {dtype!r}, which is not "
                                        "on the allow-list", path=path)
-    if not _ints(shape) or not numel_fits(shape):
+    if not sizes_ok(shape) or not numel_fits(shape):
         raise CheckpointIntegrityError(f"{where} ({tpath}) shape is malformed", path=path)
     for name, value in (("offset", offset), ("length", nbytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -90,11 +90,11 @@ def _decode_v1_record(raw: Any, index: int, chunk: int, lo: int, hi: int, path: 
         raise CheckpointIntegrityError(f"{where} ({tpath}) lies outside the data region",
                                        path=path)
     if (not isinstance(sums, list) or len(sums) != max(1, -(-nbytes // chunk))
-            or not all(_is_u64(s) for s in sums)):
+            or not all(is_u64(s) for s in sums)):
         raise CheckpointIntegrityError(f"{where} ({tpath}) checksums are malformed", path=path)
-    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
         raise CheckpointIntegrityError(f"{where} ({tpath}) device is malformed", path=path)
-    layout = None if dist is None else _decode_dist(dist, len(shape), f"{where} ({tpath})", path)
+    layout = None if dist is None else decode_dist(dist, len(shape), f"{where} ({tpath})", path)
     record = TensorRecord(tpath, dtype, tuple(shape), contiguous_stride(shape), storage, 0,
                           device, layout)
     return record, offset, sums

@@ -17,9 +17,10 @@ from typing import Any
 
 from .._format.documents import encode_tree
 from .._format.layout import DataLayout, plan_layout
-from .._format.limits import DTYPE_NAMES, check_byte_copyable, check_save
+from .._format.limits import DTYPE_NAMES
 from .._gc import gc_paused
 from .._save.buffers import DeviceStaging, HostPool, Slot
+from .._save.checks import check_byte_copyable, check_save
 from .._save.copy import begin_streamed_snapshot, item_sources, take_snapshot
 from .._save.job import SaveJob
 from .._tree import FlatState, flatten_state

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._format import scan as _scan
+from .._format.steps import committed_steps
+from .._format.tidy import scrub
 from .._lineage import Timeline, local_timeline, read_rewinds
 from .._logging import log
 from .._restore.recovery import AppliedState, Loaded, Recovery
@@ -246,7 +247,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         # One job per root and rank: a second live opener is refused (RootInUseError).
         lock = await in_thread(self._limiter, RootLock.acquire, self.storage.root, self.rank)
         try:
-            for path, size in await in_thread(self._limiter, _scan.scrub, self.storage,
+            for path, size in await in_thread(self._limiter, scrub, self.storage,
                                               self.rank):
                 self.emitter.emit(TemporariesScrubbed(step=-1, rank=self.rank, path=path,
                                                       bytes=size))
@@ -258,7 +259,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             self.admission.run_id = await self.replication.start(self.coordinator,
                                                                  self._limiter)
             await self._open_timeline()
-            committed = await in_thread(self._limiter, _scan.committed_steps, self.storage,
+            committed = await in_thread(self._limiter, committed_steps, self.storage,
                                         self.rank)
             self.ledger.resume_at(max(committed, default=None))
         except BaseException:

@@ -27,7 +27,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._crash import crash_point
-from .._format import scan as _scan
+from .._format.tidy import scrub
 from .._logging import log, warn_unless_shown
 from .._save.job import SaveJob
 from .._threads import in_thread
@@ -314,7 +314,7 @@ class StageRunner:
                 hint="nothing of it was published; the previous checkpoint is intact"), "close")
         if left:  # a file created just as a stage was cancelled is not in its job
             try:
-                scrubbed = await in_thread(self.stages.limiter, _scan.scrub, self.storage,
+                scrubbed = await in_thread(self.stages.limiter, scrub, self.storage,
                                            self.rank)
             except Exception as exc:
                 log.error("ckpt.close.cleanup_failed", rank=self.rank,

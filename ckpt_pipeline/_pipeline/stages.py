@@ -26,19 +26,13 @@ from typing import Literal
 
 import anyio
 
+from .._format.markers import clear_marker, write_marker
 from .._lineage import Timeline
 from .._logging import log, warn_unless_shown
 from .._save.buffers import HostPool
 from .._save.commit import commit
 from .._save.job import SaveJob
-from .._save.retain import (
-    Pruned,
-    PruneFailed,
-    clear_marker,
-    prune,
-    prune_rewound,
-    write_marker,
-)
+from .._save.retain import Pruned, PruneFailed, prune, prune_rewound
 from .._save.seal import write_shard
 from .._save.write_data import serialize
 from .._threads import in_thread
@@ -246,7 +240,8 @@ class Stages:
                             + [(p.step, None) for p in pruned]):
             try:
                 if write is not None:
-                    await in_thread(self.limiter, write_marker, self.storage, self.rank, write)
+                    await in_thread(self.limiter, write_marker, self.storage, self.rank, step,
+                                    write.error)
                 else:
                     await in_thread(self.limiter, clear_marker, self.storage, self.rank, step)
             except Exception as exc:

@@ -20,11 +20,12 @@ import anyio
 import torch
 import xxhash
 
+from .._format.header import ShardHeader
 from .._format.layout import LARGE_STORAGE
 from .._format.limits import DTYPES
 from .._format.names import shard_name
+from .._format.region import checksum
 from .._format.scan import StepStatus
-from .._format.shard import ShardHeader, checksum
 from .._hostmem import byte_view
 from .._parallel import run_groups, split_balanced
 from ..errors import CheckpointIntegrityError, StorageError

@@ -21,9 +21,12 @@ import anyio
 import torch
 
 from .._crash import crash_point
-from .._format import scan as _recovery
+from .._format.filesets import FileSet
+from .._format.header import TensorRecord
 from .._format.names import step_dir_name
-from .._format.shard import TensorRecord
+from .._format.scan import StepStatus, decode_contents, scan, scan_files, scan_replicas
+from .._format.steps import step_dirs
+from .._format.tidy import quarantine, set_aside_files
 from .._format.timeline import Rewind
 from .._lineage import Timeline, forget_rewind, read_rewinds, write_rewind
 from .._logging import log
@@ -146,8 +149,8 @@ class Recovery:
         wanted = step
         started = time.perf_counter()
         self._fetched_dirs = frozenset()
-        statuses = await in_thread(limiter, _recovery.scan, self.storage, self.rank)
-        copies = await in_thread(limiter, _recovery.scan_replicas, self.storage, self.rank)
+        statuses = await in_thread(limiter, scan, self.storage, self.rank)
+        copies = await in_thread(limiter, scan_replicas, self.storage, self.rank)
         rejected: list[RejectedStep] = []
         for seen in statuses:
             if seen.complete and not seen.valid:
@@ -251,19 +254,19 @@ class Recovery:
             hint="inspect with `ckpt-pipeline verify`; move the roots aside to start fresh")
 
     async def _set_aside_foreign(self, step: int, save_id: str,
-                                 own: _recovery.StepStatus | None,
-                                 copies: list[_recovery.StepStatus],
+                                 own: StepStatus | None,
+                                 copies: list[StepStatus],
                                  limiter: anyio.CapacityLimiter) -> tuple[str, ...]:
         """Set this rank's files of ``step`` that are of another save than ``save_id`` aside
         (its own shard, and the copies it holds): another run's root came back with the same
         step numbers. They are kept under a labelled name (``ForeignFilesSetAside``), never
         loaded; the rank's shard then comes from a copy or the persistent tier. Returns the
         other saves' ids."""
-        sets: list[_recovery.FileSet] = []
+        sets: list[FileSet] = []
         ids: set[str] = set()
         dir_name = step_dir_name(step)
         if own is not None and own.save_id != save_id:
-            sets.append(_recovery.FileSet(self.rank))
+            sets.append(FileSet(self.rank))
             ids.add(own.save_id or "?")
             dir_name = own.dir_name
         for copy in copies:
@@ -274,7 +277,7 @@ class Recovery:
         if not sets:
             return ()
         moved = await in_thread(limiter, functools.partial(
-            _recovery.set_aside_files, self.storage, step, dir_name, self.rank, sets,
+            set_aside_files, self.storage, step, dir_name, self.rank, sets,
             foreign=True))
         if moved is None:
             return ()
@@ -313,7 +316,7 @@ class Recovery:
         return (f"step {newest}: the shard of rank(s) {lacking} (no own file, no copy on "
                 "any rank, not in the persistent tier)")
 
-    async def _load_step(self, step: int, save_id: str, status: _recovery.StepStatus | None,
+    async def _load_step(self, step: int, save_id: str, status: StepStatus | None,
                          holders: tuple[int, ...], state: Mapping[str, Any], started: float,
                          rejected: list[RejectedStep], agreed: Candidates,
                          limiter: anyio.CapacityLimiter) -> tuple[Loaded, int | str | None]:
@@ -402,17 +405,17 @@ class Recovery:
         return loaded
 
     async def _move_own_aside(self, step: int, limiter: anyio.CapacityLimiter) -> None:
-        dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
+        dirs = await in_thread(limiter, step_dirs, self.storage)
         if step in dirs:
             moved = await in_thread(limiter, functools.partial(
-                _recovery.quarantine, self.storage, step, dirs[step], self.rank,
+                quarantine, self.storage, step, dirs[step], self.rank,
                 own_only=True))
             if moved is not None:
                 _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
                              path=moved)
 
     async def _fetch(self, step: int, save_id: str, holders: tuple[int, ...],
-                     limiter: anyio.CapacityLimiter) -> tuple[_recovery.StepStatus, int]:
+                     limiter: anyio.CapacityLimiter) -> tuple[StepStatus, int]:
         """Fetch this rank's shard of ``step`` from the first holder whose copy checks out,
         into this rank's root (its own files of the step moved aside first)."""
         replication = self.replication
@@ -431,8 +434,8 @@ class Recovery:
                 _log.warning("ckpt.recovery.fetch_failed", step=step, rank=self.rank,
                              peer=holder, error=exc.message)
                 continue
-            status = await in_thread(limiter, _recovery.scan_files, self.storage,
-                                     _recovery.FileSet(self.rank), step, dir_name)
+            status = await in_thread(limiter, scan_files, self.storage,
+                                     FileSet(self.rank), step, dir_name)
             if not status.valid:
                 errors.append(f"the copy from rank {holder}: {status.reason}")
                 continue
@@ -456,7 +459,7 @@ class Recovery:
                 path=str(self.storage.root),
                 hint=f"restore with {saved} ranks (resharding is not supported)")
 
-    async def _read_candidate(self, status: _recovery.StepStatus, state: Mapping[str, Any],
+    async def _read_candidate(self, status: StepStatus, state: Mapping[str, Any],
                               started: float, rejected: list[RejectedStep],
                               agreed: Candidates, limiter: anyio.CapacityLimiter, *,
                               stream: ShardStream | None = None) -> Loaded:
@@ -480,7 +483,7 @@ class Recovery:
                 arrived=None if stream is None else stream.wait)
         finally:
             await anyio.to_thread.run_sync(prefetch.join, abandon_on_cancel=True)
-        tree, train_state = _recovery.decode_contents(status, self.rank)
+        tree, train_state = decode_contents(status, self.rank)
         tensors = [t if rec.dist is None
                    else to_dtensor(t, rec.dist, *meshes[rec.dist.mesh_shape])
                    for t, rec in zip(shard.tensors, header.tensors)]
@@ -530,12 +533,12 @@ class Recovery:
                                                     "to what it was before the restore")
         if loaded.rewind is not None:
             await self._record_rewind(loaded, limiter)
-        dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
+        dirs = await in_thread(limiter, step_dirs, self.storage)
         for step, dir_name in sorted(dirs.items()):
             rewound = (step, dir_name) in loaded.rewound
             if (step > loaded.step or rewound) and (step, dir_name) in loaded.scanned:
                 moved = await in_thread(limiter, functools.partial(
-                    _recovery.quarantine, self.storage, step, dir_name, self.rank,
+                    quarantine, self.storage, step, dir_name, self.rank,
                     rewound_to=loaded.step if rewound else None))
                 if moved is not None:
                     _log.warning("ckpt.recovery.moved_aside", step=step, rank=self.rank,
@@ -567,14 +570,14 @@ class Recovery:
         if self.replication is None:
             return {}
         lacking = self.replication.copies_lacking(loaded.step, loaded.held_copies or {})
-        mine = [_recovery.FileSet(src, self.rank) for src in lacking.get(self.rank, ())]
+        mine = [FileSet(src, self.rank) for src in lacking.get(self.rank, ())]
         if not mine:
             return lacking
         try:  # best-effort: the restore is done on every rank; a copy that stays blocked
             # fails at its holder, and its source reports it (ReplicaRestoreFailed)
-            dirs = await in_thread(limiter, _recovery.step_dirs, self.storage)
+            dirs = await in_thread(limiter, step_dirs, self.storage)
             moved = None if loaded.step not in dirs else await in_thread(
-                limiter, functools.partial(_recovery.set_aside_files, self.storage,
+                limiter, functools.partial(set_aside_files, self.storage,
                                            loaded.step, dirs[loaded.step], self.rank, mine,
                                            foreign=False))
         except CheckpointError as exc:
@@ -596,8 +599,8 @@ class Recovery:
                   holders=holders)
         self.replication.resend(loaded.step, loaded.save_id, holders)
 
-    async def _agree_timeline(self, statuses: list[_recovery.StepStatus],
-                              copies: list[_recovery.StepStatus],
+    async def _agree_timeline(self, statuses: list[StepStatus],
+                              copies: list[StepStatus],
                               limiter: anyio.CapacityLimiter) -> TimelineView:
         """Every rank's marks and steps (``rewind.py``): the same view on every rank."""
         rewinds = await in_thread(limiter, read_rewinds, self.storage)
@@ -623,8 +626,8 @@ class Recovery:
                          url=promoter.url, error=exc.message)
             return []
 
-    def _current(self, view: TimelineView, statuses: list[_recovery.StepStatus]
-                 ) -> list[_recovery.StepStatus]:
+    def _current(self, view: TimelineView, statuses: list[StepStatus]
+                 ) -> list[StepStatus]:
         """``statuses`` less the valid ones of an abandoned timeline (logged)."""
         out = []
         for status in statuses:
@@ -701,7 +704,7 @@ def _prefetch(copies: BackupCopies, state: Mapping[str, Any], rank: int,
 
 
 def _live_meshes(records: tuple[TensorRecord, ...], state: Mapping[str, Any],
-                 status: _recovery.StepStatus) -> dict[tuple[int, ...], tuple[Any, torch.device]]:
+                 status: StepStatus) -> dict[tuple[int, ...], tuple[Any, torch.device]]:
     """The live mesh and local device for each mesh shape the checkpoint's DTensors use."""
     meshes: dict[tuple[int, ...], tuple[Any, torch.device]] = {}
     for record in records:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .._format.limits import ALIGN
-from .._format.shard import align_up
+from .._format.region import align_up
 from .._logging import log
 from ..errors import PipelineClosedError
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._format.layout import DataLayout, span_source
-from .._format.shard import align_up
+from .._format.region import align_up
 from .._logging import log
 from ..errors import SnapshotTornError
 from .buffers import DeviceStaging, side_stream

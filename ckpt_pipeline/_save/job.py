@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._format.header import DistLayout
 from .._format.layout import EMPTY_LAYOUT, DataLayout
-from .._format.shard import DistLayout
+from .._format.publish import PendingFiles
 from .._tiers.replica.push import Push
 from ..errors import CheckpointError
 from ..handle import SaveHandle
 from .buffers import Slot
 from .copy import Snapshot
-from .files import SaveFiles
 
 __all__ = ("DataWritten", "SaveJob", "Sealed")
 
@@ -56,7 +56,7 @@ class SaveJob:
     train_state: dict[str, Any]
     requested_at: float
     # the files the save owns (created by write_data, published by seal and commit)
-    files: SaveFiles = field(default_factory=SaveFiles)
+    files: PendingFiles = field(default_factory=PendingFiles)
     push: Push | None = None
     """The copies of the shard on their way to other ranks (``replicas``), from write_data
     until commit."""

@@ -6,8 +6,8 @@ commit record (``recorded_metrics``), never from memory: every rank, and a pipel
 after a restart, decides from the same values.
 
 A step that cannot be removed stays on disk and is reported, never silently: the stage emits
-``RetentionFailed`` and leaves a marker file in the root (``.retain-failed-rNNNNN-step-…``,
-holding the error) that ``ckpt-pipeline ls`` shows, until a later prune removes the step.
+``RetentionFailed`` and leaves a marker file in the root (``_format/markers.py``, holding the
+error) that ``ckpt-pipeline ls`` shows, until a later prune removes the step.
 
 Steps a rewind moved aside (``step-….rewound-<N>-r…``) are removed by one rule, whatever the
 policy (``prune_rewound``): once a step newer than the rewind point N is committed on every
@@ -18,22 +18,19 @@ moved aside for failing verification (``.rejected-``) are kept for inspection.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Collection, Mapping, Set
 from dataclasses import dataclass
 
 from .._crash import crash_point
-from .._format.names import parse_rewound_dir, step_dir_name
-from .._format.scan import committed_steps, owned_sets, read_commit, step_dirs, tidy_step_dir
+from .._format.filesets import owned_sets
+from .._format.names import parse_rewound_dir
+from .._format.steps import committed_steps, read_commit, step_dirs
+from .._format.tidy import tidy_step_dir
 from ..errors import CheckpointError
 from ..retention import MetricPolicy, RetentionPolicy, StepInfo
 from ..storage import Storage
 
-__all__ = ("PruneFailed", "Pruned", "clear_marker", "marker_name", "prune", "prune_rewound",
-           "read_markers", "recorded_metrics", "write_marker")
-
-_MARKER = re.compile(r"^\.retain-failed-r([0-9]{5,})-(step-[0-9]{10,})$")
-_MARKER_MAX_BYTES = 4096
+__all__ = ("PruneFailed", "Pruned", "prune", "prune_rewound", "recorded_metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,58 +164,3 @@ def _remove_step(storage: Storage, rank: int, dir_name: str) -> int:
                 crash_point("retain.commit_removed")
     tidy_step_dir(storage, dir_name)
     return size
-
-
-def marker_name(rank: int, step: int) -> str:
-    return f".retain-failed-r{rank:05d}-{step_dir_name(step)}"
-
-
-def write_marker(storage: Storage, rank: int, failure: PruneFailed) -> None:
-    """Record a failed prune in the root (a new file; an existing marker stays as it is)."""
-    name = marker_name(rank, failure.step)
-    if any(e.name == name for e in storage.list_dir("")):
-        return
-    data = failure.error.encode("utf-8", "replace")[:_MARKER_MAX_BYTES]
-    fd, temp = storage.create_temp("", name)
-    try:
-        storage.pwrite(fd, memoryview(data), 0)
-        storage.fsync(fd)
-    finally:
-        storage.close(fd)
-    try:
-        storage.publish("", temp, name)
-    except CheckpointError:
-        storage.unlink(temp)
-        raise
-    storage.fsync_dir("")
-
-
-def clear_marker(storage: Storage, rank: int, step: int) -> None:
-    """Forget a failed prune once the step is gone."""
-    name = marker_name(rank, step)
-    if any(e.name == name for e in storage.list_dir("")):
-        storage.unlink(name)
-        storage.fsync_dir("")
-
-
-def read_markers(storage: Storage, rank: int) -> dict[int, str]:
-    """{step: error} of this rank's failed prunes recorded in the root."""
-    out: dict[int, str] = {}
-    for entry in storage.list_dir(""):
-        m = _MARKER.match(entry.name)
-        if m is None or int(m.group(1)) != rank or not entry.is_file:
-            continue
-        step = int(m.group(2)[len("step-"):])
-        if marker_name(rank, step) != entry.name:
-            continue
-        try:
-            fd, size = storage.open_read(entry.name)
-            try:
-                buf = bytearray(min(size, _MARKER_MAX_BYTES))
-                storage.pread_into(fd, memoryview(buf), 0)
-            finally:
-                storage.close(fd)
-        except CheckpointError:
-            buf = bytearray(b"(the marker could not be read)")
-        out[step] = bytes(buf).decode("utf-8", "replace")
-    return out

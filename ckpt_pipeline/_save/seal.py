@@ -1,7 +1,7 @@
 """Stage 3, write: the shard and manifest of this rank, durable under their final names.
 
 Each file is published as: create a temporary name, write everything, fsync, close, link to the
-final name (never replacing one), fsync the directory.
+final name (never replacing one), fsync the directory (``_format/publish.py``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import anyio
 from .._crash import crash_point
 from .._format.documents import Manifest, encode_manifest
 from .._format.names import manifest_name, shard_name
-from .._format.shard import checksum, encode_preamble
+from .._format.publish import close_quietly
+from .._format.region import checksum
+from .._format.shard import encode_preamble
 from .._threads import in_thread
 from ..storage import Storage
-from .files import close_quietly
 from .job import SaveJob, Sealed
 
 __all__ = ("publish_small", "write_shard")
@@ -47,8 +48,7 @@ async def write_shard(job: SaveJob, storage: Storage, *,
     shard_size = header_offset + len(header)
     final = shard_name(job.rank)
     temp = job.files.temps[-1]
-    await in_thread(limiter, storage.publish, job.files.dir_name, temp, final)
-    job.files.published_as(temp, final)
+    await in_thread(limiter, job.files.publish, storage, temp, final)
     crash_point("write.shard_published")
 
     manifest = encode_manifest(Manifest(
@@ -63,19 +63,4 @@ async def write_shard(job: SaveJob, storage: Storage, *,
 async def publish_small(job: SaveJob, storage: Storage, final: str, data: bytes, *,
                         limiter: anyio.CapacityLimiter) -> None:
     """Publish a small file durably in the job's step directory (directory fsynced too)."""
-
-    def publish() -> None:
-        fd, temp = storage.create_temp(job.files.dir_name, final)
-        job.files.created(temp)
-        try:
-            storage.pwrite(fd, memoryview(data), 0)
-            storage.fsync(fd)
-        except BaseException:
-            close_quietly(storage, fd)
-            raise
-        storage.close(fd)
-        storage.publish(job.files.dir_name, temp, final)
-        job.files.published_as(temp, final)
-        storage.fsync_dir(job.files.dir_name)
-
-    await in_thread(limiter, publish)
+    await in_thread(limiter, job.files.publish_small, storage, final, data)

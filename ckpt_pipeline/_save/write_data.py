@@ -14,24 +14,18 @@ import torch
 
 from .._crash import crash_point
 from .._format.documents import encode_tree
+from .._format.header import contiguous_stride
 from .._format.limits import ALIGN, MAX_HEADER_BYTES, MIN_CHUNK_BYTES
 from .._format.names import shard_name, step_dir_name
-from .._format.shard import (
-    PREAMBLE_SIZE,
-    align_down,
-    align_up,
-    checksum,
-    contiguous_stride,
-    encode_header_fields,
-    region_chunks,
-)
+from .._format.publish import close_quietly
+from .._format.region import align_down, align_up, checksum, region_chunks
+from .._format.shard import PREAMBLE_SIZE, encode_header_fields
 from .._hostmem import byte_view
 from .._parallel import first_leaf, run_groups, split_balanced
 from .._tiers.replica.push import Push
 from ..errors import StorageError
 from ..storage import Storage
 from .copy import Snapshot, copy_piece
-from .files import close_quietly
 from .job import DataWritten, SaveJob
 
 __all__ = ("checksum_chunk", "required_bytes", "serialize")

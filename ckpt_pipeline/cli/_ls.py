@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .._format import scan as _recovery
-from .._format.documents import CommitRecord, decode_commit
+from .._format.markers import read_markers
 from .._format.names import (
     commit_name,
     manifest_name,
@@ -31,19 +30,16 @@ from .._format.names import (
     parse_rewound_dir,
     shard_name,
 )
+from .._format.scan import StepStatus, scan, scan_replicas
+from .._format.steps import readable_commit
 from .._format.timeline import Lineage, abandoned
 from .._lineage import local_marks
-from .._save.retain import read_markers
-from ..errors import CheckpointError
 from ..storage import Storage
 from ..train_state import TrainState
 from ._output import _human_age, _human_bytes, _print_json, _ranks_text, _rounded, _table
 from ._status import EXIT_OK
 
-__all__ = ("_cmd_ls", "_commit_record", "_copies_by_dir")
-
-_SMALL_FILE_MAX = 1024 * 1024
-
+__all__ = ("_cmd_ls", "_copies_by_dir")
 
 @dataclass(frozen=True, slots=True)
 class _Copy:
@@ -99,7 +95,7 @@ def _list_steps(storage: Storage, rank: int) -> list[_Listing]:
     """Every step directory, and every one that recovery moved aside, newest first."""
     held = _copies_by_dir(storage, rank)
     rows = [_listing(storage, rank, s.step, s.dir_name, s, held.get(s.dir_name, ()))
-            for s in _recovery.scan(storage, rank)]
+            for s in scan(storage, rank)]
     for entry in storage.list_dir(""):
         parsed = parse_rejected_dir(entry.name)
         rewound = parse_rewound_dir(entry.name)
@@ -133,21 +129,21 @@ def _abandoned(storage: Storage, rank: int, rows: list[_Listing]) -> list[_Listi
 
 
 def _lineage(storage: Storage, rank: int, row: _Listing) -> Lineage | None:
-    record = _commit_record(storage, row.dir_name, row.step, rank)
+    record = readable_commit(storage, row.dir_name, row.step, rank)
     return None if record is None else record.lineage
 
 
-def _copies_by_dir(storage: Storage, rank: int) -> dict[str, list[_recovery.StepStatus]]:
+def _copies_by_dir(storage: Storage, rank: int) -> dict[str, list[StepStatus]]:
     """The cheap look at every copy this rank holds, by step directory (by source rank)."""
-    out: dict[str, list[_recovery.StepStatus]] = {}
-    for status in _recovery.scan_replicas(storage, rank):
+    out: dict[str, list[StepStatus]] = {}
+    for status in scan_replicas(storage, rank):
         out.setdefault(status.dir_name, []).append(status)
     return out
 
 
 def _listing(storage: Storage, rank: int, step: int, dir_name: str,
-             status: _recovery.StepStatus | None,
-             copies: Sequence[_recovery.StepStatus] = (), *,
+             status: StepStatus | None,
+             copies: Sequence[StepStatus] = (), *,
              rewound_to: int | None = None) -> _Listing:
     """Describe one directory; ``status`` is None for a directory that recovery moved aside
     (``rewound_to``: a rewind to that step did); ``copies``: the cheap look at the copies
@@ -191,7 +187,7 @@ def _listing(storage: Storage, rank: int, step: int, dir_name: str,
                                        "listed (pruned by a running job?)")
     else:
         state, reason = "corrupt", status.reason
-    record = _commit_record(storage, dir_name, step, rank)
+    record = readable_commit(storage, dir_name, step, rank)
     return _Listing(step, dir_name, path, state, reason, size,
                     None if record is None else record.committed_unix, mtime,
                     None if record is None else record.save_id,
@@ -199,7 +195,7 @@ def _listing(storage: Storage, rank: int, step: int, dir_name: str,
                     tuple(sorted(committed)), tuple(sorted(present)), copies=held)
 
 
-def _train_state(status: _recovery.StepStatus) -> tuple[int | None, dict[str, Any] | None]:
+def _train_state(status: StepStatus) -> tuple[int | None, dict[str, Any] | None]:
     """(consumed samples, extra) of a complete step's TrainState; (None, None) when it does
     not decode (``verify`` says why)."""
     if status.header is None:
@@ -223,7 +219,7 @@ def _extra_text(row: _Listing, width: int = 40) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def _copy(storage: Storage, status: _recovery.StepStatus, sizes: dict[str, int]) -> _Copy:
+def _copy(storage: Storage, status: StepStatus, sizes: dict[str, int]) -> _Copy:
     """Describe one copy; ``sizes``: the files of its directory, listed after it was scanned."""
     files = status.files
     assert files is not None and files.holder is not None
@@ -239,29 +235,9 @@ def _copy(storage: Storage, status: _recovery.StepStatus, sizes: dict[str, int])
                                        "listed (pruned by a running job?)")
     else:
         state, reason = "corrupt", status.reason
-    record = _commit_record(storage, status.dir_name, status.step, files.source, files)
+    record = readable_commit(storage, status.dir_name, status.step, files.source, files)
     return _Copy(files.source, files.holder, state, reason, size,
                  None if record is None else record.save_id, shard)
-
-
-def _commit_record(storage: Storage, dir_name: str, step: int, rank: int,
-                   files: _recovery.FileSet | None = None) -> CommitRecord | None:
-    """This rank's commit record of the step (``files``: the one of those files, a copy of
-    rank ``rank``'s), or None where it is missing or unreadable."""
-    rel = os.path.join(dir_name, commit_name(rank) if files is None else files.commit)
-    try:
-        fd, size = storage.open_read(rel)
-        try:
-            if size > _SMALL_FILE_MAX:
-                return None
-            buf = bytearray(size)
-            storage.pread_into(fd, memoryview(buf), 0)
-        finally:
-            storage.close(fd)
-        record = decode_commit(bytes(buf), os.path.join(storage.root, rel))
-    except CheckpointError:
-        return None
-    return record if (record.step, record.rank) == (step, rank) else None
 
 
 def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:

@@ -16,8 +16,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .._format import scan as _recovery
+from .._format.filesets import FileSet
 from .._format.names import parse_step_dir, step_dir_name
+from .._format.scan import scan_files
 from .._tiers.persistent.layout import STEP_COMMIT, StepRecord
 from .._tiers.persistent.promote import download_rank, read_step_record
 from .._tiers.persistent.remote import Remote, open_remote
@@ -161,7 +162,7 @@ def _verify_remote_step(remote: Remote, step: int, only: int | None) -> list[dic
             except CheckpointError as exc:
                 out.append(failed(rank, exc.message, seconds=time.perf_counter() - started))
                 continue
-            status = _recovery.scan_files(storage, _recovery.FileSet(rank), step,
+            status = scan_files(storage, FileSet(rank), step,
                                           step_dir_name(step))
             v = _verify_step(storage, status, rank, explicit=True,
                              bar_stream=sys.stderr if sys.stderr.isatty() else None)

@@ -10,9 +10,11 @@ import math
 import tempfile
 from typing import Any
 
-from .._format import scan as _recovery
+from .._format.filesets import rank_sets
 from .._format.limits import DTYPES
 from .._format.names import step_dir_name
+from .._format.scan import StepStatus, decode_contents, scan_files
+from .._format.steps import committed_steps
 from .._tiers.persistent.remote import open_remote
 from .._tiers.persistent.stream import ShardStream
 from ..errors import CheckpointIntegrityError
@@ -28,11 +30,11 @@ __all__ = ("_cmd_show", "_cmd_show_remote")
 def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
     rank: int = args.rank
     steps = (newest_candidates(storage, rank) if args.step is None
-             else _recovery.committed_steps(storage, rank, copies=True))
+             else committed_steps(storage, rank, copies=True))
     step, dir_name = pick_step(steps, args.step, rank, str(storage.root))
     names = {e.name for e in storage.list_dir(dir_name)}
-    looked = [_recovery.scan_files(storage, files, step, dir_name, names)
-              for files in _recovery.rank_sets(names, rank)]
+    looked = [scan_files(storage, files, step, dir_name, names)
+              for files in rank_sets(names, rank)]
     status = next((s for s in looked if s.valid and s.header is not None), looked[0])
     if not status.valid or status.header is None:
         reasons = "; ".join(str(s.reason) for s in looked)
@@ -62,11 +64,11 @@ def _cmd_show_remote(url: str, args: argparse.Namespace) -> int:
                  args)
 
 
-def _show(status: _recovery.StepStatus, root: str, where: str, rank: int, holder: int | None,
+def _show(status: StepStatus, root: str, where: str, rank: int, holder: int | None,
           args: argparse.Namespace) -> int:
     step = status.step
     assert status.header is not None
-    _tree, train_state = _recovery.decode_contents(status, rank)
+    _tree, train_state = decode_contents(status, rank)
     rows = []
     for record in status.header.tensors:
         item = DTYPES[record.dtype].itemsize

@@ -20,13 +20,15 @@ from typing import TextIO
 
 import anyio
 
-from .._format import scan as _recovery
+from .._format.filesets import FileSet
+from .._format.header import ShardHeader
 from .._format.names import commit_name, parse_rejected_dir, parse_rewound_dir
-from .._format.shard import ShardHeader
+from .._format.scan import StepStatus, decode_contents, scan
+from .._format.steps import readable_commit
 from .._restore.read import LoadedShard, read_shard
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..storage import Storage
-from ._ls import _commit_record, _copies_by_dir
+from ._ls import _copies_by_dir
 from ._output import _human_bytes, _print_json, _Progress
 from ._status import EXIT_FAILED, EXIT_OK, _UsageError
 
@@ -59,7 +61,7 @@ class _Verified:
     """Path of the shard file."""
 
 
-async def _read_shard(storage: Storage, status: _recovery.StepStatus, rank: int,
+async def _read_shard(storage: Storage, status: StepStatus, rank: int,
                       progress: Callable[[int], None]) -> LoadedShard:
     limiter = anyio.CapacityLimiter(_VERIFY_THREADS)
     return await read_shard(storage, status, rank,
@@ -67,11 +69,11 @@ async def _read_shard(storage: Storage, status: _recovery.StepStatus, rank: int,
                                       progress=progress)
 
 
-def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
+def _verify_step(storage: Storage, status: StepStatus, rank: int, *,
                  explicit: bool, bar_stream: TextIO | None) -> _Verified:
     """Read and check every byte of one step's shard (the rank's own, or the copy of another
     rank's that ``status.files`` names), then its state tree and TrainState."""
-    files = status.files or _recovery.FileSet(rank)
+    files = status.files or FileSet(rank)
     copy = files.holder is not None
     source = files.source  # the rank whose shard it is: the header and records name it
     held = f"(copy held by rank {files.holder})"
@@ -80,7 +82,7 @@ def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
                 seconds: float = 0.0) -> _Verified:
         save_id = status.save_id
         if save_id is None:
-            record = _commit_record(storage, status.dir_name, status.step, source, files)
+            record = readable_commit(storage, status.dir_name, status.step, source, files)
             save_id = None if record is None else record.save_id
         if copy and reason is not None and held not in reason:
             reason = f"{reason} {held}"
@@ -113,12 +115,12 @@ def _verify_step(storage: Storage, status: _recovery.StepStatus, rank: int, *,
     return outcome("ok", None, total, time.perf_counter() - started)
 
 
-def _check_contents(status: _recovery.StepStatus, header: ShardHeader, rank: int) -> None:
+def _check_contents(status: StepStatus, header: ShardHeader, rank: int) -> None:
     """The state tree decodes to a map whose tensor references all exist; the TrainState too."""
-    _recovery.decode_contents(status, rank)
+    decode_contents(status, rank)
 
 
-def _was_pruned(storage: Storage, status: _recovery.StepStatus, rank: int) -> bool:
+def _was_pruned(storage: Storage, status: StepStatus, rank: int) -> bool:
     """Whether the commit record of the files verified (this rank's own, or the copy's)
     disappeared (a running job pruned the step)."""
     try:
@@ -130,9 +132,9 @@ def _was_pruned(storage: Storage, status: _recovery.StepStatus, rank: int) -> bo
 
 
 def _select(storage: Storage, rank: int, step: int | None,
-            every: bool) -> tuple[list[_recovery.StepStatus], bool]:
+            every: bool) -> tuple[list[StepStatus], bool]:
     """The steps to verify, newest first, and whether the user named them explicitly."""
-    statuses = _recovery.scan(storage, rank)
+    statuses = scan(storage, rank)
     if step is not None:
         match = [s for s in statuses if s.step == step]
         if not match:
@@ -232,5 +234,5 @@ def _shard_text(source: int | None) -> str:
     return "own" if source is None else f"copy of {source}"
 
 
-def _flat(groups: Iterable[list[_recovery.StepStatus]]) -> list[_recovery.StepStatus]:
+def _flat(groups: Iterable[list[StepStatus]]) -> list[StepStatus]:
     return [s for group in groups for s in group]

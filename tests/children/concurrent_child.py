@@ -76,9 +76,9 @@ import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._format import scan as _recovery
 from ckpt_pipeline._format.documents import decode_commit
 from ckpt_pipeline._format.names import commit_name
+from ckpt_pipeline._format.scan import StepStatus, decode_contents, scan
 from ckpt_pipeline._restore.read import LoadedShard, read_shard
 from ckpt_pipeline.cli import main as cli_main
 from ckpt_pipeline.events import CheckpointCommitted, Event, TemporariesScrubbed
@@ -313,18 +313,18 @@ def commit_save_id(storage: cp.LocalStorage, step: int, rank: int) -> str | None
         return None
 
 
-async def _read_shard(storage: cp.LocalStorage, status: _recovery.StepStatus,
+async def _read_shard(storage: cp.LocalStorage, status: StepStatus,
                       rank: int) -> LoadedShard:
     return await read_shard(storage, status, rank, threads=1,
                                       limiter=anyio.CapacityLimiter(1))
 
 
 def read_exact(portal: BlockingPortal, storage: cp.LocalStorage,
-               status: _recovery.StepStatus, rank: int) -> tuple[str, str | None]:
+               status: StepStatus, rank: int) -> tuple[str, str | None]:
     """Read and verify one rank's shard of a step: ("ok"|"error"|"wrong", detail)."""
     try:
         loaded = portal.call(_read_shard, storage, status, rank)
-        _tree, ts = _recovery.decode_contents(status, rank)
+        _tree, ts = decode_contents(status, rank)
     except cp.CheckpointError as exc:
         return "error", f"{type(exc).__name__}: {exc}"
     want = expected(status.step, rank)
@@ -402,7 +402,7 @@ class Reader:
         st = self.stats
         st["observations"] += 1
         c0 = journal_max(self.ctl, self.world)
-        scans = [_recovery.scan(self.storage, r) for r in range(self.world)]
+        scans = [scan(self.storage, r) for r in range(self.world)]
         by_rank = [{s.step: s for s in statuses if s.valid} for statuses in scans]
         common = sorted(set.intersection(*(set(v) for v in by_rank)), reverse=True)
         found: int | None = None

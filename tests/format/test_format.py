@@ -18,17 +18,10 @@ from ckpt_pipeline._format.documents import (
     decode_tree,
     encode_tree,
 )
+from ckpt_pipeline._format.header import ShardHeader, StorageRecord, TensorRecord
 from ckpt_pipeline._format.limits import ALIGN
 from ckpt_pipeline._format.names import parse_rank_file, parse_step_dir, step_dir_name
-from ckpt_pipeline._format.shard import (
-    PREAMBLE_SIZE,
-    ShardHeader,
-    StorageRecord,
-    TensorRecord,
-    decode_header,
-    decode_preamble,
-    encode_header,
-)
+from ckpt_pipeline._format.shard import PREAMBLE_SIZE, decode_header, decode_preamble, encode_header
 from ckpt_pipeline._tree import flatten_state, materialize
 
 plain = st.recursive(

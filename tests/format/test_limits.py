@@ -20,9 +20,11 @@ import torch
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format import documents as _documents
+from ckpt_pipeline._format import header as _header
 from ckpt_pipeline._format import limits as _limits
 from ckpt_pipeline._format import names as _names
 from ckpt_pipeline._format import shard as _shard
+from ckpt_pipeline._format.header import DistLayout
 from ckpt_pipeline._format.layout import plan_layout
 from ckpt_pipeline._format.limits import (
     ALIGN,
@@ -35,10 +37,9 @@ from ckpt_pipeline._format.limits import (
     MAX_NESTING,
     MAX_PATH_LEN,
     MAX_TENSORS,
-    check_save,
-    small_file_bytes_bound,
 )
-from ckpt_pipeline._format.shard import DistLayout
+from ckpt_pipeline._save import checks as _checks
+from ckpt_pipeline._save.checks import check_save, small_file_bytes_bound
 from ckpt_pipeline._tree import FlatState
 from tests._support.roundtrip import STEP, assert_refused, restore, round_trip, save, step_dirs
 
@@ -281,14 +282,14 @@ def _run_id_length() -> int:
 
 def save_id_over(root: Path, mp: pytest.MonkeyPatch) -> None:
     length = len(f"{'0' * _run_id_length()}-{STEP}")
-    mp.setattr(_limits, "MAX_SAVE_ID_LEN", length - 1)
+    mp.setattr(_checks, "MAX_SAVE_ID_LEN", length - 1)
     assert_refused(root, {"m": {"x": torch.ones(1)}}, path=None,
                    match=rf"is {length} characters.*limit save_id_length")
 
 
 def save_id_at(root: Path, mp: pytest.MonkeyPatch) -> None:
     length = len(f"{'0' * _run_id_length()}-{STEP}")
-    mp.setattr(_limits, "MAX_SAVE_ID_LEN", length)
+    mp.setattr(_checks, "MAX_SAVE_ID_LEN", length)
     round_trip(root, {"m": {"x": torch.ones(1)}})
     with cp.CheckpointPipeline(root) as pipe:
         assert len(pipe._pipe.admission.run_id) == _run_id_length()
@@ -304,14 +305,14 @@ def _small_bound() -> int:
 
 def small_over(root: Path, mp: pytest.MonkeyPatch) -> None:
     bound = _small_bound()
-    mp.setattr(_limits, "MAX_SMALL_FILE_BYTES", bound - 1)
+    mp.setattr(_checks, "MAX_SMALL_FILE_BYTES", bound - 1)
     assert_refused(root, {"m": {"x": torch.ones(1)}}, path=None,
                    match=rf"up to {bound} bytes.*limit small_file_bytes")
 
 
 def small_at(root: Path, mp: pytest.MonkeyPatch) -> None:
     bound = _small_bound()
-    mp.setattr(_limits, "MAX_SMALL_FILE_BYTES", bound)
+    mp.setattr(_checks, "MAX_SMALL_FILE_BYTES", bound)
     round_trip(root, {"m": {"x": torch.ones(1)}})
     step_dir = root / _names.step_dir_name(STEP)
     for name in (_names.manifest_name(0), _names.commit_name(0)):
@@ -358,14 +359,14 @@ def dtensor_over(root: Path, mp: pytest.MonkeyPatch) -> None:
             _check(_flat_with(layout))
         assert info.value.path == "w"
         with pytest.raises(cp.CheckpointIntegrityError):  # and a reader refuses it too
-            _shard._decode_dist(layout.to_plain(), 2, "w", "x")
+            _header.decode_dist(layout.to_plain(), 2, "w", "x")
 
 
 def dtensor_at(root: Path, mp: pytest.MonkeyPatch) -> None:
     for layout in (DistLayout((2,), ("S1",), (2, 8), (8, 1)),
                    DistLayout((1,) * MAX_NDIM, ("R",) * MAX_NDIM, (2, 4), (4, 1))):
         _check(_flat_with(layout))
-        assert _shard._decode_dist(layout.to_plain(), 2, "w", "x") == layout
+        assert _header.decode_dist(layout.to_plain(), 2, "w", "x") == layout
 
 
 CASES: dict[str, Case] = {
@@ -397,16 +398,16 @@ def test_every_limit_has_a_case() -> None:
 
 def test_format_reads_its_limits_from_the_table() -> None:
     values = {limit.name: limit.value for limit in LIMITS}
-    assert values["path_length"] == _shard.MAX_PATH_LEN
+    assert values["path_length"] == _header.MAX_PATH_LEN
     assert values["nesting"] == _documents.MAX_NESTING
     assert values["header_bytes"] == _shard.MAX_HEADER_BYTES
-    assert values["tensor_count"] == _shard.MAX_TENSORS
-    assert values["ndim"] == _shard.MAX_NDIM
-    assert tuple(_shard.DTYPES) == values["dtype"]
+    assert values["tensor_count"] == _header.MAX_TENSORS
+    assert values["ndim"] == _header.MAX_NDIM
+    assert tuple(_header.DTYPES) == values["dtype"]
     assert values["small_file_bytes"] == _documents.MAX_SMALL_FILE_BYTES
     assert values["save_id_length"] == _documents.MAX_SAVE_ID_LEN
-    assert _shard._DEVICE is _limits.DEVICE_PATTERN
-    assert _shard._PLACEMENT is _limits.PLACEMENT_PATTERN
+    assert _header.DEVICE is _limits.DEVICE_PATTERN
+    assert _header.PLACEMENT is _limits.PLACEMENT_PATTERN
 
 
 @pytest.mark.parametrize("name", [
@@ -469,14 +470,14 @@ def test_the_planned_header_size_bounds_the_written_one(root: Path) -> None:
              "big": {"x": torch.zeros(3 * ALIGN)}, "v": {"s": "x" * 1000}}
     ts = cp.TrainState(step=STEP, extra={"a": [1, 2.5, b"xyz"]})
     seen: dict[str, int] = {}
-    real = _limits.header_bytes_bound
+    real = _checks.header_bytes_bound
 
     def spy(*args: Any, **kwargs: Any) -> int:
         seen["bound"] = real(*args, **{**kwargs, "exact": True})
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_limits, "header_bytes_bound", spy)
+        mp.setattr(_checks, "header_bytes_bound", spy)
         save(root, state, ts, chunk_bytes=ALIGN)
     written = header_length(root)
     data = sum(t.numel() * t.element_size() for part in ("m", "big")

@@ -64,7 +64,6 @@ from ckpt_pipeline._format.documents import (
     CommitRecord,
     Manifest,
     TensorRef,
-    _pack,
     decode_commit,
     decode_manifest,
     decode_message,
@@ -72,7 +71,9 @@ from ckpt_pipeline._format.documents import (
     encode_commit,
     encode_manifest,
     encode_tree,
+    pack_plain,
 )
+from ckpt_pipeline._format.header import DistLayout, ShardHeader, StorageRecord, TensorRecord
 from ckpt_pipeline._format.limits import (
     ALIGN,
     DTYPES,
@@ -81,16 +82,11 @@ from ckpt_pipeline._format.limits import (
     MAX_PATH_LEN,
     MAX_SMALL_FILE_BYTES,
 )
+from ckpt_pipeline._format.region import align_up, checksum
 from ckpt_pipeline._format.scan import StepStatus, decode_contents
 from ckpt_pipeline._format.shard import (
     PREAMBLE_SIZE,
     SHARD_MAGIC,
-    DistLayout,
-    ShardHeader,
-    StorageRecord,
-    TensorRecord,
-    align_up,
-    checksum,
     decode_header,
     decode_preamble,
     encode_header,
@@ -1255,7 +1251,7 @@ def test_valid_shard_header_round_trips(h: ShardHeader) -> None:
 @pytest.mark.slow
 def test_mutated_valid_format_1_header(data: st.DataObject) -> None:
     doc, offset = data.draw(v1_bases())
-    raw = data.draw(mutated(st.just(_pack(doc))))
+    raw = data.draw(mutated(st.just(pack_plain(doc))))
     _decode_header_checked(raw, offset + len(raw), offset, version=1)
 
 
@@ -1305,7 +1301,7 @@ def test_format_1_records_with_overflowing_or_outside_numbers(
 def test_valid_format_1_header_decodes_to_storages_and_views(
         case: tuple[dict[str, Any], ShardHeader]) -> None:
     doc, h = case
-    raw = _pack(doc)
+    raw = pack_plain(doc)
     size, offset = _geometry(h, raw)
     back = decode_header(raw, "x", file_size=size, header_offset=offset, version=1)
     assert back == h

@@ -21,10 +21,12 @@ import xxhash
 import ckpt_pipeline as cp
 from ckpt_pipeline import LocalStorage
 from ckpt_pipeline._format.documents import CommitRecord, decode_manifest, encode_commit
+from ckpt_pipeline._format.filesets import FileSet
 from ckpt_pipeline._format.limits import MAX_HEADER_BYTES
 from ckpt_pipeline._format.names import replica_name
-from ckpt_pipeline._format.scan import FileSet, scan_files, scan_replicas, scrub
+from ckpt_pipeline._format.scan import scan_files, scan_replicas
 from ckpt_pipeline._format.shard import PREAMBLE_SIZE
+from ckpt_pipeline._format.tidy import scrub
 from ckpt_pipeline._tiers.replica.fetch import fetch_shard
 from ckpt_pipeline._tiers.replica.push import Peer, Push, PushOutcome
 from ckpt_pipeline._tiers.replica.resend import Resend

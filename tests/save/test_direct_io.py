@@ -11,7 +11,8 @@ import torch
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.layout import DataLayout, plan_layout
 from ckpt_pipeline._format.limits import ALIGN
-from ckpt_pipeline._format.shard import PREAMBLE_SIZE, align_up
+from ckpt_pipeline._format.region import align_up
+from ckpt_pipeline._format.shard import PREAMBLE_SIZE
 from ckpt_pipeline.storage import LocalStorage
 from ckpt_pipeline.testing import Fault, FaultyStorage
 

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..._format.documents import FORMAT_VERSION, decode_message, encode_message
+from ..._format.filesets import FileSet
 from ..._format.names import step_dir_name
-from ..._format.scan import FileSet
 from ..._format.timeline import Lineage, decode_lineage, encode_lineage
 from ...errors import CheckpointIntegrityError
 from .remote import ObjectSum, _uint

@@ -17,12 +17,13 @@ import os
 import threading
 import time
 
-from ..._format import scan as _scan
+from ..._format.filesets import FileSet
 from ..._format.names import step_dir_name
+from ..._format.publish import ArrivingShard
+from ..._format.scan import StepStatus, check_arriving
 from ..._format.shard import PREAMBLE_SIZE, decode_preamble
 from ...errors import CheckpointError, CheckpointIntegrityError, StorageError
 from ...storage import Storage
-from ..replica.incoming import Incoming
 from .layout import MAX_COMMIT_BYTES, StepRecord, rank_keys
 from .remote import ObjectSum, Remote
 
@@ -36,7 +37,7 @@ class _Stopped(Exception):
 def fetch_small(remote: Remote, record: StepRecord, rank: int) -> dict[str, bytes]:
     """``rank``'s manifest and commit record of ``record``'s step, each checked against the
     commit object: ``{file name: bytes}``."""
-    step, files = record.step, _scan.FileSet(rank)
+    step, files = record.step, FileSet(rank)
     sums = record.rank_objects(rank)
     if len(sums) != 3:
         raise CheckpointIntegrityError(f"the commit object does not list rank {rank}'s files",
@@ -64,14 +65,14 @@ class ShardStream:
         self.storage = storage
         self.step = record.step
         self.rank = rank
-        self.files = _scan.FileSet(rank)
+        self.files = FileSet(rank)
         self.dir_name = step_dir_name(record.step)
         try:
             self.small = fetch_small(remote, record, rank)
             self.shard = record.rank_objects(rank)[self.files.shard]
             self.key = rank_keys(record.step, rank)[self.files.shard]
             self.started = time.perf_counter()
-            self.incoming = Incoming(storage, self.dir_name, self.files, self.shard.size)
+            self.incoming = ArrivingShard(storage, self.dir_name, self.files)
         except CheckpointError as exc:
             raise self._named(exc) from None
         try:
@@ -81,7 +82,7 @@ class ShardStream:
             raise StorageError(f"cannot size the download of step {self.step}: "
                                f"{exc.strerror}", step=self.step, rank=rank,
                                path=self.incoming.path, errno=exc.errno) from exc
-        self.shard_file = self.incoming.temps[0]
+        self.shard_file = self.incoming.temp
         self._arrived = [False] * len(self.shard.parts)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -130,7 +131,7 @@ class ShardStream:
 
     # -- the restore's view --------------------------------------------------------------
 
-    def status(self) -> _scan.StepStatus:
+    def status(self) -> StepStatus:
         """``scan_files`` of the arriving files, once the preamble and header are in."""
         rel = os.path.join(self.dir_name, self.shard_file)
         self.wait(0, min(PREAMBLE_SIZE, self.shard.size))
@@ -142,7 +143,7 @@ class ShardStream:
             self.storage.close(fd)
         _, offset, length, _ = decode_preamble(bytes(pre), size, self.incoming.path)
         self.wait(offset, offset + length)
-        return _scan.check_arriving(
+        return check_arriving(
             self.storage, self.step, self.dir_name, self.rank,
             commit_raw=self.small[self.files.commit],
             manifest_raw=self.small[self.files.manifest], shard_file=self.shard_file)

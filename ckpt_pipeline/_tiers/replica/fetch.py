@@ -12,8 +12,8 @@ import contextlib
 import time
 
 from ..._format.documents import decode_commit
+from ..._format.filesets import FileSet
 from ..._format.names import step_dir_name
-from ..._format.scan import FileSet
 from ...errors import CheckpointError, CheckpointIntegrityError
 from ...storage import Storage
 from .incoming import Incoming

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..._crash import crash_point
-from ..._format.shard import checksum
+from ..._format.region import checksum
 from ..._logging import log
 from ...errors import CheckpointError
 from .wire import ProtocolError, connect, recv_message, send_data, send_message

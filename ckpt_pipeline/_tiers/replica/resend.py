@@ -23,16 +23,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from ..._format.filesets import FileSet
 from ..._format.names import step_dir_name
-from ..._format.scan import FileSet, scan_files
-from ..._format.shard import checksum
+from ..._format.region import checksum
+from ..._format.scan import scan_files
+from ..._format.steps import read_small
 from ..._logging import log
 from ...errors import CheckpointError
 from ...events import Event, ReplicaRestored, ReplicaRestoreFailed
 from ...storage import Storage
 from .push import Peer, Push, PushOutcome
-from .server import copy_frames
-from .wire import piece_buffer
+from .wire import copy_frames, piece_buffer
 
 __all__ = ("Resend",)
 
@@ -109,8 +110,8 @@ class Resend:
             raise CheckpointError(f"this rank's shard of step {self.step} is not there to "
                                   f"send ({status.reason or 'another save'})",
                                   step=self.step, rank=self.rank, path=status.path)
-        manifest = self._read_small(os.path.join(dir_name, files.manifest))
-        commit = self._read_small(os.path.join(dir_name, files.commit))
+        manifest = read_small(self.storage, os.path.join(dir_name, files.manifest))
+        commit = read_small(self.storage, os.path.join(dir_name, files.commit))
         size = status.shard_size
         push = Push(self.peers, token=self.token, step=self.step, save_id=self.save_id,
                     rank=self.rank, timeout_s=self.timeout_s, commit=commit)
@@ -141,15 +142,3 @@ class Resend:
             self.storage.close(fd)
         push.end(manifest, size)
         return push.collect()
-
-    def _read_small(self, rel: str) -> bytes:
-        fd, size = self.storage.open_read(rel)
-        try:
-            if size > 1024 * 1024:
-                raise CheckpointError(f"{rel} is too large for a metadata file",
-                                      step=self.step, rank=self.rank)
-            buf = bytearray(size)
-            self.storage.pread_into(fd, memoryview(buf), 0)
-            return bytes(buf)
-        finally:
-            self.storage.close(fd)

@@ -32,9 +32,12 @@ from typing import Any
 
 from ..._crash import crash_point
 from ..._format.documents import decode_commit
+from ..._format.filesets import FileSet
+from ..._format.limits import MAX_SMALL_FILE_BYTES
 from ..._format.names import step_dir_name
-from ..._format.scan import FileSet, scan_files
-from ..._format.shard import checksum
+from ..._format.region import checksum
+from ..._format.scan import scan_files
+from ..._format.steps import read_small
 from ..._logging import log
 from ...errors import CheckpointError, ConfigError
 from ...events import Event, ReplicaStored
@@ -43,6 +46,7 @@ from .incoming import Incoming
 from .wire import (
     PIECE_BYTES,
     ProtocolError,
+    copy_frames,
     piece_buffer,
     recv_data,
     recv_message,
@@ -51,10 +55,9 @@ from .wire import (
     tune,
 )
 
-__all__ = ("CopyServer", "Receptions", "copy_frames")
+__all__ = ("CopyServer", "Receptions")
 
 _MAX_SHARD_BYTES = 1 << 50
-_MAX_MESSAGE_BYTES = 1024 * 1024  # a commit record is small
 _SETTLED_KEPT = 64  # settled steps remembered, to refuse copies that arrive after their step
 
 
@@ -138,7 +141,7 @@ class Receptions:
                 self._drop(reception)
                 continue
             try:
-                incoming.publish_small(incoming.files.commit, record(reception.source))
+                incoming.publish_commit(record(reception.source))
                 reception.committed = True
             except CheckpointError as exc:
                 failed[reception.source] = f"rank {self.rank} could not commit it: {exc}"
@@ -330,7 +333,7 @@ class CopyServer:
 
     def _check_commit(self, commit: Any, step: int, source: int, save_id: str) -> None:
         """The commit record a push of a committed step carries must be that step's."""
-        if not isinstance(commit, bytes) or len(commit) > _MAX_MESSAGE_BYTES:
+        if not isinstance(commit, bytes) or len(commit) > MAX_SMALL_FILE_BYTES:
             raise ProtocolError("a push with a malformed commit record")
         try:
             record = decode_commit(commit, f"rank {source}'s commit record of step {step}")
@@ -354,8 +357,8 @@ class CopyServer:
             raise ProtocolError(f"rank {self.rank} holds no valid copy of rank {source}'s "
                                 f"shard of step {step} (save {save_id}): "
                                 f"{status.reason or 'another save'}")
-        manifest = self._read_small(os.path.join(dir_name, files.manifest))
-        commit = self._read_small(os.path.join(dir_name, files.commit))
+        manifest = read_small(self.storage, os.path.join(dir_name, files.manifest))
+        commit = read_small(self.storage, os.path.join(dir_name, files.commit))
         send_message(conn, {"op": "meta", "size": status.shard_size, "manifest": manifest,
                             "commit": commit})
         header = status.header
@@ -383,32 +386,3 @@ class CopyServer:
                     f"corrupt on its disk: bytes [{start}, {end}) do not match the "
                     "shard's checksum")
             send_data(conn, start, buf, actual)
-
-    def _read_small(self, rel: str) -> bytes:
-        fd, size = self.storage.open_read(rel)
-        try:
-            if size > 1024 * 1024:
-                raise ProtocolError(f"{rel} is too large for a metadata file")
-            buf = bytearray(size)
-            self.storage.pread_into(fd, memoryview(buf), 0)
-            return bytes(buf)
-        finally:
-            self.storage.close(fd)
-
-
-def copy_frames(checks: list[tuple[int, int, int]], size: int
-            ) -> list[tuple[int, int, int | None]]:
-    """The frames a fetch sends: each checksummed range as it is (with its checksum), and
-    the bytes between them (preamble, padding, header) cut at most PIECE_BYTES long."""
-    out: list[tuple[int, int, int | None]] = []
-    at = 0
-    for start, end, digest in sorted(checks):
-        out.extend(_gaps(at, start))
-        out.append((start, end, digest))
-        at = end
-    out.extend(_gaps(at, size))
-    return out
-
-
-def _gaps(start: int, end: int) -> list[tuple[int, int, int | None]]:
-    return [(a, min(end, a + PIECE_BYTES), None) for a in range(start, end, PIECE_BYTES)]

@@ -23,8 +23,8 @@ import xxhash
 
 from ...errors import CheckpointError
 
-__all__ = ("PIECE_BYTES", "ProtocolError", "Received", "connect", "piece_buffer", "recv_data",
-           "recv_message", "send_data", "send_message")
+__all__ = ("PIECE_BYTES", "ProtocolError", "Received", "connect", "copy_frames", "piece_buffer",
+           "recv_data", "recv_message", "send_data", "send_message")
 
 _PREFIX = struct.Struct("<4sI")
 _MAGIC = b"CKRP"
@@ -172,3 +172,21 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("the peer closed the connection")
         got += n
+
+
+def copy_frames(checks: list[tuple[int, int, int]], size: int
+                ) -> list[tuple[int, int, int | None]]:
+    """The frames a fetch sends: each checksummed range as it is (with its checksum), and
+    the bytes between them (preamble, padding, header) cut at most PIECE_BYTES long."""
+    out: list[tuple[int, int, int | None]] = []
+    at = 0
+    for start, end, digest in sorted(checks):
+        out.extend(_gaps(at, start))
+        out.append((start, end, digest))
+        at = end
+    out.extend(_gaps(at, size))
+    return out
+
+
+def _gaps(start: int, end: int) -> list[tuple[int, int, int | None]]:
+    return [(a, min(end, a + PIECE_BYTES), None) for a in range(start, end, PIECE_BYTES)]
