@@ -1,7 +1,12 @@
-"""The storage layer: every file-system call of the pipeline goes through it.
+"""The storage layer: every file-system call of the pipeline on a checkpoint root goes through it.
 
 One small synchronous interface, called from worker threads, so that a test can replace it
 with one that injects faults (short writes, ENOSPC, EIO on fsync, a crash at a given call).
+The persistent tier's transfers are included: an upload reads the committed files through
+``open_read``/``pread_into`` (and ``copy_out`` for a kernel copy), a download writes through
+``truncate``/``pwrite``/``fsync``. What lies outside the root is not the storage's: the
+requests of a persistent tier (S3, fsspec, or a directory on a shared file system, which
+``_tiers/persistent/tier_dir`` writes as its own client) are that tier's.
 
 Call order for publishing a file (the pipeline follows it; implementations need not check it):
 ``create_temp`` -> ``pwrite``... -> ``fsync`` -> ``close`` -> ``publish`` -> ``fsync_dir``.
@@ -69,6 +74,10 @@ class Storage(Protocol):
     def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
         """Write all of ``data`` at ``offset`` (short writes are continued)."""
 
+    def truncate(self, fd: int, size: int) -> None:
+        """Set the size of a file being written (a download sizes its file up front, so that
+        reads may start at any offset); bytes added read as zeros until written."""
+
     def fsync(self, fd: int) -> None:
         """Flush a file to stable storage."""
 
@@ -86,6 +95,12 @@ class Storage(Protocol):
 
     def pread_into(self, fd: int, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` from ``offset``; a short file is an error."""
+
+    def copy_out(self, fd: int, out: int, start: int, end: int) -> bool:
+        """Copy bytes [start, end) of a file opened by ``open_read`` to the same offsets of
+        ``out``, a descriptor outside the root, in the kernel (no copy through user memory).
+        False where the kernel or the file systems refuse it before any byte is copied: the
+        caller then writes the bytes it reads itself."""
 
     def unlink(self, rel: str) -> None:
         """Remove a file (missing is not an error)."""
@@ -226,6 +241,12 @@ class LocalStorage:
                 raise StorageError("write made no progress", path=self._path(self._fd_rel(fd)))
             done += n
 
+    def truncate(self, fd: int, size: int) -> None:
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            raise self._fail("truncate", self._fd_rel(fd), exc) from exc
+
     def fsync(self, fd: int) -> None:
         try:
             os.fsync(fd)
@@ -300,6 +321,23 @@ class LocalStorage:
                                    path=self._path(self._fd_rel(fd)),
                                    hint="the file is truncated")
             done += n
+
+    def copy_out(self, fd: int, out: int, start: int, end: int) -> bool:
+        copy = getattr(os, "copy_file_range", None)
+        if copy is None:
+            return False
+        at = start
+        try:
+            while at < end:
+                n = copy(fd, out, end - at, at, at)
+                if n <= 0:
+                    return at == end
+                at += n
+        except OSError as exc:
+            if at == start:
+                return False
+            raise self._fail("copy", self._fd_rel(fd), exc) from exc
+        return True
 
     def unlink(self, rel: str) -> None:
         try:

@@ -13,8 +13,8 @@ from typing import Any
 from .._format import scan as _recovery
 from .._format.limits import DTYPES
 from .._format.names import step_dir_name
-from .._tiers.persistent.remote import open_remote
 from .._tiers.persistent.stream import ShardStream
+from .._tiers.persistent.urls import open_remote
 from ..errors import CheckpointIntegrityError
 from ..loading import newest_candidates, pick_step, tier_step
 from ..storage import LocalStorage, Storage

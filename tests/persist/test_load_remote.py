@@ -18,7 +18,7 @@ import torch
 from conftest import run_cli
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._tiers.persistent.remote import open_remote
+from ckpt_pipeline._tiers.persistent.urls import open_remote
 
 from .test_persist import _save_steps
 

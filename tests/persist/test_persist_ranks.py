@@ -21,7 +21,7 @@ from conftest import load_script, spawn_child
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT, decode_step_record
-from ckpt_pipeline._tiers.persistent.remote import open_remote
+from ckpt_pipeline._tiers.persistent.urls import open_remote
 
 launch = load_script(Path(__file__).resolve().parents[1] / "replicate" /
                      "test_replication.py").launch
