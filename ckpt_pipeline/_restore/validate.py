@@ -10,9 +10,8 @@ bytes (``aliasing.check_aliasing``). It raises ``StateError`` naming the path. I
 the apply (``apply.py``), so that a checkpoint that does not fit is refused with the live state
 untouched.
 
-The helpers that say how the live state is walked (a DTensor's local shard, which tuples are
-walked element by element, how a tuple is rebuilt) live here too: the apply and its backups
-(``apply.py``, ``rollback.py``) walk the live state by the same rules.
+The live state is walked by the rules of ``live.py``, which the apply and its backups
+(``apply.py``, ``backups.py``) follow too.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from .._format.documents import TensorRef
 from .._tree import _is_dtensor, _is_stateful, _join
 from ..errors import CheckpointError, StateError
 from .aliasing import Target, check_aliasing, written
+from .live import local_tensor, walks_tuple
 
 __all__ = ("validate_state",)
 
@@ -35,14 +35,6 @@ _SHOWN_KEYS = 8
 
 
 # ---------------------------------------------------------------- helpers
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view of its memory), or the tensor itself."""
-    if _is_dtensor(t):
-        local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
-        return local
-    return t
-
 
 def _describe(t: torch.Tensor) -> str:
     kind = "DTensor " if _is_dtensor(t) else ""
@@ -59,40 +51,6 @@ def _kind(node: Any) -> str:
     if isinstance(node, tuple):
         return "a tuple"
     return f"a value of type {type(node).__name__}"
-
-
-def _is_namedtuple(obj: object) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
-def _holds_live_state(obj: object, depth: int = 0) -> bool:
-    """Whether a live container holds something loaded in place (tensor, stateful object)."""
-    if isinstance(obj, torch.Tensor) or _is_stateful(obj):
-        return True
-    if depth > 64:
-        return False
-    if isinstance(obj, Mapping):
-        return any(_holds_live_state(v, depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_live_state(v, depth + 1) for v in obj)
-    return False
-
-
-def _walks_tuple(obj: object) -> bool:
-    """A live tuple walked element by element (else its slot takes the checkpoint's value)."""
-    return isinstance(obj, tuple) and (_is_namedtuple(obj) or _holds_live_state(obj))
-
-
-def _rebuild_tuple(like: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
-    """A tuple of ``like``'s type (a namedtuple stays one) holding ``values``."""
-    kind = type(like)
-    if kind is tuple:
-        return tuple(values)
-    if _is_namedtuple(like):
-        made: tuple[Any, ...] = kind._make(values)  # type: ignore[attr-defined]
-        return made
-    rebuilt: tuple[Any, ...] = kind(values)
-    return rebuilt
 
 
 def _may_overlap(t: torch.Tensor) -> bool:
@@ -176,7 +134,7 @@ class _Validator:
             self.receivable(obj, path, expanded=True)
             saved = self.saved(node, path)
             self.same_tensor(obj, saved, path)
-            self.targets.append(Target(path, _local(obj), _local(saved)))
+            self.targets.append(Target(path, local_tensor(obj), local_tensor(saved)))
         elif _is_stateful(obj):
             if isinstance(obj, torch.nn.Module):
                 self.module(obj, node, path)
@@ -203,7 +161,7 @@ class _Validator:
                           hint="restore into the same state layout that was saved")
             for i, value in enumerate(obj):
                 self.walk(value, node[i], _join(path, i), depth + 1)
-        elif _walks_tuple(obj):
+        elif walks_tuple(obj):
             if not isinstance(node, (tuple, list)) or len(node) != len(obj):
                 what = (f"a {type(node).__name__} of {len(node)}"
                         if isinstance(node, (tuple, list)) else _kind(node))
@@ -219,7 +177,7 @@ class _Validator:
     def receivable(self, t: torch.Tensor, path: str, *, expanded: bool = False) -> None:
         """The live tensor can take the loaded values in place, exactly; ``expanded``: a
         dimension of stride 0 is allowed (``aliasing.check_aliasing`` checks its values)."""
-        local = _local(t)
+        local = local_tensor(t)
         if torch.nn.parameter.is_lazy(local):
             self.fail("the live tensor is an uninitialized lazy parameter or buffer", path,
                       hint="run one forward pass (or build the module with its sizes) "
@@ -268,9 +226,9 @@ class _Validator:
                           f"{saved.device_mesh}, the live one {list(lp)} on mesh "  # type: ignore[attr-defined]
                           f"{live.device_mesh}", path,  # type: ignore[attr-defined]
                           hint="shard the model the same way as when it was saved")
-            if _local(saved).shape != _local(live).shape:
-                self.fail(f"saved local shard is {list(_local(saved).shape)}, the live one "
-                          f"{list(_local(live).shape)}", path)
+            if local_tensor(saved).shape != local_tensor(live).shape:
+                self.fail(f"saved local shard is {list(local_tensor(saved).shape)}, the live one "
+                          f"{list(local_tensor(live).shape)}", path)
 
     # ------------------------------------------------------------ stateful objects
 
@@ -304,7 +262,7 @@ class _Validator:
             self.receivable(value, sub)
             saved = self.saved(node[key], sub)
             self.same_tensor(value, saved, sub)
-            self.targets.append(Target(sub, _local(value), _local(saved)))
+            self.targets.append(Target(sub, local_tensor(value), local_tensor(saved)))
 
     def optimizer(self, opt: torch.optim.Optimizer, node: Any, path: str) -> None:
         """Parameter groups (count, parameters per group), as ``load_state_dict`` checks them,
