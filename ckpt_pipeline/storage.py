@@ -2,11 +2,9 @@
 
 One small synchronous interface, called from worker threads, so that a test can replace it
 with one that injects faults (short writes, ENOSPC, EIO on fsync, a crash at a given call).
-The persistent tier's transfers are included: an upload reads the committed files through
-``open_read``/``pread_into`` (and ``copy_out`` for a kernel copy), a download writes through
-``truncate``/``pwrite``/``fsync``. What lies outside the root is not the storage's: the
-requests of a persistent tier (S3, fsspec, or a directory on a shared file system, which
-``_tiers/persistent/tier_dir`` writes as its own client) are that tier's.
+The persistent tier's transfers are included (an upload reads through ``open_read``,
+``pread_into`` and ``copy_out``, a download writes through ``truncate`` and ``pwrite``); its
+requests to the store, a shared directory's included (``tier_dir``), are the tier's own.
 
 Call order for publishing a file (the pipeline follows it; implementations need not check it):
 ``create_temp`` -> ``pwrite``... -> ``fsync`` -> ``close`` -> ``publish`` -> ``fsync_dir``.
@@ -98,9 +96,8 @@ class Storage(Protocol):
 
     def copy_out(self, fd: int, out: int, start: int, end: int) -> bool:
         """Copy bytes [start, end) of a file opened by ``open_read`` to the same offsets of
-        ``out``, a descriptor outside the root, in the kernel (no copy through user memory).
-        False where the kernel or the file systems refuse it before any byte is copied: the
-        caller then writes the bytes it reads itself."""
+        ``out`` (outside the root) in the kernel. False where that is refused before any byte
+        is copied: the caller then writes the bytes it reads itself."""
 
     def unlink(self, rel: str) -> None:
         """Remove a file (missing is not an error)."""
@@ -336,7 +333,9 @@ class LocalStorage:
         except OSError as exc:
             if at == start:
                 return False
-            raise self._fail("copy", self._fd_rel(fd), exc) from exc
+            # No hint: the error may be the target's (a full share), not this root's.
+            raise StorageError(f"copy failed: {exc.strerror or exc}", errno=exc.errno,
+                               path=self._path(self._fd_rel(fd))) from exc
         return True
 
     def unlink(self, rel: str) -> None:

@@ -67,12 +67,13 @@ class LocalFile:
     size: int
     path: str
 
-    def read(self, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the file; a short file is a StorageError."""
+    def read(self, start: int, end: int) -> bytearray:
+        """Bytes [start, end) of the file (a fresh buffer, read into once: no copy of a part
+        is made to turn it into ``bytes``); a short file is a StorageError."""
         buf = bytearray(end - start)
         if buf:
             self.storage.pread_into(self.fd, memoryview(buf), start)
-        return bytes(buf)
+        return buf
 
     def read_into(self, view: memoryview, offset: int) -> None:
         """Fill ``view`` from ``offset``."""
@@ -103,6 +104,6 @@ def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(size, start + part_bytes)) for start in range(0, size, part_bytes)]
 
 
-def xxh(data: bytes | memoryview) -> int:
+def xxh(data: bytes | bytearray | memoryview) -> int:
     """The xxh3-64 of ``data``: the checksum of one part."""
     return int(xxhash.xxh3_64_intdigest(data))

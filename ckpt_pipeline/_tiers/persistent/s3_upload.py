@@ -38,13 +38,13 @@ PartSum = tuple[int, bytes]
 
 def read_ahead(source: LocalFile, ranges: list[tuple[int, int]], pool: DaemonPool,
                gate: Callable[[], None] | None, sums: list[PartSum]
-               ) -> Generator[bytes, None, None]:
+               ) -> Generator[bytearray, None, None]:
     """The bytes of each part in order, read and hashed in ``pool`` at most ``AHEAD`` ahead;
     each part's sums are appended to ``sums`` as it is handed on. ``gate``, when set, is
     called before each part is read (see ``Remote.gate``). Closing the iterator cancels the
     reads not started and waits for those running: the file is closed after the upload."""
 
-    def read(start: int, end: int) -> tuple[bytes, int, bytes]:
+    def read(start: int, end: int) -> tuple[bytearray, int, bytes]:
         if gate is not None:
             gate()
         data = source.read(start, end)

@@ -169,7 +169,7 @@ class S3Remote(Remote):
         self._put_one(key, data, on_retry)
         return ObjectSum(size, self.part_bytes, tuple(xxh(data[s:e]) for s, e in ranges))
 
-    def _put_one(self, key: str, data: bytes, on_retry: OnRetry | None,
+    def _put_one(self, key: str, data: bytes | bytearray, on_retry: OnRetry | None,
                  store: Any = None) -> None:
         md5 = hashlib.md5(data, usedforsecurity=False).digest()
         into = self._store if store is None else store
