@@ -1,10 +1,11 @@
 """Storages that misbehave on demand: injected errors, short writes, a full disk, a held write.
 
 ``FaultyStorage`` is the real local storage whose calls fail when armed: ``arm(Fault(call, at,
-errno))`` fails the ``at``-th call of a kind after arming (reads included: an upload of the
-persistent tier reads through ``open_read`` and ``pread_into``) (optionally only among the calls about
+errno))`` fails the ``at``-th call of a kind after arming (optionally only among the calls about
 files whose name ends with ``Fault.name``), a short write writes half and fails, ``free_bytes``
-with ``ENOSPC`` reports a full disk. ``GatedStorage`` is a ``FaultyStorage`` that holds the
+with ``ENOSPC`` reports a full disk. Reads count too: the persistent tier's uploads read
+through ``open_read`` and ``pread_into``, its downloads write through ``truncate`` and
+``pwrite``. ``GatedStorage`` is a ``FaultyStorage`` that holds the
 creation of every shard (by default) until its ``gate`` is set, so that a save stays in flight
 for as long as a test needs.
 """

@@ -1,6 +1,7 @@
-"""The persistent tier's storage layer (``_tiers.persistent.remote``), against a directory standing in
-for a shared file system and against a real S3-speaking server (moto), with faults injected
-by a proxy in front of it: round trips, checksums, listings, retries, aborts, credentials."""
+"""The persistent tier's storage layer (``_tiers.persistent``: ``remote`` and its backends),
+against a directory standing in for a shared file system and against a real S3-speaking
+server (moto), with faults injected by a proxy in front of it: round trips, checksums,
+listings, retries, aborts, credentials."""
 
 from __future__ import annotations
 

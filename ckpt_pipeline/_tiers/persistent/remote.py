@@ -54,9 +54,7 @@ from .retries import (
 )
 from .workers import DaemonPool
 
-__all__ = ("ObjectSum", "Remote")
-# ObjectSum: what upload returns and download checks (defined in objects)
-
+__all__ = ("ObjectSum", "Remote")  # ObjectSum (objects.py): what upload returns, download checks
 
 
 class Remote:
@@ -112,9 +110,10 @@ class Remote:
                  on_retry: OnRetry | None = None, first: Sequence[int] = (),
                  on_part: Callable[[int], None] | None = None) -> None:
         """Read ``key`` into ``fd`` (a file being written through ``storage``) at the same
-        offsets, each part checked against ``expected`` before it is written. The parts numbered in ``first`` are fetched before
-        the others (which go in order); ``on_part(index)`` is called once a part is written
-        (an exception from it stops the download)."""
+        offsets, each part checked against ``expected`` before it is written. The parts
+        numbered in ``first`` are fetched before the others (which go in order);
+        ``on_part(index)`` is called once a part is written (an exception from it stops the
+        download)."""
         check_key(key)
         size = self._size(key)
         where = self._where(key)
