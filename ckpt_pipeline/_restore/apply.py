@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._format.documents import TensorRef
-from .._tree import _is_stateful, _join, materialize
+from .._tree import is_stateful, join_path, materialize
 from ..errors import CheckpointError, RestoreError, StateError
 from ..train_state import RNGState
 from .aliasing import copy_exact
@@ -66,12 +66,12 @@ class _Applier:
         if isinstance(obj, torch.Tensor):
             self._guarded(path, lambda: self._copy_into(obj, node, path))
             return obj
-        if _is_stateful(obj):
+        if is_stateful(obj):
             self._guarded(path, lambda: self._load_stateful(obj, node, path))
             return obj
         if isinstance(obj, MutableMapping):
             for key in list(node):
-                sub = _join(path, key)
+                sub = join_path(path, key)
                 if key in obj:
                     self.slot(obj, key, node[key], sub)
                 else:
@@ -80,10 +80,10 @@ class _Applier:
             return obj
         if isinstance(obj, MutableSequence):
             for i in range(len(obj)):
-                self.slot(obj, i, node[i], _join(path, i))
+                self.slot(obj, i, node[i], join_path(path, i))
             return obj
         if walks_tuple(obj):
-            values = [self.load(v, node[i], _join(path, i)) for i, v in enumerate(obj)]
+            values = [self.load(v, node[i], join_path(path, i)) for i, v in enumerate(obj)]
             if all(new is old for new, old in zip(values, obj)):
                 return obj
             return self._guarded(path, lambda: rebuild_tuple(obj, values))
@@ -113,7 +113,7 @@ class _Applier:
             self.copies.keep(live, live.detach())
         self.journal.append(StatefulBackup(obj, path, self.copies))
         for live, new, key in adopt:
-            self._adopt(live, new, _join(path, key))
+            self._adopt(live, new, join_path(path, key))
         # load_state_dict still runs (its hooks, its checks); for an adopted tensor it copies
         # the memory onto itself.
         obj.load_state_dict(materialize(node, self.tensors))

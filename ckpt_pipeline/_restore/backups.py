@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._tree import _is_dtensor, _is_stateful
+from .._tree import is_dtensor, is_stateful
 from ..train_state import RNGState
 from .aliasing import copy_exact, exact_clone, written
 from .live import is_namedtuple, local_tensor, rebuild_tuple
@@ -124,7 +124,7 @@ class BackupCopies:
             return
         if isinstance(obj, torch.Tensor):
             self._take(written(local_tensor(obj)))
-        elif _is_stateful(obj):
+        elif is_stateful(obj):
             if not OptimizerBackup.applies_to(obj):
                 self._walk(obj.state_dict(), depth + 1)
         elif isinstance(obj, Mapping):
@@ -201,7 +201,7 @@ def _deep_copy(obj: Any, depth: int = 0,
                copy_tensor: Callable[[torch.Tensor], torch.Tensor] = _host_copy) -> Any:
     """A copy of a state dict whose tensors are in host memory and share nothing with it."""
     if isinstance(obj, torch.Tensor):
-        if _is_dtensor(obj):
+        if is_dtensor(obj):
             local = local_tensor(obj)
             return _HostDTensor(copy_tensor(local), local.device, obj.device_mesh,  # type: ignore[attr-defined]
                                 tuple(obj.placements), obj.shape,  # type: ignore[attr-defined]

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from .._tree import _is_dtensor, _is_stateful
+from .._tree import is_dtensor, is_stateful
 
 __all__ = ("holds_live_state", "is_namedtuple", "local_tensor", "rebuild_tuple", "walks_tuple")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a view of its memory), or the tensor itself."""
-    if _is_dtensor(t):
+    if is_dtensor(t):
         local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
         return local
     return t
@@ -33,7 +33,7 @@ def is_namedtuple(obj: object) -> bool:
 
 def holds_live_state(obj: object, depth: int = 0) -> bool:
     """Whether a live container holds something loaded in place (tensor, stateful object)."""
-    if isinstance(obj, torch.Tensor) or _is_stateful(obj):
+    if isinstance(obj, torch.Tensor) or is_stateful(obj):
         return True
     if depth > 64:
         return False

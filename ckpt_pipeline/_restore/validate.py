@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from .._format.documents import TensorRef
-from .._tree import _is_dtensor, _is_stateful, _join
+from .._tree import is_dtensor, is_stateful, join_path
 from ..errors import CheckpointError, StateError
 from .aliasing import Target, check_aliasing, written
 from .live import local_tensor, walks_tuple
@@ -37,7 +37,7 @@ _SHOWN_KEYS = 8
 # ---------------------------------------------------------------- helpers
 
 def _describe(t: torch.Tensor) -> str:
-    kind = "DTensor " if _is_dtensor(t) else ""
+    kind = "DTensor " if is_dtensor(t) else ""
     return f"{kind}{t.dtype}{list(t.shape)}"
 
 
@@ -135,7 +135,7 @@ class _Validator:
             saved = self.saved(node, path)
             self.same_tensor(obj, saved, path)
             self.targets.append(Target(path, local_tensor(obj), local_tensor(saved)))
-        elif _is_stateful(obj):
+        elif is_stateful(obj):
             if isinstance(obj, torch.nn.Module):
                 self.module(obj, node, path)
             elif isinstance(obj, torch.optim.Optimizer):
@@ -152,7 +152,7 @@ class _Validator:
                           + (f" (nor {_shown(missing[1:])})" if len(missing) > 1 else ""),
                           path, hint="restore into the same state layout that was saved")
             for key, value in obj.items():
-                self.walk(value, node[key], _join(path, key), depth + 1)
+                self.walk(value, node[key], join_path(path, key), depth + 1)
         elif isinstance(obj, MutableSequence):
             if not isinstance(node, list) or len(node) != len(obj):
                 what = (f"a list of {len(node)}" if isinstance(node, list) else _kind(node))
@@ -160,7 +160,7 @@ class _Validator:
                           f"{what}", path,
                           hint="restore into the same state layout that was saved")
             for i, value in enumerate(obj):
-                self.walk(value, node[i], _join(path, i), depth + 1)
+                self.walk(value, node[i], join_path(path, i), depth + 1)
         elif walks_tuple(obj):
             if not isinstance(node, (tuple, list)) or len(node) != len(obj):
                 what = (f"a {type(node).__name__} of {len(node)}"
@@ -169,7 +169,7 @@ class _Validator:
                           f"the checkpoint {what}", path,
                           hint="restore into the same state layout that was saved")
             for i, value in enumerate(obj):
-                self.walk(value, node[i], _join(path, i), depth + 1)
+                self.walk(value, node[i], join_path(path, i), depth + 1)
         # anything else is a plain value: the checkpoint's value takes its place
 
     # ------------------------------------------------------------ tensors
@@ -210,7 +210,7 @@ class _Validator:
 
     def same_tensor(self, live: torch.Tensor, saved: torch.Tensor, path: str, *,
                     dtype: bool = True) -> None:
-        live_d, saved_d = _is_dtensor(live), _is_dtensor(saved)
+        live_d, saved_d = is_dtensor(live), is_dtensor(saved)
         if live_d != saved_d:
             self.fail(f"the live tensor is a {'DTensor' if live_d else 'plain tensor'}, the "
                       f"checkpoint's a {'DTensor' if saved_d else 'plain tensor'}", path,
@@ -253,7 +253,7 @@ class _Validator:
             self.fail(f"module {name} does not match the checkpoint: {'; '.join(parts)}", path,
                       hint="restore into a model built the same way as the saved one")
         for key, value in live.items():
-            sub = _join(path, key)
+            sub = join_path(path, key)
             if not isinstance(value, torch.Tensor):
                 continue  # extra state: the module's set_extra_state takes what it gets
             if not isinstance(node[key], TensorRef):
@@ -278,13 +278,13 @@ class _Validator:
         groups = opt.param_groups
         if len(saved_groups) != len(groups):
             self.fail(f"the optimizer has {len(groups)} parameter group(s), the checkpoint "
-                      f"{len(saved_groups)}", _join(path, "param_groups"),
+                      f"{len(saved_groups)}", join_path(path, "param_groups"),
                       hint="build the optimizer with the same parameter groups as when saved")
         for i, (group, saved) in enumerate(zip(groups, saved_groups)):
             if len(group["params"]) != len(saved["params"]):
                 self.fail(f"parameter group {i} of the optimizer has "
                           f"{len(group['params'])} parameter(s), the checkpoint's "
-                          f"{len(saved['params'])}", _join(path, f"param_groups/{i}"),
+                          f"{len(saved['params'])}", join_path(path, f"param_groups/{i}"),
                           hint="build the optimizer with the same parameter groups as when "
                                "saved")
         if not opt.state:
@@ -299,7 +299,7 @@ class _Validator:
             for name, value in live_entry.items():
                 saved_value = entry.get(name)
                 if isinstance(value, torch.Tensor) and isinstance(saved_value, TensorRef):
-                    sub = _join(path, f"state/{key}/{name}")
+                    sub = join_path(path, f"state/{key}/{name}")
                     self.same_tensor(value, self.saved(saved_value, sub), sub, dtype=False)
 
     def other_stateful(self, obj: Any, node: Any, path: str) -> None:
@@ -330,11 +330,11 @@ class _Validator:
         elif isinstance(live, Mapping) and isinstance(node, dict):
             for key, value in live.items():
                 if key in node:
-                    self.same_leaves(value, node[key], _join(path, key), depth + 1)
+                    self.same_leaves(value, node[key], join_path(path, key), depth + 1)
         elif (isinstance(live, (list, tuple)) and isinstance(node, (list, tuple))
               and len(live) == len(node)):
             for i, (value, sub) in enumerate(zip(live, node)):
-                self.same_leaves(value, sub, _join(path, i), depth + 1)
+                self.same_leaves(value, sub, join_path(path, i), depth + 1)
 
 
 def validate_state(live: Any, tree: Any, tensors: Sequence[torch.Tensor], *, step: int,
