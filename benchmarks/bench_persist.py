@@ -46,7 +46,8 @@ from _machine import machine_info  # noqa: E402
 
 import ckpt_pipeline as cp  # noqa: E402
 from ckpt_pipeline._tiers.persistent.layout import ObjectSum  # noqa: E402
-from ckpt_pipeline._tiers.persistent.remote import open_remote  # noqa: E402
+from ckpt_pipeline._tiers.persistent.urls import open_remote  # noqa: E402
+from ckpt_pipeline.storage import LocalStorage  # noqa: E402
 
 KEY, SECRET, REGION = "bench", "bench-secret", "us-east-1"
 
@@ -111,14 +112,14 @@ def bench_s3(endpoint: str, files: list[Path], repeats: int, threads: int,
 
     def ours_up(i: int) -> None:
         for f in files:
-            sums[f.name] = remote.upload(str(f), f"r{i}/{f.name}")
+            sums[f.name] = remote.upload(LocalStorage(f.parent), f.name, f"r{i}/{f.name}")
 
     def ours_down(i: int) -> None:
         down.mkdir(exist_ok=True)
         for f in files:
             fd = os.open(down / f.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                remote.download(f"r{i}/{f.name}", fd, sums[f.name])
+                remote.download(f"r{i}/{f.name}", LocalStorage(down), fd, sums[f.name])
             finally:
                 os.close(fd)
 
@@ -179,7 +180,8 @@ def bench_dir(files: list[Path], repeats: int, threads: int, part_mb: int,
     total = sum(f.stat().st_size for f in files)
     times: dict[str, list[float]] = {}
     for i in range(repeats + 1):
-        t = timed(lambda i=i: [remote.upload(str(f), f"r{i}/{f.name}") for f in files])
+        t = timed(lambda i=i: [remote.upload(LocalStorage(f.parent), f.name, f"r{i}/{f.name}")
+                               for f in files])
         target = workdir / "shared" / "plain" / f"r{i}"
         target.mkdir(parents=True, exist_ok=True)
         t_plain = timed(lambda target=target: fs.put([str(f) for f in files],

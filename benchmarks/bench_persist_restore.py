@@ -41,7 +41,7 @@ from _machine import machine_info  # noqa: E402
 
 import ckpt_pipeline as cp  # noqa: E402
 from ckpt_pipeline._tiers.persistent.promote import complete_steps, download_rank  # noqa: E402
-from ckpt_pipeline._tiers.persistent.remote import open_remote  # noqa: E402
+from ckpt_pipeline._tiers.persistent.urls import open_remote  # noqa: E402
 from ckpt_pipeline.storage import LocalStorage  # noqa: E402
 
 

@@ -35,6 +35,9 @@ __all__ = (
     "dist_layout",
     "find_mesh",
     "flatten_state",
+    "is_dtensor",
+    "is_stateful",
+    "join_path",
     "materialize",
     "nesting_error",
     "short_path",
@@ -53,11 +56,13 @@ class FlatState:
     layouts: tuple[DistLayout | None, ...]
 
 
-def _join(path: str, key: object) -> str:
+def join_path(path: str, key: object) -> str:
+    """The path of ``key`` under ``path`` (``model/layer.weight``), as errors name it."""
     return f"{path}/{key}" if path else str(key)
 
 
-def _is_stateful(obj: object) -> bool:
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` is saved through ``state_dict()`` and loaded by ``load_state_dict``."""
     return (not isinstance(obj, (torch.Tensor, Mapping))
             and callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None)))
@@ -173,11 +178,11 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
             return _check_text(obj, path, step)
         if isinstance(obj, (bytes, bytearray, memoryview)):
             return obj if type(obj) is bytes else bytes(obj)
-        if _is_stateful(obj):
+        if is_stateful(obj):
             value = obj.state_dict()
             # A state dict takes the object's place; one that is stateful again counts as a
             # level, so that a chain of them cannot recurse forever.
-            return walk(value, path, depth + 1 if _is_stateful(value) else depth)
+            return walk(value, path, depth + 1 if is_stateful(value) else depth)
         refusal = _container_refusal(obj)
         if refusal is not None:
             what, hint = refusal
@@ -199,12 +204,12 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
                         raise StateError(f"map key {key} does not fit in 64 bits (limit "
                                          "int_range)", step=step, path=path)
                     plain_key = int(key)
-                out[plain_key] = walk(value, _join(path, key), depth + 1)
+                out[plain_key] = walk(value, join_path(path, key), depth + 1)
             return out
         if isinstance(obj, list):
-            return [walk(v, _join(path, i), depth + 1) for i, v in enumerate(obj)]
+            return [walk(v, join_path(path, i), depth + 1) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            return tuple(walk(v, _join(path, i), depth + 1) for i, v in enumerate(obj))
+            return tuple(walk(v, join_path(path, i), depth + 1) for i, v in enumerate(obj))
         item = getattr(obj, "item", None)
         if type(obj).__module__ == "numpy" and callable(item) and getattr(obj, "ndim", 1) == 0:
             return walk(item(), path, depth)
@@ -216,7 +221,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
 
     def tensor_leaf(t: torch.Tensor, path: str) -> TensorRef:
         layout: DistLayout | None = None
-        if _is_dtensor(t):
+        if is_dtensor(t):
             layout = dist_layout(t, step=step, path=path)
             t = t.to_local()  # type: ignore[attr-defined]
         refusal = _tensor_refusal(t)
@@ -277,7 +282,8 @@ def check_text(text: str, path: str, *, step: int | None, rank: int | None = Non
                                                     "bytes)") from exc
 
 
-def _is_dtensor(t: object) -> bool:
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (without importing torch.distributed)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
 
 
@@ -309,7 +315,7 @@ def find_mesh(live: Mapping[str, Any], mesh_shape: tuple[int, ...]
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if _is_dtensor(obj):
+        if is_dtensor(obj):
             if tuple(obj.device_mesh.shape) == mesh_shape:
                 return obj.device_mesh, obj.to_local().device
         elif isinstance(obj, torch.nn.Module):

@@ -42,7 +42,8 @@ from ._format.scan import StepStatus, decode_contents, scan_files
 from ._format.steps import committed_steps
 from ._restore.read import read_shard
 from ._tiers.persistent.layout import StepRecord
-from ._tiers.persistent.remote import Remote, is_url
+from ._tiers.persistent.remote import Remote
+from ._tiers.persistent.urls import is_url
 from ._tree import materialize
 from .errors import CheckpointError, CheckpointIntegrityError, ConfigError, StorageError
 from .storage import LocalStorage, Storage
@@ -199,8 +200,8 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
                        ) -> LoadedCheckpoint:
     """``load`` of a persistent tier's step: each rank's files stream into a temporary
     directory (``ShardStream``) while they are read, and are removed afterwards."""
-    from ._tiers.persistent.remote import open_remote
     from ._tiers.persistent.stream import ShardStream
+    from ._tiers.persistent.urls import open_remote
 
     limiter = anyio.CapacityLimiter(_THREADS)
     remote = await anyio.to_thread.run_sync(functools.partial(

@@ -1,7 +1,10 @@
-"""The storage layer: every file-system call of the pipeline goes through it.
+"""The storage layer: every file-system call of the pipeline on a checkpoint root goes through it.
 
 One small synchronous interface, called from worker threads, so that a test can replace it
 with one that injects faults (short writes, ENOSPC, EIO on fsync, a crash at a given call).
+The persistent tier's transfers are included (an upload reads through ``open_read``,
+``pread_into`` and ``copy_out``, a download writes through ``truncate`` and ``pwrite``); its
+requests to the store, a shared directory's included (``tier_dir``), are the tier's own.
 
 Call order for publishing a file (the pipeline follows it; implementations need not check it):
 ``create_temp`` -> ``pwrite``... -> ``fsync`` -> ``close`` -> ``publish`` -> ``fsync_dir``.
@@ -69,6 +72,10 @@ class Storage(Protocol):
     def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
         """Write all of ``data`` at ``offset`` (short writes are continued)."""
 
+    def truncate(self, fd: int, size: int) -> None:
+        """Set the size of a file being written (a download sizes its file up front, so that
+        reads may start at any offset); bytes added read as zeros until written."""
+
     def fsync(self, fd: int) -> None:
         """Flush a file to stable storage."""
 
@@ -86,6 +93,11 @@ class Storage(Protocol):
 
     def pread_into(self, fd: int, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` from ``offset``; a short file is an error."""
+
+    def copy_out(self, fd: int, out: int, start: int, end: int) -> bool:
+        """Copy bytes [start, end) of a file opened by ``open_read`` to the same offsets of
+        ``out`` (outside the root) in the kernel. False where that is refused before any byte
+        is copied: the caller then writes the bytes it reads itself."""
 
     def unlink(self, rel: str) -> None:
         """Remove a file (missing is not an error)."""
@@ -226,6 +238,12 @@ class LocalStorage:
                 raise StorageError("write made no progress", path=self._path(self._fd_rel(fd)))
             done += n
 
+    def truncate(self, fd: int, size: int) -> None:
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            raise self._fail("truncate", self._fd_rel(fd), exc) from exc
+
     def fsync(self, fd: int) -> None:
         try:
             os.fsync(fd)
@@ -300,6 +318,25 @@ class LocalStorage:
                                    path=self._path(self._fd_rel(fd)),
                                    hint="the file is truncated")
             done += n
+
+    def copy_out(self, fd: int, out: int, start: int, end: int) -> bool:
+        copy = getattr(os, "copy_file_range", None)
+        if copy is None:
+            return False
+        at = start
+        try:
+            while at < end:
+                n = copy(fd, out, end - at, at, at)
+                if n <= 0:
+                    return at == end
+                at += n
+        except OSError as exc:
+            if at == start:
+                return False
+            # No hint: the error may be the target's (a full share), not this root's.
+            raise StorageError(f"copy failed: {exc.strerror or exc}", errno=exc.errno,
+                               path=self._path(self._fd_rel(fd))) from exc
+        return True
 
     def unlink(self, rel: str) -> None:
         try:

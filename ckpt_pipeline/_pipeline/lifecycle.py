@@ -33,7 +33,7 @@ from .._save.buffers import DeviceStaging, HostPool
 from .._save.job import SaveJob
 from .._threads import in_thread
 from .._tiers.persistent.promote import Promoter
-from .._tiers.persistent.remote import is_url
+from .._tiers.persistent.urls import is_url
 from .._tiers.replica.replication import Replication
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator

@@ -1,7 +1,7 @@
 """Loading a verified checkpoint into the live state so that a failed restore changes nothing.
 
 ``apply_state`` validates (``validate.py``), then applies, appending a backup of everything it
-overwrites to a journal (``rollback.py``) first. When anything fails (a custom
+overwrites to a journal (``backups.py``, ``rollback.py``) first. When anything fails (a custom
 ``load_state_dict``, a hook, the RNG states), the journal is undone in reverse order and the
 live state is as it was. On success it returns an ``AppliedState`` whose ``undo()`` does the
 same later (another rank failed, the final agreement failed) and ``release()`` frees the
@@ -24,30 +24,30 @@ from typing import Any
 import torch
 
 from .._format.documents import TensorRef
-from .._tree import _is_stateful, _join, materialize
+from .._tree import is_stateful, join_path, materialize
 from ..errors import CheckpointError, RestoreError, StateError
 from ..train_state import RNGState
 from .aliasing import copy_exact
-from .rollback import (
-    _ABSENT,
-    AppliedState,
+from .backups import (
+    ABSENT,
+    AdoptedBackup,
+    Backup,
     BackupCopies,
-    _AdoptedBackup,
-    _Backup,
-    _OptimizerBackup,
-    _RNGBackup,
-    _SlotBackup,
-    _StatefulBackup,
-    _TensorBackup,
+    OptimizerBackup,
+    RNGBackup,
+    SlotBackup,
+    StatefulBackup,
+    TensorBackup,
     adoptable,
 )
-from .validate import _local, _rebuild_tuple, _walks_tuple
+from .live import local_tensor, rebuild_tuple, walks_tuple
+from .rollback import AppliedState
 
 __all__ = ("apply_state",)
 
 
 class _Applier:
-    def __init__(self, tensors: Sequence[torch.Tensor], journal: list[_Backup],
+    def __init__(self, tensors: Sequence[torch.Tensor], journal: list[Backup],
                  copies: BackupCopies) -> None:
         self.tensors = list(tensors)
         self.journal = journal
@@ -58,7 +58,7 @@ class _Applier:
         old = container[key]
         new = self.load(old, node, path)
         if new is not old:
-            self.journal.append(_SlotBackup(container, key, old, path))
+            self.journal.append(SlotBackup(container, key, old, path))
             container[key] = new
 
     def load(self, obj: Any, node: Any, path: str) -> Any:
@@ -66,27 +66,27 @@ class _Applier:
         if isinstance(obj, torch.Tensor):
             self._guarded(path, lambda: self._copy_into(obj, node, path))
             return obj
-        if _is_stateful(obj):
+        if is_stateful(obj):
             self._guarded(path, lambda: self._load_stateful(obj, node, path))
             return obj
         if isinstance(obj, MutableMapping):
             for key in list(node):
-                sub = _join(path, key)
+                sub = join_path(path, key)
                 if key in obj:
                     self.slot(obj, key, node[key], sub)
                 else:
-                    self.journal.append(_SlotBackup(obj, key, _ABSENT, sub))
+                    self.journal.append(SlotBackup(obj, key, ABSENT, sub))
                     obj[key] = materialize(node[key], self.tensors)
             return obj
         if isinstance(obj, MutableSequence):
             for i in range(len(obj)):
-                self.slot(obj, i, node[i], _join(path, i))
+                self.slot(obj, i, node[i], join_path(path, i))
             return obj
-        if _walks_tuple(obj):
-            values = [self.load(v, node[i], _join(path, i)) for i, v in enumerate(obj)]
+        if walks_tuple(obj):
+            values = [self.load(v, node[i], join_path(path, i)) for i, v in enumerate(obj)]
             if all(new is old for new, old in zip(values, obj)):
                 return obj
-            return self._guarded(path, lambda: _rebuild_tuple(obj, values))
+            return self._guarded(path, lambda: rebuild_tuple(obj, values))
         return materialize(node, self.tensors)
 
     def _copy_into(self, live: torch.Tensor, node: TensorRef, path: str) -> None:
@@ -94,26 +94,26 @@ class _Applier:
         if adoptable(live, new):
             self._adopt(live, new, path)
             return
-        self.journal.append(_TensorBackup(live, path, self.copies))
-        copy_exact(_local(live), _local(new))
+        self.journal.append(TensorBackup(live, path, self.copies))
+        copy_exact(local_tensor(live), local_tensor(new))
 
     def _adopt(self, live: torch.Tensor, new: torch.Tensor, path: str) -> None:
         """Give ``live`` the restored memory: no copy, and its old memory is the backup."""
-        self.journal.append(_AdoptedBackup(live, path))
+        self.journal.append(AdoptedBackup(live, path))
         with torch.no_grad():
             live.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
 
     def _load_stateful(self, obj: Any, node: Any, path: str) -> None:
-        if _OptimizerBackup.applies_to(obj):
-            self.journal.append(_OptimizerBackup(obj, path))
+        if OptimizerBackup.applies_to(obj):
+            self.journal.append(OptimizerBackup(obj, path))
             obj.load_state_dict(materialize(node, self.tensors))
             return
         adopt = self._adoptions(obj, node) if isinstance(obj, torch.nn.Module) else []
         for live, _new, _key in adopt:  # their old memory is their backup: not copied
             self.copies.keep(live, live.detach())
-        self.journal.append(_StatefulBackup(obj, path, self.copies))
+        self.journal.append(StatefulBackup(obj, path, self.copies))
         for live, new, key in adopt:
-            self._adopt(live, new, _join(path, key))
+            self._adopt(live, new, join_path(path, key))
         # load_state_dict still runs (its hooks, its checks); for an adopted tensor it copies
         # the memory onto itself.
         obj.load_state_dict(materialize(node, self.tensors))
@@ -156,7 +156,7 @@ def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
     the load): this does not check again, and whatever changed since still fails into the
     rollback, never into a half-applied state.
     """
-    journal: list[_Backup] = []
+    journal: list[Backup] = []
     applier = _Applier(tensors, journal, copies if copies is not None else BackupCopies())
     stage = "state"
     try:
@@ -164,7 +164,7 @@ def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
             applier.slot(live, name, tree[name], name)
         if rng is not None:
             stage = "rng"
-            journal.append(_RNGBackup(rng))
+            journal.append(RNGBackup(rng))
             rng.apply()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             stage = "cuda"

@@ -61,9 +61,10 @@ from ..handle import RejectedStep, RestoreResult
 from ..storage import Storage
 from ..train_state import TrainState
 from .apply import apply_state
+from .backups import BackupCopies
 from .read import device_bytes, read_shard
 from .rewind import TimelineView, agree_timeline
-from .rollback import AppliedState, BackupCopies
+from .rollback import AppliedState
 
 if TYPE_CHECKING:
     from .._tiers.persistent.layout import StepRecord

@@ -10,9 +10,8 @@ bytes (``aliasing.check_aliasing``). It raises ``StateError`` naming the path. I
 the apply (``apply.py``), so that a checkpoint that does not fit is refused with the live state
 untouched.
 
-The helpers that say how the live state is walked (a DTensor's local shard, which tuples are
-walked element by element, how a tuple is rebuilt) live here too: the apply and its backups
-(``apply.py``, ``rollback.py``) walk the live state by the same rules.
+The live state is walked by the rules of ``live.py``, which the apply and its backups
+(``apply.py``, ``backups.py``) follow too.
 """
 
 from __future__ import annotations
@@ -24,9 +23,10 @@ from typing import Any, NoReturn
 import torch
 
 from .._format.documents import TensorRef
-from .._tree import _is_dtensor, _is_stateful, _join
+from .._tree import is_dtensor, is_stateful, join_path
 from ..errors import CheckpointError, StateError
 from .aliasing import Target, check_aliasing, written
+from .live import local_tensor, walks_tuple
 
 __all__ = ("validate_state",)
 
@@ -36,16 +36,8 @@ _SHOWN_KEYS = 8
 
 # ---------------------------------------------------------------- helpers
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view of its memory), or the tensor itself."""
-    if _is_dtensor(t):
-        local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
-        return local
-    return t
-
-
 def _describe(t: torch.Tensor) -> str:
-    kind = "DTensor " if _is_dtensor(t) else ""
+    kind = "DTensor " if is_dtensor(t) else ""
     return f"{kind}{t.dtype}{list(t.shape)}"
 
 
@@ -59,40 +51,6 @@ def _kind(node: Any) -> str:
     if isinstance(node, tuple):
         return "a tuple"
     return f"a value of type {type(node).__name__}"
-
-
-def _is_namedtuple(obj: object) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
-def _holds_live_state(obj: object, depth: int = 0) -> bool:
-    """Whether a live container holds something loaded in place (tensor, stateful object)."""
-    if isinstance(obj, torch.Tensor) or _is_stateful(obj):
-        return True
-    if depth > 64:
-        return False
-    if isinstance(obj, Mapping):
-        return any(_holds_live_state(v, depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_live_state(v, depth + 1) for v in obj)
-    return False
-
-
-def _walks_tuple(obj: object) -> bool:
-    """A live tuple walked element by element (else its slot takes the checkpoint's value)."""
-    return isinstance(obj, tuple) and (_is_namedtuple(obj) or _holds_live_state(obj))
-
-
-def _rebuild_tuple(like: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
-    """A tuple of ``like``'s type (a namedtuple stays one) holding ``values``."""
-    kind = type(like)
-    if kind is tuple:
-        return tuple(values)
-    if _is_namedtuple(like):
-        made: tuple[Any, ...] = kind._make(values)  # type: ignore[attr-defined]
-        return made
-    rebuilt: tuple[Any, ...] = kind(values)
-    return rebuilt
 
 
 def _may_overlap(t: torch.Tensor) -> bool:
@@ -176,8 +134,8 @@ class _Validator:
             self.receivable(obj, path, expanded=True)
             saved = self.saved(node, path)
             self.same_tensor(obj, saved, path)
-            self.targets.append(Target(path, _local(obj), _local(saved)))
-        elif _is_stateful(obj):
+            self.targets.append(Target(path, local_tensor(obj), local_tensor(saved)))
+        elif is_stateful(obj):
             if isinstance(obj, torch.nn.Module):
                 self.module(obj, node, path)
             elif isinstance(obj, torch.optim.Optimizer):
@@ -194,7 +152,7 @@ class _Validator:
                           + (f" (nor {_shown(missing[1:])})" if len(missing) > 1 else ""),
                           path, hint="restore into the same state layout that was saved")
             for key, value in obj.items():
-                self.walk(value, node[key], _join(path, key), depth + 1)
+                self.walk(value, node[key], join_path(path, key), depth + 1)
         elif isinstance(obj, MutableSequence):
             if not isinstance(node, list) or len(node) != len(obj):
                 what = (f"a list of {len(node)}" if isinstance(node, list) else _kind(node))
@@ -202,8 +160,8 @@ class _Validator:
                           f"{what}", path,
                           hint="restore into the same state layout that was saved")
             for i, value in enumerate(obj):
-                self.walk(value, node[i], _join(path, i), depth + 1)
-        elif _walks_tuple(obj):
+                self.walk(value, node[i], join_path(path, i), depth + 1)
+        elif walks_tuple(obj):
             if not isinstance(node, (tuple, list)) or len(node) != len(obj):
                 what = (f"a {type(node).__name__} of {len(node)}"
                         if isinstance(node, (tuple, list)) else _kind(node))
@@ -211,7 +169,7 @@ class _Validator:
                           f"the checkpoint {what}", path,
                           hint="restore into the same state layout that was saved")
             for i, value in enumerate(obj):
-                self.walk(value, node[i], _join(path, i), depth + 1)
+                self.walk(value, node[i], join_path(path, i), depth + 1)
         # anything else is a plain value: the checkpoint's value takes its place
 
     # ------------------------------------------------------------ tensors
@@ -219,7 +177,7 @@ class _Validator:
     def receivable(self, t: torch.Tensor, path: str, *, expanded: bool = False) -> None:
         """The live tensor can take the loaded values in place, exactly; ``expanded``: a
         dimension of stride 0 is allowed (``aliasing.check_aliasing`` checks its values)."""
-        local = _local(t)
+        local = local_tensor(t)
         if torch.nn.parameter.is_lazy(local):
             self.fail("the live tensor is an uninitialized lazy parameter or buffer", path,
                       hint="run one forward pass (or build the module with its sizes) "
@@ -252,7 +210,7 @@ class _Validator:
 
     def same_tensor(self, live: torch.Tensor, saved: torch.Tensor, path: str, *,
                     dtype: bool = True) -> None:
-        live_d, saved_d = _is_dtensor(live), _is_dtensor(saved)
+        live_d, saved_d = is_dtensor(live), is_dtensor(saved)
         if live_d != saved_d:
             self.fail(f"the live tensor is a {'DTensor' if live_d else 'plain tensor'}, the "
                       f"checkpoint's a {'DTensor' if saved_d else 'plain tensor'}", path,
@@ -268,9 +226,9 @@ class _Validator:
                           f"{saved.device_mesh}, the live one {list(lp)} on mesh "  # type: ignore[attr-defined]
                           f"{live.device_mesh}", path,  # type: ignore[attr-defined]
                           hint="shard the model the same way as when it was saved")
-            if _local(saved).shape != _local(live).shape:
-                self.fail(f"saved local shard is {list(_local(saved).shape)}, the live one "
-                          f"{list(_local(live).shape)}", path)
+            if local_tensor(saved).shape != local_tensor(live).shape:
+                self.fail(f"saved local shard is {list(local_tensor(saved).shape)}, the live one "
+                          f"{list(local_tensor(live).shape)}", path)
 
     # ------------------------------------------------------------ stateful objects
 
@@ -295,7 +253,7 @@ class _Validator:
             self.fail(f"module {name} does not match the checkpoint: {'; '.join(parts)}", path,
                       hint="restore into a model built the same way as the saved one")
         for key, value in live.items():
-            sub = _join(path, key)
+            sub = join_path(path, key)
             if not isinstance(value, torch.Tensor):
                 continue  # extra state: the module's set_extra_state takes what it gets
             if not isinstance(node[key], TensorRef):
@@ -304,7 +262,7 @@ class _Validator:
             self.receivable(value, sub)
             saved = self.saved(node[key], sub)
             self.same_tensor(value, saved, sub)
-            self.targets.append(Target(sub, _local(value), _local(saved)))
+            self.targets.append(Target(sub, local_tensor(value), local_tensor(saved)))
 
     def optimizer(self, opt: torch.optim.Optimizer, node: Any, path: str) -> None:
         """Parameter groups (count, parameters per group), as ``load_state_dict`` checks them,
@@ -320,13 +278,13 @@ class _Validator:
         groups = opt.param_groups
         if len(saved_groups) != len(groups):
             self.fail(f"the optimizer has {len(groups)} parameter group(s), the checkpoint "
-                      f"{len(saved_groups)}", _join(path, "param_groups"),
+                      f"{len(saved_groups)}", join_path(path, "param_groups"),
                       hint="build the optimizer with the same parameter groups as when saved")
         for i, (group, saved) in enumerate(zip(groups, saved_groups)):
             if len(group["params"]) != len(saved["params"]):
                 self.fail(f"parameter group {i} of the optimizer has "
                           f"{len(group['params'])} parameter(s), the checkpoint's "
-                          f"{len(saved['params'])}", _join(path, f"param_groups/{i}"),
+                          f"{len(saved['params'])}", join_path(path, f"param_groups/{i}"),
                           hint="build the optimizer with the same parameter groups as when "
                                "saved")
         if not opt.state:
@@ -341,7 +299,7 @@ class _Validator:
             for name, value in live_entry.items():
                 saved_value = entry.get(name)
                 if isinstance(value, torch.Tensor) and isinstance(saved_value, TensorRef):
-                    sub = _join(path, f"state/{key}/{name}")
+                    sub = join_path(path, f"state/{key}/{name}")
                     self.same_tensor(value, self.saved(saved_value, sub), sub, dtype=False)
 
     def other_stateful(self, obj: Any, node: Any, path: str) -> None:
@@ -372,11 +330,11 @@ class _Validator:
         elif isinstance(live, Mapping) and isinstance(node, dict):
             for key, value in live.items():
                 if key in node:
-                    self.same_leaves(value, node[key], _join(path, key), depth + 1)
+                    self.same_leaves(value, node[key], join_path(path, key), depth + 1)
         elif (isinstance(live, (list, tuple)) and isinstance(node, (list, tuple))
               and len(live) == len(node)):
             for i, (value, sub) in enumerate(zip(live, node)):
-                self.same_leaves(value, sub, _join(path, i), depth + 1)
+                self.same_leaves(value, sub, join_path(path, i), depth + 1)
 
 
 def validate_state(live: Any, tree: Any, tensors: Sequence[torch.Tensor], *, step: int,

@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from .._tiers.persistent.remote import is_url
+from .._tiers.persistent.urls import is_url
 from ..errors import CheckpointError
 from ..storage import LocalStorage, Storage
 from ._export import _cmd_export

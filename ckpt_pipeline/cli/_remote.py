@@ -21,7 +21,8 @@ from .._format.names import parse_step_dir, step_dir_name
 from .._format.scan import scan_files
 from .._tiers.persistent.layout import STEP_COMMIT, StepRecord
 from .._tiers.persistent.promote import download_rank, read_step_record
-from .._tiers.persistent.remote import Remote, open_remote
+from .._tiers.persistent.remote import Remote
+from .._tiers.persistent.urls import open_remote
 from ..errors import CheckpointError
 from ..storage import LocalStorage
 from ._output import _human_bytes, _print_json

@@ -15,8 +15,8 @@ from .._format.limits import DTYPES
 from .._format.names import step_dir_name
 from .._format.scan import StepStatus, decode_contents, scan_files
 from .._format.steps import committed_steps
-from .._tiers.persistent.remote import open_remote
 from .._tiers.persistent.stream import ShardStream
+from .._tiers.persistent.urls import open_remote
 from ..errors import CheckpointIntegrityError
 from ..loading import newest_candidates, pick_step, tier_step
 from ..storage import LocalStorage, Storage

@@ -26,7 +26,8 @@ unlinks, renames) and of the writes since each file's last fsync (kept, dropped 
 ``capture_logs()`` collects the library's log lines as dicts.
 
 The modules: ``_faults.py`` (``FaultyStorage``, ``GatedStorage``), ``_powerloss.py`` (the
-storage that records calls and cuts the power), ``_model.py`` (its durability model),
+storage that records calls and cuts the power; its calls in ``_recording.py``, its switch in
+``_switch.py``), ``_model.py`` (its durability model),
 ``_image.py`` (post-crash images), ``_logs.py`` (``capture_logs``).
 """
 

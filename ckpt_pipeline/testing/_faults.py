@@ -3,7 +3,9 @@
 ``FaultyStorage`` is the real local storage whose calls fail when armed: ``arm(Fault(call, at,
 errno))`` fails the ``at``-th call of a kind after arming (optionally only among the calls about
 files whose name ends with ``Fault.name``), a short write writes half and fails, ``free_bytes``
-with ``ENOSPC`` reports a full disk. ``GatedStorage`` is a ``FaultyStorage`` that holds the
+with ``ENOSPC`` reports a full disk. Reads count too: the persistent tier's uploads read
+through ``open_read`` and ``pread_into``, its downloads write through ``truncate`` and
+``pwrite``. ``GatedStorage`` is a ``FaultyStorage`` that holds the
 creation of every shard (by default) until its ``gate`` is set, so that a save stays in flight
 for as long as a test needs.
 """
@@ -21,8 +23,9 @@ from ..storage import LocalStorage
 
 __all__ = ("CALLS", "Fault", "FaultyStorage", "GatedStorage")
 
-CALLS = ("make_dir", "create_temp", "open_direct", "pwrite", "fsync", "close", "publish",
-         "fsync_dir", "unlink", "rmdir", "move", "free_bytes")
+CALLS = ("make_dir", "create_temp", "open_direct", "pwrite", "truncate", "fsync", "close",
+         "publish", "fsync_dir", "open_read", "pread_into", "copy_out", "unlink", "rmdir",
+         "move", "free_bytes")
 """The calls of ``FaultyStorage`` that a ``Fault`` can name."""
 
 
@@ -38,8 +41,9 @@ class Fault:
     name: str = ""
     """When set, only the calls about a file or directory whose name ends with it count
     (``".commit"``: the commit records). For ``create_temp``, ``open_direct``, ``pwrite``,
-    ``fsync``, ``close`` and ``publish`` that is the final name the file is written for; for
-    the others the last component of the path (of the source, for ``move``); ``free_bytes`` is
+    ``truncate``, ``fsync``, ``close`` and ``publish`` that is the final name the file is written
+    for; for ``pread_into`` and ``copy_out`` the name of the file ``open_read`` opened; for the
+    others the last component of the path (of the source, for ``move``); ``free_bytes`` is
     about no name."""
 
 
@@ -53,7 +57,7 @@ class FaultyStorage(LocalStorage):
         self._faults: list[Fault] = []
         self._hits: list[int] = []
         self._final: dict[str, str] = {}  # temporary name -> the final name it is written for
-        self._fd_final: dict[int, str] = {}  # descriptor -> the final name it is written for
+        self._fd_final: dict[int, str] = {}  # descriptor -> the (final) name of its file
         self.fired: list[Fault] = []
 
     def arm(self, *faults: Fault) -> None:
@@ -95,7 +99,7 @@ class FaultyStorage(LocalStorage):
                            f"{errno_mod.errorcode.get(fault.errno, fault.errno)}",
                            path=str(self.root), errno=fault.errno)
 
-    def _written_for(self, fd: int) -> str:
+    def _file_of(self, fd: int) -> str:
         with self._lock:
             return self._fd_final.get(fd, "")
 
@@ -125,14 +129,19 @@ class FaultyStorage(LocalStorage):
         return fd
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> None:
-        if (f := self._check("pwrite", self._written_for(fd))) is not None:
+        if (f := self._check("pwrite", self._file_of(fd))) is not None:
             if f.short_write and len(data) > 1:
                 super().pwrite(fd, data[:len(data) // 2], offset)
             self._raise(f)
         super().pwrite(fd, data, offset)
 
+    def truncate(self, fd: int, size: int) -> None:
+        if (f := self._check("truncate", self._file_of(fd))) is not None:
+            self._raise(f)
+        super().truncate(fd, size)
+
     def fsync(self, fd: int) -> None:
-        if (f := self._check("fsync", self._written_for(fd))) is not None:
+        if (f := self._check("fsync", self._file_of(fd))) is not None:
             self._raise(f)
         super().fsync(fd)
 
@@ -155,6 +164,25 @@ class FaultyStorage(LocalStorage):
         if (f := self._check("fsync_dir", os.path.basename(rel))) is not None:
             self._raise(f)
         super().fsync_dir(rel)
+
+    def open_read(self, rel: str, expected_size: int | None = None) -> tuple[int, int]:
+        name = os.path.basename(rel)
+        if (f := self._check("open_read", name)) is not None:
+            self._raise(f)
+        fd, size = super().open_read(rel, expected_size)
+        with self._lock:
+            self._fd_final[fd] = name
+        return fd, size
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> None:
+        if (f := self._check("pread_into", self._file_of(fd))) is not None:
+            self._raise(f)
+        super().pread_into(fd, buf, offset)
+
+    def copy_out(self, fd: int, out: int, start: int, end: int) -> bool:
+        if (f := self._check("copy_out", self._file_of(fd))) is not None:
+            self._raise(f)
+        return super().copy_out(fd, out, start, end)
 
     def unlink(self, rel: str) -> None:
         with self._lock:

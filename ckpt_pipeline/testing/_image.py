@@ -187,7 +187,7 @@ class _Materializer:
         if callable(keep):
             size = max(len(f.durable), end)
         else:  # the size is metadata of its own: anything from durable to current
-            lo, hi = len(f.durable), len(f.current)
+            lo, hi = sorted((len(f.durable), len(f.current)))  # a truncate may shrink it
             r = rng.random()
             size = lo if r < 1 / 3 else hi if r < 2 / 3 else rng.randint(lo, hi)
         if len(img) < size:

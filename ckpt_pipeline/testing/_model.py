@@ -71,6 +71,15 @@ class FileNode(Node):
         self.current[offset:end] = data
         self.pending.append((offset, data))
 
+    def resize(self, size: int) -> None:
+        """``truncate``: current, not durable. Growing is a write of zeros; shrinking cuts the
+        current content (an image keeps any size between the durable and the current one)."""
+        if size >= len(self.current):
+            self.write(len(self.current), bytes(size - len(self.current)))
+        else:
+            del self.current[size:]
+            self.pending.append((size, b""))
+
     def sync(self) -> None:
         """``fsync`` of the file: its current content is durable."""
         self.durable = bytes(self.current)

@@ -23,7 +23,8 @@ import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent import connect as connect_mod
 from ckpt_pipeline._tiers.persistent import promote as promote_mod
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
-from ckpt_pipeline._tiers.persistent.remote import RemoteError, open_remote
+from ckpt_pipeline._tiers.persistent.retries import RemoteError
+from ckpt_pipeline._tiers.persistent.urls import open_remote
 from ckpt_pipeline.config import PipelineConfig
 from ckpt_pipeline.storage import LocalStorage
 from tests._support.children import spawn_child

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline._tiers.persistent.remote import open_remote
+from ckpt_pipeline._tiers.persistent.urls import open_remote
 from tests._support.cli import run_cli
 
 from .test_persist import _save_steps

@@ -31,7 +31,8 @@ from ckpt_pipeline._tiers.persistent.owner import (
     encode_owner,
 )
 from ckpt_pipeline._tiers.persistent.promote import read_step_record
-from ckpt_pipeline._tiers.persistent.remote import open_remote
+from ckpt_pipeline._tiers.persistent.urls import open_remote
+from ckpt_pipeline.storage import LocalStorage
 from tests._support.children import spawn_child
 from tests._support.replicas import launch
 
@@ -257,7 +258,7 @@ def test_a_step_whose_objects_another_job_replaced_is_not_committed(
         other.write_bytes(bytes(data))
         remote = open_remote(tier[0], options=tier[1])
         try:
-            remote.upload(str(other), "step-0000000001/rank-00000.shard")
+            remote.upload(LocalStorage(tmp_path), other.name, "step-0000000001/rank-00000.shard")
         finally:
             remote.close()
         _save(pipe, 2, 2.0)

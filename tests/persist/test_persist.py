@@ -22,8 +22,8 @@ import torch
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent import promote as promote_mod
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT, decode_step_record
-from ckpt_pipeline._tiers.persistent.remote import open_remote
 from ckpt_pipeline._tiers.persistent.stream import ShardStream
+from ckpt_pipeline._tiers.persistent.urls import open_remote
 
 
 def _state(seed: int) -> dict[str, Any]:

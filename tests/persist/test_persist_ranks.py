@@ -20,7 +20,7 @@ import torch
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT, decode_step_record
-from ckpt_pipeline._tiers.persistent.remote import open_remote
+from ckpt_pipeline._tiers.persistent.urls import open_remote
 from tests._support.children import spawn_child
 from tests._support.replicas import launch
 

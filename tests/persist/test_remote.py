@@ -1,6 +1,7 @@
-"""The persistent tier's storage layer (``_persist.remote``), against a directory standing in
-for a shared file system and against a real S3-speaking server (moto), with faults injected
-by a proxy in front of it: round trips, checksums, listings, retries, aborts, credentials."""
+"""The persistent tier's storage layer (``_tiers.persistent``: ``remote`` and its backends),
+against a directory standing in for a shared file system and against a real S3-speaking
+server (moto), with faults injected by a proxy in front of it: round trips, checksums,
+listings, retries, aborts, credentials."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ import structlog
 import xxhash
 
 from ckpt_pipeline._tiers.persistent import tier_s3
-from ckpt_pipeline._tiers.persistent.remote import ObjectSum, Remote, RemoteError, open_remote
+from ckpt_pipeline._tiers.persistent.objects import ObjectSum
+from ckpt_pipeline._tiers.persistent.remote import Remote
+from ckpt_pipeline._tiers.persistent.retries import RemoteError
+from ckpt_pipeline._tiers.persistent.urls import open_remote
 from ckpt_pipeline.errors import CheckpointIntegrityError, ConfigError
+from ckpt_pipeline.storage import LocalStorage
 
 from .s3_server import DROP, FaultProxy, s3_client
 
@@ -62,6 +67,11 @@ def _file(tmp_path: Path, size: int, name: str = "src.bin") -> Path:
     return path
 
 
+def _local(path: Path) -> tuple[LocalStorage, str]:
+    """``path`` as an upload takes it: (the storage of its directory, its name there)."""
+    return LocalStorage(path.parent), path.name
+
+
 def _sum(data: bytes, part_bytes: int) -> ObjectSum:
     parts = tuple(xxhash.xxh3_64_intdigest(data[i:i + part_bytes])
                   for i in range(0, len(data), part_bytes))
@@ -71,7 +81,7 @@ def _sum(data: bytes, part_bytes: int) -> ObjectSum:
 def _download(remote: Remote, key: str, expected: ObjectSum, path: Path) -> bytes:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        remote.download(key, fd, expected)
+        remote.download(key, LocalStorage(path.parent), fd, expected)
     finally:
         os.close(fd)
     return path.read_bytes()
@@ -116,7 +126,7 @@ def test_upload_then_download_gives_the_same_bytes_and_sum(
     size = int(parts * part_bytes) if parts != 1 else 1000
     src = _file(tmp_path, size)
     key = "step-0000000050/rank-00000.shard"
-    uploaded = remote.upload(str(src), key)
+    uploaded = remote.upload(*_local(src), key)
     assert uploaded == _sum(src.read_bytes(), part_bytes)
     assert len(uploaded.parts) == -(-size // part_bytes)
     assert remote.list_dir("step-0000000050") == {"rank-00000.shard": size}
@@ -131,7 +141,7 @@ def test_s3_upload_larger_than_a_part_is_multipart(
     proxy = fault_proxy(options)
     remote = opened(url, proxy.options, part_bytes=S3_PART)
     src = _file(tmp_path, 12 * MiB + 123)
-    uploaded = remote.upload(str(src), "step-0000000001/rank-00000.shard")
+    uploaded = remote.upload(*_local(src), "step-0000000001/rank-00000.shard")
     assert len(uploaded.parts) == 3
     assert proxy.seen("POST", "?uploads") == 1 and proxy.seen("POST", "uploadId=") == 1
     assert proxy.seen("PUT", "partNumber=") == 3
@@ -148,7 +158,7 @@ def test_s3_parts_below_five_mib_fall_back_to_one_put(
     proxy = fault_proxy(options)
     remote = opened(url, proxy.options, part_bytes=MiB)
     src = _file(tmp_path, 3 * MiB + 5)
-    uploaded = remote.upload(str(src), "step-0000000001/a")
+    uploaded = remote.upload(*_local(src), "step-0000000001/a")
     assert uploaded == _sum(src.read_bytes(), MiB)
     assert proxy.seen("POST") == 0 and proxy.seen("PUT") == 1
 
@@ -175,7 +185,7 @@ def test_listing_existence_and_delete(tier: Tier, opened: Callable[..., Remote],
     assert remote.list_dir("step-0000000010") == {}
     src = _file(tmp_path, 100)
     for step in (10, 20):
-        remote.upload(str(src), f"step-{step:010d}/rank-00000.shard")
+        remote.upload(*_local(src), f"step-{step:010d}/rank-00000.shard")
         remote.put_small(f"step-{step:010d}/rank-00000.commit", b"c")
     assert remote.list_steps() == ["step-0000000010", "step-0000000020"]
     assert remote.list_dir("step-0000000010") == {"rank-00000.shard": 100,
@@ -196,7 +206,7 @@ def test_directory_tier_files_are_private_and_no_temporary_remains(
 ) -> None:
     root = tmp_path / "shared" / "run"
     remote = opened(str(root), None, part_bytes=DIR_PART)
-    remote.upload(str(_file(tmp_path, 3 * DIR_PART + 1)), "step-0000000001/rank-00000.shard")
+    remote.upload(*_local(_file(tmp_path, 3 * DIR_PART + 1)), "step-0000000001/rank-00000.shard")
     remote.put_small("step-0000000001/step.commit", b"x")
     for path in (root, root / "step-0000000001"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
@@ -212,7 +222,7 @@ def test_other_fsspec_protocols_stream_uploads_and_read_ranges(
 ) -> None:
     remote = opened(f"memory://ckpt-{os.getpid()}-{id(tmp_path)}/run", None, part_bytes=1000)
     src = _file(tmp_path, 4500)
-    uploaded = remote.upload(str(src), "step-0000000003/rank-00000.shard")
+    uploaded = remote.upload(*_local(src), "step-0000000003/rank-00000.shard")
     assert uploaded == _sum(src.read_bytes(), 1000)
     assert _download(remote, "step-0000000003/rank-00000.shard", uploaded,
                      tmp_path / "back") == src.read_bytes()
@@ -233,7 +243,7 @@ def test_an_object_changed_after_upload_fails_the_download_naming_the_part(
     remote = opened(url, options, part_bytes=part_bytes)
     src = _file(tmp_path, 2 * part_bytes + 10)
     key = "step-0000000001/rank-00000.shard"
-    uploaded = remote.upload(str(src), key)
+    uploaded = remote.upload(*_local(src), key)
     data = bytearray(src.read_bytes())
     data[part_bytes + 7] ^= 0xFF  # one bit flipped in part 1
     _overwrite(tier, key, bytes(data))
@@ -271,7 +281,7 @@ def test_an_etag_that_does_not_match_what_was_sent_fails_the_upload_and_deletes_
     else:
         monkeypatch.setattr(tier_s3, "single_etag", lambda md5: wrong)
     with pytest.raises(RemoteError, match="holds other bytes than were sent"):
-        remote.upload(str(_file(tmp_path, size)), "step-0000000001/rank-00000.shard")
+        remote.upload(*_local(_file(tmp_path, size)), "step-0000000001/rank-00000.shard")
     assert not remote.exists("step-0000000001/rank-00000.shard")
     assert _leftovers(url, options) == ([], [])
 
@@ -293,7 +303,7 @@ def test_bad_keys_are_refused(opened: Callable[..., Remote], tmp_path: Path,
                               key: str) -> None:
     remote = opened(str(tmp_path / "shared"), None)
     src = _file(tmp_path, 1)
-    for call in (lambda: remote.upload(str(src), key), lambda: remote.put_small(key, b""),
+    for call in (lambda: remote.upload(*_local(src), key), lambda: remote.put_small(key, b""),
                  lambda: remote.get_small(key, 1), lambda: remote.exists(key),
                  lambda: remote.delete([key]), lambda: remote.list_dir(key)):
         with pytest.raises(ValueError):
@@ -316,7 +326,7 @@ def test_throttled_puts_are_retried_and_the_upload_succeeds(
     src = _file(tmp_path, size)
     retries: list[tuple[str, int, str]] = []
     key = "step-0000000001/rank-00000.shard"
-    uploaded = remote.upload(str(src), key, on_retry=lambda *a: retries.append(a))
+    uploaded = remote.upload(*_local(src), key, on_retry=lambda *a: retries.append(a))
     assert proxy.answered_faults == 2
     parts = len(uploaded.parts)
     assert proxy.seen("PUT") == parts + 2  # one attempt more per fault, no more
@@ -336,12 +346,12 @@ def test_failed_and_dropped_downloads_are_retried_then_reported(
     proxy = fault_proxy(options)
     remote = opened(url, proxy.options, part_bytes=S3_PART, retries=2, backoff_s=0.01)
     src = _file(tmp_path, 100_000)
-    uploaded = remote.upload(str(src), "step-0000000001/a")
+    uploaded = remote.upload(*_local(src), "step-0000000001/a")
     retries: list[tuple[str, int, str]] = []
     fd = os.open(tmp_path / "back", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         proxy.fail("GET", count=1, status=500)
-        remote.download("step-0000000001/a", fd, uploaded,
+        remote.download("step-0000000001/a", LocalStorage(tmp_path), fd, uploaded,
                         on_retry=lambda *a: retries.append(a))
         assert (tmp_path / "back").read_bytes() == src.read_bytes()
         assert [(attempt, "InternalError" in why) for _, attempt, why in retries] == [
@@ -350,7 +360,7 @@ def test_failed_and_dropped_downloads_are_retried_then_reported(
         proxy.fail("GET", count=None, status=DROP)
         retries.clear()
         with pytest.raises(RemoteError) as info:
-            remote.download("step-0000000001/a", fd, uploaded,
+            remote.download("step-0000000001/a", LocalStorage(tmp_path), fd, uploaded,
                             on_retry=lambda *a: retries.append(a))
     finally:
         os.close(fd)
@@ -370,7 +380,7 @@ def test_puts_that_always_fail_end_in_a_remote_error_and_leave_nothing(
     retries: list[tuple[str, int, str]] = []
     key = "step-0000000001/rank-00000.shard"
     with pytest.raises(RemoteError) as info:
-        remote.upload(str(_file(tmp_path, size)), key, on_retry=lambda *a: retries.append(a))
+        remote.upload(*_local(_file(tmp_path, size)), key, on_retry=lambda *a: retries.append(a))
     error = info.value
     assert error.attempts == 3 and error.key == key and error.op == "upload"
     text = str(error)
@@ -390,7 +400,7 @@ def test_a_refused_request_fails_at_once(
     remote = opened("s3://no-such-bucket-here/run", options, retries=5, backoff_s=5.0)
     retries: list[tuple[str, int, str]] = []
     with pytest.raises(RemoteError) as info:
-        remote.upload(str(_file(tmp_path, 10)), "step-0000000001/a",
+        remote.upload(*_local(_file(tmp_path, 10)), "step-0000000001/a",
                       on_retry=lambda *a: retries.append(a))
     assert info.value.attempts == 1 and retries == []
     assert "NoSuchBucket" in str(info.value)
@@ -411,7 +421,7 @@ def test_a_failing_on_retry_callback_does_not_fail_the_upload(
         raise RuntimeError("subscriber bug")
 
     with pytest.warns(RuntimeWarning, match="subscriber bug"):
-        remote.upload(str(_file(tmp_path, 10)), "step-0000000001/a", on_retry=broken)
+        remote.upload(*_local(_file(tmp_path, 10)), "step-0000000001/a", on_retry=broken)
     assert remote.exists("step-0000000001/a")
 
 
@@ -429,7 +439,7 @@ def test_credentials_appear_in_no_url_message_or_log_line(
         remote = opened(url, proxy.options, retries=1)
         texts.append(remote.url)
         with pytest.raises(RemoteError) as upload:
-            remote.upload(str(_file(tmp_path, 10)), "step-0000000001/a",
+            remote.upload(*_local(_file(tmp_path, 10)), "step-0000000001/a",
                           on_retry=lambda *a: texts.append(repr(a)))
         with pytest.raises(RemoteError) as put:
             remote.put_small("step-0000000001/b", b"x")

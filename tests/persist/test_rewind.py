@@ -20,8 +20,9 @@ import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_rewinds
 from ckpt_pipeline._tiers.persistent import promote as promote_mod
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
-from ckpt_pipeline._tiers.persistent.remote import RemoteError, open_remote
+from ckpt_pipeline._tiers.persistent.retries import RemoteError
 from ckpt_pipeline._tiers.persistent.rewinds import TIER_REWINDS
+from ckpt_pipeline._tiers.persistent.urls import open_remote
 from ckpt_pipeline.testing import CRASH_ENV
 from tests._support.children import run_child
 from tests._support.cli import run_cli

@@ -717,7 +717,7 @@ def test_dtensor_and_plain_tensor_mismatch_is_refused_on_every_rank(tmp_path: Pa
 def test_prefetched_backup_copies_are_used_only_while_current() -> None:
     """Large tensors that do not own their memory (views) are copied ahead of time; small CPU
     tensors and tensors a restore will hand new memory are not."""
-    from ckpt_pipeline._restore.rollback import BackupCopies
+    from ckpt_pipeline._restore.backups import BackupCopies
 
     base = torch.arange(600_000.0)
     owner = torch.arange(300_000.0)

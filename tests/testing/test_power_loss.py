@@ -603,6 +603,30 @@ def test_a_torn_overwrite_and_a_rename_in_the_model(tmp_path: Path) -> None:
     assert torn and len(sizes) > 1
 
 
+def test_a_truncate_is_volatile_until_fsync_and_its_bytes_read_as_zeros(tmp_path: Path
+                                                                       ) -> None:
+    """(As zeros when kept whole; a random image may show stale blocks there, as for any
+    write that was not fsynced.)"""
+    storage = PowerLossStorage(tmp_path / "disk")
+    storage.arm()
+    fd, temp = storage.create_temp("", "f")
+    storage.fsync_dir("")  # the name is durable, the file empty
+    storage.truncate(fd, 3 * 4096)  # a download sizes its file up front
+    storage.pwrite(fd, memoryview(b"z" * 4096), 4096)
+    storage.close(fd)
+    storage.cut()
+    assert [c.kind for c in storage.calls()][-3:] == ["truncate", "pwrite", "close"]
+    lost = _files(storage.materialize(tmp_path / "lost", keep=0.0).root)
+    assert lost == {temp: b""}  # nothing was fsynced: neither the size nor the write
+    kept = _files(storage.materialize(tmp_path / "kept", keep=1.0).root)
+    assert kept == {temp: bytes(4096) + b"z" * 4096 + bytes(4096)}
+    sizes = set()
+    for seed in range(20):
+        data = _files(storage.materialize(tmp_path / f"r{seed}", random.Random(seed)).root)
+        sizes.add(len(data[temp]))
+    assert max(sizes) <= 3 * 4096 and len(sizes) > 1  # the size itself may be lost
+
+
 # ---------------------------------------------------------------------- findings
 
 

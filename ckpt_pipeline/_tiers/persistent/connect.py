@@ -30,7 +30,7 @@ from typing import Generic, TypeVar
 from ..._logging import log
 from ...errors import CheckpointError, ConfigError
 from ...events import Event, PersistentAvailable, PersistentUnavailable
-from .remote import RemoteError
+from .retries import RemoteError
 
 __all__ = ("RETRY_FIRST_S", "RETRY_MAX_S", "Connection", "as_config_error")
 

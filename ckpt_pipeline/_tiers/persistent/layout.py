@@ -25,7 +25,8 @@ from ..._format.filesets import FileSet
 from ..._format.names import step_dir_name
 from ..._format.timeline import Lineage, decode_lineage, encode_lineage
 from ...errors import CheckpointIntegrityError
-from .remote import ObjectSum, _uint
+from .objects import ObjectSum
+from .objects import is_uint as _uint
 
 __all__ = ("MAX_COMMIT_BYTES", "STEP_COMMIT", "ObjectSum", "StepRecord", "decode_step_record",
            "encode_step_record", "rank_keys")

@@ -37,7 +37,8 @@ from ..._format.documents import FORMAT_VERSION, decode_message, encode_message
 from ..._logging import log
 from ...errors import CheckpointError, CheckpointIntegrityError, PersistentInUseError
 from ...events import Event, PersistentTakenOver
-from .remote import Conflict, Remote
+from .remote import Remote
+from .retries import Conflict
 
 __all__ = ("MAX_OWNER_BYTES", "OWNER_KEY", "OwnerRecord", "Ownership", "decode_owner",
            "encode_owner")

@@ -73,18 +73,14 @@ from .layout import (
     encode_step_record,
     rank_keys,
 )
+from .objects import ObjectSum
 from .owner import Ownership
-from .remote import (
-    SMALL_TIMEOUT_S,
-    UNAVAILABLE_HINT,
-    ObjectSum,
-    Remote,
-    RemoteError,
-    _display,
-    open_remote,
-)
+from .remote import Remote
+from .retries import SMALL_TIMEOUT_S, UNAVAILABLE_HINT, RemoteError
 from .rewinds import drop_commit_objects, read_tier_rewinds, record_rewinds, tier_marks
 from .stream import ShardStream
+from .urls import display_url as _display
+from .urls import open_remote
 from .workers import DaemonPool, bounded
 
 __all__ = ("LIST_WAIT_S", "OPEN_WAIT_S", "Promoter", "complete_steps", "download_rank",
@@ -527,8 +523,8 @@ class Promoter:
             sums: dict[str, list[Any]] = {}
             stamps: dict[str, str | None] = {}
             for name, key in rank_keys(step, self.rank).items():
-                local = os.path.join(str(self.storage.root), dir_name, name)
-                sums[name] = remote.upload(local, key).to_msg()
+                rel = os.path.join(dir_name, name)
+                sums[name] = remote.upload(self.storage, rel, key).to_msg()
                 stamps[name] = remote.stamp(key)
             size = sum(int(s[0]) for s in sums.values())
             self._emit(ShardUploaded(step=step, rank=self.rank, save_id=save_id,

@@ -76,11 +76,11 @@ class ShardStream:
         except CheckpointError as exc:
             raise self._named(exc) from None
         try:
-            os.ftruncate(self.incoming.fd, self.shard.size)  # reads may start at any offset
-        except OSError as exc:
+            storage.truncate(self.incoming.fd, self.shard.size)  # reads may start anywhere
+        except StorageError as exc:
             self.incoming.discard()
             raise StorageError(f"cannot size the download of step {self.step}: "
-                               f"{exc.strerror}", step=self.step, rank=rank,
+                               f"{exc.message}", step=self.step, rank=rank,
                                path=self.incoming.path, errno=exc.errno) from exc
         self.shard_file = self.incoming.temp
         self._arrived = [False] * len(self.shard.parts)
@@ -96,7 +96,7 @@ class ShardStream:
 
     def _run(self) -> None:
         try:
-            self.remote.download(self.key, self.incoming.fd, self.shard,
+            self.remote.download(self.key, self.storage, self.incoming.fd, self.shard,
                                  first=(0, len(self.shard.parts) - 1), on_part=self._landed)
         except BaseException as exc:
             with self._cond:
@@ -176,3 +176,4 @@ class ShardStream:
             self._stop = True
         self._thread.join()
         self.incoming.discard()
+

@@ -9,6 +9,13 @@ that the promoter removes them with the step's other objects. A versioned write 
 object) is exclusive by ``link`` when the object must not exist yet, and compares the inode,
 modification time and size of the current file under an ``flock`` of ``.NAME.lock`` before
 replacing it otherwise.
+
+The files of this tier are not a checkpoint root, and do not go through a ``Storage``: the
+directory is the tier's store, and these calls are its client, as obstore's requests are S3's
+(they fail, are explained and retried as a store's requests: ``_transient``, ``Remote``). The
+local side of a transfer does go through the local root's ``Storage``: an upload reads the
+committed file by ``LocalFile`` (kernel copies by ``Storage.copy_out``, the bytes hashed by
+``pread_into``), a download writes through the storage it is given (``Remote.download``).
 """
 
 from __future__ import annotations
@@ -26,18 +33,9 @@ from typing import Any
 
 import xxhash
 
-from .remote import (
-    KEY_PART,
-    Conflict,
-    ObjectSum,
-    OnRetry,
-    Remote,
-    RemoteError,
-    check_key,
-    part_ranges,
-    pread_exact,
-    pwrite_all,
-)
+from .objects import KEY_PART, LocalFile, ObjectSum, check_key, part_ranges
+from .remote import Remote
+from .retries import Conflict, OnRetry, RemoteError
 
 __all__ = ("DirRemote",)
 
@@ -101,8 +99,8 @@ class DirRemote(Remote):
         _fsync_dir(directory)
         return result
 
-    def _upload_fd(self, fd: int, size: int, key: str, on_retry: OnRetry | None
-                   ) -> ObjectSum:
+    def _upload(self, source: LocalFile, key: str, on_retry: OnRetry | None) -> ObjectSum:
+        size = source.size
         ranges = part_ranges(size, self.part_bytes)
 
         def fill(out: int) -> ObjectSum:
@@ -115,8 +113,8 @@ class DirRemote(Remote):
                     stop = min(end, at + _HASH_CHUNK)
                     if at != start and self.gate is not None:
                         self.gate()
-                    copied = _copy_range(fd, out, at, stop)
-                    _hash_range(fd, at, stop, None if copied else out, digest)
+                    copied = source.copy_to(out, at, stop)
+                    _hash_range(source, at, stop, None if copied else out, digest)
                 _flush_range(out)
                 return int(digest.intdigest())
 
@@ -128,7 +126,7 @@ class DirRemote(Remote):
 
     def _put_small(self, key: str, data: bytes) -> None:
         self._retry("upload", key, lambda: self._write(
-            key, len(data), lambda out: pwrite_all(out, data, 0)))
+            key, len(data), lambda out: _pwrite_all(out, data, 0)))
 
     def _get_versioned(self, key: str, limit: int) -> tuple[bytes, str | None] | None:
         def read() -> tuple[bytes, str | None] | None:
@@ -140,7 +138,7 @@ class DirRemote(Remote):
                 info = os.fstat(fd)
                 if info.st_size > limit:
                     raise self._too_large(key, info.st_size, limit)
-                data = pread_exact(fd, 0, info.st_size) if info.st_size else b""
+                data = _pread_exact(fd, 0, info.st_size) if info.st_size else b""
                 return data, _stamp(info)
             finally:
                 os.close(fd)
@@ -177,7 +175,7 @@ class DirRemote(Remote):
             stamps.append(_stamp(info))
 
         self._retry("upload", key, lambda: self._write(
-            key, len(data), lambda out: pwrite_all(out, data, 0), publish))
+            key, len(data), lambda out: _pwrite_all(out, data, 0), publish))
         return stamps[-1]
 
     def _stamp(self, key: str) -> str | None:
@@ -210,7 +208,7 @@ class DirRemote(Remote):
                 size = os.fstat(fd).st_size
                 if size > limit:
                     raise self._too_large(key, size, limit)
-                return pread_exact(fd, 0, size) if size else b""
+                return _pread_exact(fd, 0, size) if size else b""
             finally:
                 os.close(fd)
 
@@ -231,7 +229,7 @@ class DirRemote(Remote):
     def _read_range(self, key: str, start: int, end: int) -> bytes:
         fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            return pread_exact(fd, start, end)
+            return _pread_exact(fd, start, end)
         finally:
             os.close(fd)
 
@@ -296,12 +294,15 @@ _HASH_CHUNK = 4 * 1024 * 1024
 _chunk = threading.local()
 
 
-def _hash_range(fd: int, start: int, end: int, out: int | None, digest: Any) -> None:
-    """Feed bytes [start, end) of ``fd`` to ``digest`` (an xxh3-64 of the part: what
+def _hash_range(source: LocalFile, start: int, end: int, out: int | None, digest: Any
+                ) -> None:
+    """Feed bytes [start, end) of ``source`` to ``digest`` (an xxh3-64 of the part: what
     ``ObjectSum`` records), read through a small buffer of this thread's: an upload of a
     4.8 GB file in parts of 64 MiB from 8 threads holds 32 MiB, not 512 MiB that the allocator
     would keep. With ``out``, the bytes are written there too (where the kernel would not copy
-    them)."""
+    them: ``LocalFile.copy_to``, whose copy on the development VM made writes 3x faster than
+    ``shutil.copyfile``, a server-side copy on NFS; the committed local file does not change,
+    so the bytes copied are the bytes hashed)."""
     buf = getattr(_chunk, "buf", None)
     if buf is None:
         buf = _chunk.buf = bytearray(_HASH_CHUNK)
@@ -309,36 +310,33 @@ def _hash_range(fd: int, start: int, end: int, out: int | None, digest: Any) -> 
     with memoryview(buf) as whole:
         while at < end:
             view = whole[:min(len(buf), end - at)]
-            got = os.preadv(fd, [view], at)
-            if got <= 0:
-                raise OSError(errno.EIO, f"unexpected end of file at byte {at}")
-            digest.update(view[:got])
+            source.read_into(view, at)
+            digest.update(view)
             if out is not None:
-                pwrite_all(out, view[:got], at)
-            at += got
+                _pwrite_all(out, view, at)
+            at += len(view)
 
 
-def _copy_range(src: int, dst: int, start: int, end: int) -> bool:
-    """Copy bytes [start, end) from ``src`` to ``dst`` in the kernel (``copy_file_range``:
-    no copy through user memory, which on the development VM made writes 3x slower than
-    ``shutil.copyfile``; a server-side copy on NFS). False where the kernel or the file
-    systems refuse it: the caller writes the bytes it read instead. The committed local file
-    does not change, so the bytes copied are the bytes hashed."""
-    copy = getattr(os, "copy_file_range", None)
-    if copy is None:
-        return False
+def _pread_exact(fd: int, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file of this tier."""
+    chunks = []
     at = start
-    try:
-        while at < end:
-            n = copy(src, dst, end - at, at, at)
-            if n <= 0:
-                return at == end
-            at += n
-    except OSError:
-        if at == start:
-            return False
-        raise
-    return True
+    while at < end:
+        data = os.pread(fd, end - at, at)
+        if not data:
+            raise OSError(errno.EIO, f"unexpected end of file at byte {at}")
+        chunks.append(data)
+        at += len(data)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of a file of this tier."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
 
 
 def _flush_range(fd: int) -> None:

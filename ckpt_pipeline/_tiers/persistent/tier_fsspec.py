@@ -17,19 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ...errors import ConfigError
-from .remote import (
-    KEY_PART,
-    SMALL_TIMEOUT_S,
-    ObjectSum,
-    OnRetry,
-    Remote,
-    RemoteError,
-    check_key,
-    part_ranges,
-    pread_exact,
-    request_timeout,
-    xxh,
-)
+from .objects import KEY_PART, LocalFile, ObjectSum, check_key, part_ranges, xxh
+from .remote import Remote
+from .retries import SMALL_TIMEOUT_S, OnRetry, RemoteError, request_timeout
 from .workers import bounded
 
 __all__ = ("FsspecRemote", "open_fsspec")
@@ -89,8 +79,9 @@ class FsspecRemote(Remote):
         with contextlib.suppress(FileNotFoundError):
             self._call(lambda: self.fs.rm_file(self._full(key)))
 
-    def _upload_fd(self, fd: int, size: int, key: str, on_retry: OnRetry | None
-                   ) -> ObjectSum:
+    def _upload(self, source: LocalFile, key: str, on_retry: OnRetry | None) -> ObjectSum:
+        size = source.size
+
         def send() -> ObjectSum:
             parts = []
             out = self._call(lambda: self.fs.open(self._full(key), "wb"))
@@ -98,7 +89,7 @@ class FsspecRemote(Remote):
                 for start, end in part_ranges(size, self.part_bytes):
                     if self.gate is not None:
                         self.gate()
-                    data = pread_exact(fd, start, end)
+                    data = source.read(start, end)
                     parts.append(xxh(data))
                     self._call(functools.partial(out.write, data), request_timeout(len(data)))
             except BaseException:

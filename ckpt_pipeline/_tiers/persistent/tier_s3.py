@@ -2,8 +2,9 @@
 
 - **Uploads.** A file of at most one part goes up in one PUT. A larger one is a multipart
   upload in parts of ``part_bytes``: the pipeline's threads read and hash the parts (xxh3 for
-  the commit object, MD5 for the ETag), at most ``_AHEAD`` ahead of obstore, which sends up to
-  ``threads`` of them at once. Memory stays bounded: ``threads + _AHEAD + 1`` parts.
+  the commit object, MD5 for the ETag), at most ``AHEAD`` ahead of obstore, which sends up to
+  ``threads`` of them at once (``s3_upload``). Memory stays bounded: ``threads + AHEAD + 1``
+  parts.
 - **Checks.** Every request carries the SHA-256 of its body in its signature (SigV4), which
   the server checks. After an upload, the object's size and ETag are compared with the MD5s of
   what was sent (where the store gives an MD5 ETag; SSE-KMS and some stores do not); an object
@@ -21,7 +22,8 @@
   is listed and removed by the promoter with the step.
   here, each retry logged (``Remote._retry``). Only transient failures are retried (a
   connection error, a timeout, a 5xx, throttling); a refused request (403), a missing bucket
-  or a request the HTTP client cannot build fails at once, naming the setting to fix.
+  or a request the HTTP client cannot build fails at once, naming the setting to fix
+  (``s3_errors``).
 - **Deadlines.** Every request has a connect deadline (``CONNECT_TIMEOUT``, 5 s) and a total
   one: ``SMALL_TIMEOUT_S`` (30 s) for listings, heads, deletes and commit objects, and for a
   request that carries a part ``SMALL_TIMEOUT_S`` plus a second per MiB of the part (94 s for
@@ -36,59 +38,43 @@
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import hashlib
-import itertools
 import os
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from ...errors import ConfigError
-from .remote import (
+from .objects import KEY_PART, LocalFile, ObjectSum, check_key, part_ranges, xxh
+from .remote import Remote
+from .retries import (
     BACKOFF_CAP_S,
-    KEY_PART,
     SMALL_TIMEOUT_S,
-    TRANSIENT_CODES,
     UNAVAILABLE_HINT,
     Conflict,
     Failure,
-    ObjectSum,
     OnRetry,
-    Remote,
     RemoteError,
-    check_key,
-    explain_generic,
-    part_ranges,
-    pread_exact,
     request_timeout,
-    xxh,
+)
+from .s3_errors import S3Place, explain_s3, first_line
+from .s3_upload import (
+    S3_MAX_PUT,
+    S3_MIN_PART,
+    PartSum,
+    etag_matches,
+    multipart_etag,
+    read_ahead,
+    single_etag,
 )
 
 __all__ = ("S3Remote",)
 
-_S3_MIN_PART = 5 * 1024 * 1024
-_S3_MAX_PUT = 5 * 1024**3
-_AHEAD = 2  # parts read and hashed ahead of the one obstore takes
 CONNECT_TIMEOUT = timedelta(seconds=5)
+_RETRY_WINDOW = timedelta(minutes=5)  # signed requests expire after 15
 _ENDPOINT_OPTIONS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url")
 _ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")
-_METADATA = re.compile(r"https?://\S+/latest/(api/token|meta-data/)")  # EC2 instance metadata
-_RETRY_WINDOW = timedelta(minutes=5)  # signed requests expire after 15
-_MD5_ETAG = re.compile(r'"[0-9a-f]{32}(-[0-9]+)?"')
-_STATUS = re.compile(r"status code: (\d{3})")
-_CODE = re.compile(r"<Code>([A-Za-z0-9]+)</Code>")
-_MESSAGE = re.compile(r"<Message>(.*?)</Message>", re.S)
-_NETWORK = ("error sending request", "connection", "timed out", "timeout", "broken pipe",
-            "reset by peer", "incomplete", "unexpected eof", "dns error", "body error",
-            "error decoding response")
-_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
-_TRANSIENT_KINDS = frozenset(("Connect", "Timeout", "Request", "Interrupted", "Decode"))
-_CREDENTIAL_HINT = ("give access_key_id and secret_access_key (and session_token) in "
-                    "persistent_options, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
 
 
 class S3Remote(Remote):
@@ -132,7 +118,7 @@ class S3Remote(Remote):
             self._parts_store = store(self.retries, part_timeout)  # multipart: obstore retries
         except Exception as exc:  # the message names a bad key or value; never echo secrets
             raise ConfigError(f"the persistent tier {url} could not be opened: "
-                              f"{self._redact(_first_line(exc))}",
+                              f"{self._redact(first_line(exc))}",
                               hint="check its options: obstore's S3 settings (endpoint, "
                                    "region, access_key_id, ...) and client_options") from None
 
@@ -167,23 +153,23 @@ class S3Remote(Remote):
 
     # -- uploads -------------------------------------------------------------------------
 
-    def _upload_fd(self, fd: int, size: int, key: str, on_retry: OnRetry | None
-                   ) -> ObjectSum:
+    def _upload(self, source: LocalFile, key: str, on_retry: OnRetry | None) -> ObjectSum:
+        size = source.size
         ranges = part_ranges(size, self.part_bytes)
-        if len(ranges) > 1 and self.part_bytes >= _S3_MIN_PART:
-            return self._multipart(fd, size, key, ranges)
-        if size > _S3_MAX_PUT:
+        if len(ranges) > 1 and self.part_bytes >= S3_MIN_PART:
+            return self._multipart(source, key, ranges)
+        if size > S3_MAX_PUT:
             raise ConfigError(
                 f"{self._where(key)}: {size} bytes need a multipart upload, and parts of "
                 f"{self.part_bytes} bytes are smaller than S3's minimum of 5 MiB",
                 hint="set the part size to at least 5 MiB")
         if self.gate is not None:
             self.gate()
-        data = pread_exact(fd, 0, size) if size else b""
+        data = source.read(0, size)
         self._put_one(key, data, on_retry)
         return ObjectSum(size, self.part_bytes, tuple(xxh(data[s:e]) for s, e in ranges))
 
-    def _put_one(self, key: str, data: bytes, on_retry: OnRetry | None,
+    def _put_one(self, key: str, data: bytes | bytearray, on_retry: OnRetry | None,
                  store: Any = None) -> None:
         md5 = hashlib.md5(data, usedforsecurity=False).digest()
         into = self._store if store is None else store
@@ -191,38 +177,12 @@ class S3Remote(Remote):
                     on_retry)
         self._verify(key, len(data), single_etag(md5))
 
-    def _multipart(self, fd: int, size: int, key: str, ranges: list[tuple[int, int]]
+    def _multipart(self, source: LocalFile, key: str, ranges: list[tuple[int, int]]
                    ) -> ObjectSum:
-        sums: list[tuple[int, bytes]] = []
-
-        def read(start: int, end: int) -> tuple[bytes, int, bytes]:
-            if self.gate is not None:
-                self.gate()
-            data = pread_exact(fd, start, end)
-            return data, xxh(data), hashlib.md5(data, usedforsecurity=False).digest()
-
-        def parts() -> Iterator[bytes]:
-            pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
-            todo = iter(ranges)
-
-            def more() -> None:
-                for start, end in itertools.islice(todo, _AHEAD + 1 - len(pending)):
-                    pending.append(self._pool.submit(read, start, end))
-
-            try:
-                more()
-                while pending:
-                    data, part_xxh, part_md5 = pending.popleft().result()
-                    sums.append((part_xxh, part_md5))
-                    more()
-                    yield data
-            finally:  # the file is closed after the upload: no read may still run then
-                for future in pending:
-                    future.cancel()
-                concurrent.futures.wait(pending)
-
+        sums: list[PartSum] = []
+        parts = read_ahead(source, ranges, self._pool, self.gate, sums)
         try:
-            self._ob.put(self._parts_store, key, parts(), chunk_size=self.part_bytes,
+            self._ob.put(self._parts_store, key, parts, chunk_size=self.part_bytes,
                          max_concurrency=self.threads)
         except Exception as exc:
             failure = self._explain(exc)
@@ -234,8 +194,10 @@ class S3Remote(Remote):
                 f"{self._redact(failure.reason)}", path=where, key=key, op="upload",
                 attempts=attempts, missing=failure.missing, transient=failure.transient,
                 hint=UNAVAILABLE_HINT if failure.transient else failure.hint) from None
-        self._verify(key, size, multipart_etag([md5 for _, md5 in sums]))
-        return ObjectSum(size, self.part_bytes, tuple(x for x, _ in sums))
+        finally:
+            parts.close()  # no read of the file may still run once it is closed
+        self._verify(key, source.size, multipart_etag([md5 for _, md5 in sums]))
+        return ObjectSum(source.size, self.part_bytes, tuple(x for x, _ in sums))
 
     def _verify(self, key: str, size: int, etag: str) -> None:
         """After an upload: the object's size, and its ETag where it has an MD5 form; an
@@ -368,69 +330,8 @@ class S3Remote(Remote):
     # -- errors --------------------------------------------------------------------------
 
     def _explain(self, exc: BaseException) -> Failure:
-        """obstore's errors carry the HTTP status and the store's XML error in their text,
-        followed by a debug dump of the request (``Debug source:``) whose words (such as
-        ``retry_timeout``) say nothing about this failure: only the kind of HTTP error is
-        read from it."""
-        if not isinstance(exc, (self._ob.exceptions.BaseError, FileNotFoundError,
-                                PermissionError)):
-            return explain_generic(exc)
-        text = str(exc)
-        summary, _, debug = text.partition("\n\nDebug source:")
-        status = _STATUS.search(summary)
-        code_match = _CODE.search(summary)
-        code = code_match.group(1) if code_match else ""
-        missing = code == "NoSuchKey" or (isinstance(exc, FileNotFoundError)
-                                          and code != "NoSuchBucket")
-        metadata = _METADATA.search(summary) is not None
-        if status is not None:
-            number = int(status.group(1))
-            message = _MESSAGE.search(summary)
-            reason = f"HTTP {number} {code}".strip() + (
-                f": {message.group(1).strip()}" if message else "")
-            transient = number >= 500 or number == 429 or code in TRANSIENT_CODES
-            if metadata and not transient:
-                return Failure(f"no credentials: the instance metadata service answered "
-                               f"{reason}", False, hint=_CREDENTIAL_HINT)
-            return Failure(reason, transient and not missing, missing,
-                           None if transient or missing else self._refused_hint(number, code))
-        kind = _HTTP_KIND.search(debug)
-        line = f"{type(exc).__name__}: {_first_line(exc)}"
-        if "builder error" in summary.lower() or (kind is not None and kind.group(1) == "Unknown"
-                                                  and "Builder" in debug):
-            return Failure(line, False, hint=self._endpoint_hint())
-        if metadata:  # no instance metadata service: this is not an EC2 instance
-            return Failure(f"no credentials: the instance metadata service cannot be reached "
-                           f"({line})", False, hint=_CREDENTIAL_HINT)
-        if kind is not None:
-            return Failure(line, not missing and kind.group(1) in _TRANSIENT_KINDS, missing)
-        lowered = summary.lower()
-        transient = not missing and any(word in lowered for word in _NETWORK)
-        return Failure(line, transient, missing)
-
-    def _refused_hint(self, status: int, code: str) -> str:
-        """What to fix when the store refused a request for good."""
-        if code == "NoSuchBucket":
-            return f"the bucket of {self.url} does not exist: create it, or fix the URL"
-        if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId",
-                                             "SignatureDoesNotMatch", "ExpiredToken"):
-            return ("the store refused the credentials or the permission: check "
-                    "access_key_id, secret_access_key and session_token in persistent_options "
-                    "(or the AWS_* variables), and that they may read, write and list "
-                    f"{self.url}")
-        if status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
-            return "the bucket is in another region: set region in persistent_options"
-        return ("the store refused the request: check the URL, the endpoint, the region and "
-                "the credentials in persistent_options")
-
-    def _endpoint_hint(self) -> str:
-        """What to fix when the HTTP client could not even build a request."""
-        where = (f"the endpoint {self._endpoint} (from {self._endpoint_from})"
-                 if self._endpoint else "the endpoint")
-        return (f"the HTTP client could not make a request to {where}: it must be an "
-                "http:// or https:// URL, and plain http:// needs client_options="
-                "{'allow_http': True} in persistent_options (or AWS_ALLOW_HTTP=true)")
-
+        return explain_s3(exc, self._ob.exceptions.BaseError,
+                          S3Place(self.url, self._endpoint, self._endpoint_from))
 
 def _endpoint(settings: Mapping[str, Any]) -> tuple[str, str]:
     """(the endpoint obstore will use, the setting it comes from); ("", "") for AWS's."""
@@ -441,27 +342,3 @@ def _endpoint(settings: Mapping[str, Any]) -> tuple[str, str]:
         if os.environ.get(name):
             return os.environ[name], name
     return "", ""
-
-
-def single_etag(md5: bytes) -> str:
-    """The ETag S3 gives an object stored by one PUT."""
-    return f'"{md5.hex()}"'
-
-
-def multipart_etag(part_md5s: Sequence[bytes]) -> str:
-    """The ETag S3 gives an object stored by a multipart upload."""
-    whole = hashlib.md5(b"".join(part_md5s), usedforsecurity=False)
-    return f'"{whole.hexdigest()}-{len(part_md5s)}"'
-
-
-def etag_matches(got: Any, expected: str) -> bool:
-    """Whether an ETag agrees with ``expected``; one that is no MD5 form (an encrypted
-    object's, another store's) cannot be checked and passes."""
-    if not isinstance(got, str) or _MD5_ETAG.fullmatch(got) is None:
-        return True
-    return got == expected
-
-
-def _first_line(exc: BaseException) -> str:
-    line = (str(exc).strip().splitlines() or [""])[0]
-    return line if len(line) <= 400 else line[:400] + "..."
