@@ -189,7 +189,7 @@ class Stages:
                           missing_replicas=replicas.missing)
         self._emit(CheckpointCommitted(step=job.step, rank=self.rank, save_id=job.save_id,
                                        path=path, bytes=job.shard_size, seconds=seconds))
-        job.handle._resolve(info)
+        job.control.resolve(info)
         if self.promoter is not None:
             self.promoter.committed(job.step, job.save_id, lineage)
 
@@ -219,7 +219,7 @@ class Stages:
             await self._record_prunes(pruned, failed)
             rewound = await self._prune_rewound(job)
         finally:
-            self.ledger.settle(job.handle)
+            self.ledger.settle(job.control)
         for done in [*pruned, *rewound]:
             self._emit(CheckpointPruned(step=done.step, rank=self.rank, path=done.path,
                                         bytes=done.bytes,

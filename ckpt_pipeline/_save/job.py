@@ -11,6 +11,7 @@ from .._tiers.replica.push import Push
 from ..errors import CheckpointError
 from ..handle import SaveHandle
 from .buffers import Slot
+from .control import HandleControl
 from .copy import Snapshot
 from .files import SaveFiles
 
@@ -43,7 +44,8 @@ class SaveJob:
     rank: int
     world_size: int
     save_id: str
-    handle: SaveHandle
+    control: HandleControl
+    """Settles the save's handle (the stages resolve or fail it, retention settles it)."""
     slot: Slot | None
     snapshot: Snapshot | None
     paths: tuple[str, ...]
@@ -69,6 +71,11 @@ class SaveJob:
     failed_stage: str = ""
 
     @property
+    def handle(self) -> SaveHandle:
+        """What ``save()`` returned to the caller for this save."""
+        return self.control.handle
+
+    @property
     def data_bytes(self) -> int:
         """Bytes of the stored items: the state's unique tensor bytes."""
         return self.data.stored_bytes
@@ -83,9 +90,9 @@ class SaveJob:
 
     @classmethod
     def placeholder(cls, step: int, rank: int, world_size: int, save_id: str,
-                    handle: SaveHandle, error: CheckpointError, stage: str) -> SaveJob:
+                    control: HandleControl, error: CheckpointError, stage: str) -> SaveJob:
         """A save that failed before it had data: it only takes part in the commit vote."""
         return cls(step=step, rank=rank, world_size=world_size, save_id=save_id,
-                   handle=handle, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),
+                   control=control, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),
                    layouts=(), data=EMPTY_LAYOUT, tree=b"",
                    train_state={}, requested_at=0.0, error=error, failed_stage=stage)
