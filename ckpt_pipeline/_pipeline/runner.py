@@ -32,9 +32,9 @@ from .._logging import log, warn_unless_shown
 from .._save.job import SaveJob
 from .._threads import in_thread
 from ..errors import CheckpointError, CheckpointWarning, PipelineClosedError, SaveError
-from ..events import Event, SaveFailed, TemporariesScrubbed
+from ..events import Event, FailedAt, SaveFailed, SaveStage, TemporariesScrubbed
 from .ledger import Ledger
-from .stages import STAGES, StageName, Stages
+from .stages import STAGES, Stages
 
 __all__ = ("StageRunner",)
 
@@ -103,7 +103,7 @@ class StageRunner:
 
     async def _start_stages(self, tg: TaskGroup, receive: MemoryObjectReceiveStream[SaveJob]
                             ) -> None:
-        work: dict[StageName, _Work] = {
+        work: dict[SaveStage, _Work] = {
             "copy": self.stages.copy, "write_data": self.stages.write_data,
             "seal": self.stages.seal, "commit": self.stages.commit,
             "retain": self.stages.retain,
@@ -133,7 +133,7 @@ class StageRunner:
 
         return run
 
-    async def _shielded(self, name: StageName, receive: MemoryObjectReceiveStream[SaveJob],
+    async def _shielded(self, name: SaveStage, receive: MemoryObjectReceiveStream[SaveJob],
                         send: MemoryObjectSendStream[SaveJob] | None, work: _Work, *,
                         task_status: TaskStatus[None]) -> None:
         """A stage runs shielded: only ``_stop`` cuts it short, never a cancellation around."""
@@ -146,7 +146,7 @@ class StageRunner:
         for scope in self._scopes:
             scope.cancel()
 
-    async def _consume(self, name: StageName, receive: MemoryObjectReceiveStream[SaveJob],
+    async def _consume(self, name: SaveStage, receive: MemoryObjectReceiveStream[SaveJob],
                        send: MemoryObjectSendStream[SaveJob] | None, work: _Work, *,
                        task_status: TaskStatus[None]) -> None:
         """Take jobs in order; a failed job skips to ``commit`` and leaves there."""
@@ -220,7 +220,7 @@ class StageRunner:
 
     # ------------------------------------------------------------------ outcomes
 
-    def _as_error(self, job: SaveJob, stage: StageName, exc: Exception) -> CheckpointError:
+    def _as_error(self, job: SaveJob, stage: SaveStage, exc: Exception) -> CheckpointError:
         if isinstance(exc, CheckpointError):
             if exc.step is None:
                 exc.step = job.step
@@ -240,13 +240,14 @@ class StageRunner:
                       stage=job.failed_stage, error=str(job.error))
             self.ledger.settle(job.control)
             return
+        assert job.failed_stage is not None  # set with the error
         with anyio.CancelScope(shield=True):
             try:
                 await in_thread(self.stages.limiter, job.files.remove, self.storage)
             finally:
                 self.abandon(job, job.error, job.failed_stage)
 
-    def abandon(self, job: SaveJob, error: CheckpointError, stage: str = "submit") -> None:
+    def abandon(self, job: SaveJob, error: CheckpointError, stage: FailedAt = "submit") -> None:
         """Fail the job's handle (once) and take it out of the pipeline."""
         self.stages.release_slot(job)
         if job.handle.done():  # failed already (a skipped save): no second report

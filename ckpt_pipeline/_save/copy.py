@@ -77,12 +77,12 @@ class Snapshot:
     torn: SnapshotTornError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     # A streamed snapshot (state larger than a host buffer) is copied piece by piece by the
-    # serialize stage: ``ready`` orders its copies after the caller's work at save() time,
+    # write_data stage: ``ready`` orders its copies after the caller's work at save() time,
     # ``enqueued`` is set once every copy is launched (and ``events`` is final).
     streaming: bool = False
     ready: dict[int, torch.cuda.Event] = field(default_factory=dict)
     enqueued: threading.Event = field(default_factory=threading.Event)
-    # Per stored item, an event after which its copy is in host memory: the serialize stage
+    # Per stored item, an event after which its copy is in host memory: the write_data stage
     # hashes and writes the first items while the later ones are still being copied.
     copied: dict[int, torch.cuda.Event] = field(default_factory=dict)
     # A streamed snapshot's stored items (sources, file offsets) and the gaps between them.
@@ -333,7 +333,7 @@ def begin_streamed_snapshot(tensors: Sequence[torch.Tensor], paths: Sequence[str
                             sources: Sequence[torch.Tensor], offsets: Sequence[int],
                             gaps: Sequence[tuple[int, int]], *, step: int,
                             rank: int) -> Snapshot:
-    """A snapshot whose copies the serialize stage makes later, a host buffer at a time.
+    """A snapshot whose copies the write_data stage makes later, a host buffer at a time.
 
     Runs on the training thread: records the tensors' versions and, per CUDA device, an event
     on the caller's stream after which the copies run. ``sources``/``offsets``: the stored

@@ -9,6 +9,7 @@ from .._format.layout import EMPTY_LAYOUT, DataLayout
 from .._format.shard import DistLayout
 from .._tiers.replica.push import Push
 from ..errors import CheckpointError
+from ..events import SaveStage
 from ..handle import SaveHandle
 from .buffers import Slot
 from .control import HandleControl
@@ -68,7 +69,7 @@ class SaveJob:
     committed: bool = False
     # set by the first stage that fails; the job still reaches commit to take part in the vote
     error: CheckpointError | None = None
-    failed_stage: str = ""
+    failed_stage: SaveStage | None = None
 
     @property
     def handle(self) -> SaveHandle:
@@ -90,7 +91,8 @@ class SaveJob:
 
     @classmethod
     def placeholder(cls, step: int, rank: int, world_size: int, save_id: str,
-                    control: HandleControl, error: CheckpointError, stage: str) -> SaveJob:
+                    control: HandleControl, error: CheckpointError,
+                    stage: SaveStage) -> SaveJob:
         """A save that failed before it had data: it only takes part in the commit vote."""
         return cls(step=step, rank=rank, world_size=world_size, save_id=save_id,
                    control=control, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),

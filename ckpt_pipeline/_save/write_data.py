@@ -1,4 +1,4 @@
-"""Stage 2, serialize: the host copy into a temporary shard file, hashed as it is written."""
+"""Stage 2, write_data: the host copy into a temporary shard file, hashed as it is written."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from .copy import Snapshot, copy_piece
 from .files import close_quietly
 from .job import DataWritten, SaveJob
 
-__all__ = ("checksum_chunk", "required_bytes", "serialize")
+__all__ = ("checksum_chunk", "required_bytes", "write_data")
 
 
 def checksum_chunk(data_end: int, chunk_bytes: int, threads: int) -> int:
@@ -53,8 +53,8 @@ def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
     return job.data.data_end + header + 3 * ALIGN
 
 
-async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
-                    limiter: anyio.CapacityLimiter, direct_io: bool = True) -> DataWritten:
+async def write_data(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
+                     limiter: anyio.CapacityLimiter, direct_io: bool = True) -> DataWritten:
     """Write the data region into a new temporary shard file, then encode the shard header.
 
     One pass over host memory: each checksum chunk of the region is hashed (xxh3) right
@@ -110,7 +110,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
         raise
     if direct is not None:
         await in_thread(limiter, storage.close, direct)
-    crash_point("serialize.data_written")
+    crash_point("write_data.done")
     header = await in_thread(limiter, functools.partial(
         encode_header_fields, step=job.step, rank=job.rank, world_size=job.world_size,
         save_id=job.save_id, created_unix=time.time(), chunk_bytes=chunk,

@@ -8,6 +8,8 @@ The fields become the line's key-value pairs.
 
 from __future__ import annotations
 
+import warnings
+
 from ._base import Event as Event
 from ._persistent import PersistentAvailable as PersistentAvailable
 from ._persistent import PersistentTakenOver as PersistentTakenOver
@@ -31,12 +33,14 @@ from ._restore import CheckpointRewound as CheckpointRewound
 from ._restore import TemporariesScrubbed as TemporariesScrubbed
 from ._save import CheckpointCommitted as CheckpointCommitted
 from ._save import CheckpointPruned as CheckpointPruned
+from ._save import FailedAt as FailedAt
 from ._save import RetentionFailed as RetentionFailed
 from ._save import SaveFailed as SaveFailed
 from ._save import SaveRequested as SaveRequested
 from ._save import SaveSkipped as SaveSkipped
-from ._save import ShardSerialized as ShardSerialized
-from ._save import ShardWritten as ShardWritten
+from ._save import SaveStage as SaveStage
+from ._save import ShardDataWritten as ShardDataWritten
+from ._save import ShardSealed as ShardSealed
 from ._save import SnapshotTaken as SnapshotTaken
 
 __all__ = (
@@ -46,6 +50,7 @@ __all__ = (
     "CheckpointRestored",
     "CheckpointRewound",
     "Event",
+    "FailedAt",
     "ForeignFilesSetAside",
     "PersistFailed",
     "PersistPruned",
@@ -61,13 +66,29 @@ __all__ = (
     "SaveFailed",
     "SaveRequested",
     "SaveSkipped",
+    "SaveStage",
+    "ShardDataWritten",
     "ShardDownloaded",
     "ShardFetched",
     "ShardReplicated",
-    "ShardSerialized",
+    "ShardSealed",
     "ShardUploaded",
-    "ShardWritten",
     "SnapshotTaken",
     "StepPersisted",
     "TemporariesScrubbed",
 )
+
+RENAMED = {"ShardSerialized": "ShardDataWritten", "ShardWritten": "ShardSealed"}
+"""Old event names, kept importable: {old: new}. The stage they report is called write_data
+and seal everywhere else (functions, crash labels, log names)."""
+
+
+def __getattr__(name: str) -> type[Event]:
+    """An old event name: warn, and hand back the renamed class (``isinstance`` still holds)."""
+    new = RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"ckpt_pipeline.events.{name} was renamed {new} (the stage's one name); the old "
+                  "name will be removed", DeprecationWarning, stacklevel=2)
+    event: type[Event] = globals()[new]
+    return event

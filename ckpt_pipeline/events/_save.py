@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 from ._base import Event
 
 __all__ = (
     "CheckpointCommitted",
     "CheckpointPruned",
+    "FailedAt",
     "RetentionFailed",
     "SaveFailed",
     "SaveRequested",
     "SaveSkipped",
-    "ShardSerialized",
-    "ShardWritten",
+    "SaveStage",
+    "ShardDataWritten",
+    "ShardSealed",
     "SnapshotTaken",
 )
+
+SaveStage = Literal["copy", "write_data", "seal", "commit", "retain"]
+"""The stages of a save, in order: the one name of each in functions, crash labels, events and
+log lines (``write_data.done``, ``ShardDataWritten``, ``ckpt.write_data.done``)."""
+
+FailedAt = Literal[SaveStage, "submit", "close"]
+"""Where a save failed (``SaveFailed.stage``): a stage, or ``submit`` (the pipeline was closed
+when the save was handed to it), or ``close`` (abandoned when the pipeline closed)."""
+
+_FAILED_AT: frozenset[str] = frozenset(get_args(SaveStage)) | {"submit", "close"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +63,11 @@ class SnapshotTaken(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class ShardSerialized(Event):
-    """Checksums computed and the shard header encoded."""
+class ShardDataWritten(Event):
+    """The write_data stage is done: the tensor bytes are hashed and in the temporary shard,
+    the shard header encoded."""
 
-    log_name: ClassVar[str] = "ckpt.serialize.done"
+    log_name: ClassVar[str] = "ckpt.write_data.done"
     save_id: str
     bytes: int
     header_bytes: int
@@ -62,10 +75,11 @@ class ShardSerialized(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class ShardWritten(Event):
-    """The shard and manifest of this rank are durable under their final names."""
+class ShardSealed(Event):
+    """The seal stage is done: the shard and manifest of this rank are durable under their
+    final names."""
 
-    log_name: ClassVar[str] = "ckpt.write.done"
+    log_name: ClassVar[str] = "ckpt.seal.done"
     save_id: str
     path: str
     bytes: int
@@ -117,6 +131,11 @@ class SaveFailed(Event):
     log_name: ClassVar[str] = "ckpt.save.failed"
     log_level: ClassVar[str] = "error"
     save_id: str
-    stage: str
+    stage: FailedAt
     error: str
+
+    def __post_init__(self) -> None:
+        if self.stage not in _FAILED_AT:
+            raise ValueError(f"SaveFailed.stage is {self.stage!r}, not one of "
+                             f"{', '.join(sorted(_FAILED_AT))}")
 
