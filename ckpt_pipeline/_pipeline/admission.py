@@ -21,7 +21,8 @@ from .._format.limits import DTYPE_NAMES, check_byte_copyable, check_save
 from .._gc import gc_paused
 from .._save.buffers import DeviceStaging, HostPool, Slot
 from .._save.control import HandleControl
-from .._save.copy import begin_streamed_snapshot, item_sources, take_snapshot
+from .._save.copy import item_sources, take_snapshot
+from .._save.copy_streamed import begin_streamed_snapshot
 from .._save.job import SaveJob
 from .._tree import FlatState, flatten_state
 from ..config import PipelineConfig

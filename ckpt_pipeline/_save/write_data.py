@@ -30,7 +30,8 @@ from .._threads import in_thread
 from .._tiers.replica.push import Push
 from ..errors import StorageError
 from ..storage import Storage
-from .copy import Snapshot, copy_piece
+from .copy import Snapshot
+from .copy_streamed import copy_piece
 from .files import close_quietly
 from .job import DataWritten, SaveJob
 
