@@ -15,8 +15,8 @@ so that the ranks start it together, as the collectives of a training step would
   agreement (the run id, an all-gather of every rank);
 - per save (``saves``, the first one is the warm-up: the host buffer is allocated then):
   ``blocking_s`` (``SaveRequested.blocking_seconds``), ``save_call_s`` (the wall time of
-  ``save()`` on this thread), ``seal_s`` (``ShardWritten.seconds``), ``commit_stage_s`` (from
-  the receipt of ``ShardWritten`` to the receipt of ``CheckpointCommitted`` in the subscriber,
+  ``save()`` on this thread), ``seal_s`` (``ShardSealed.seconds``), ``commit_stage_s`` (from
+  the receipt of ``ShardSealed`` to the receipt of ``CheckpointCommitted`` in the subscriber,
   ``time.perf_counter``: the vote between every rank, the commit record and its fsync, and the
   wait for the slowest rank's shard), ``durable_s`` (``CommitInfo.seconds``: ``save()`` to the
   commit record durable), ``replicate_s`` (the longest ``ShardReplicated.seconds`` of the
@@ -168,8 +168,8 @@ def run(args: argparse.Namespace, rank: int, world: int, result: dict[str, Any])
             info = handle.result(timeout=args.save_timeout_s)
             t2 = time.perf_counter()
             requested = recorder.events.get(("SaveRequested", step))
-            written = recorder.events.get(("ShardWritten", step))
-            w_perf = recorder.perf.get(("ShardWritten", step))
+            written = recorder.events.get(("ShardSealed", step))
+            w_perf = recorder.perf.get(("ShardSealed", step))
             c_perf = recorder.perf.get(("CheckpointCommitted", step))
             copies = recorder.replicated.get(step, [])
             saves.append({
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace, rank: int, world: int, result: dict[str, Any])
                 "degraded_events": recorder.degraded.get(step, []),
                 "shard_bytes": info.bytes,
                 "start_mono": start_mono,
-                "written_mono": recorder.mono.get(("ShardWritten", step)),
+                "written_mono": recorder.mono.get(("ShardSealed", step)),
                 "committed_mono": recorder.mono.get(("CheckpointCommitted", step)),
             })
 

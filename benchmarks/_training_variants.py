@@ -448,10 +448,10 @@ class CkptPipeline(Variant):
             if kind == "SaveRequested":
                 row["save_call_s"] = event.blocking_seconds
                 row["bytes"] = event.bytes
-            elif kind in ("SnapshotTaken", "ShardSerialized", "ShardWritten",
+            elif kind in ("SnapshotTaken", "ShardDataWritten", "ShardSealed",
                           "CheckpointCommitted"):
-                row[{"SnapshotTaken": "snapshot_s", "ShardSerialized": "serialize_s",
-                     "ShardWritten": "write_s", "CheckpointCommitted": "commit_s"}[kind]] = \
+                row[{"SnapshotTaken": "snapshot_s", "ShardDataWritten": "serialize_s",
+                     "ShardSealed": "write_s", "CheckpointCommitted": "commit_s"}[kind]] = \
                     event.seconds
             elif kind == "CheckpointPruned":  # this step was pruned after a later commit
                 row["pruned_s"] = event.seconds

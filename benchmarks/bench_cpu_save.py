@@ -74,8 +74,8 @@ KEEP_LAST = 2
 STAGE_EVENTS = {
     "SaveRequested": "save_call",
     "SnapshotTaken": "snapshot",
-    "ShardSerialized": "serialize",
-    "ShardWritten": "write",
+    "ShardDataWritten": "serialize",
+    "ShardSealed": "write",
 }
 ALL_METHODS = (
     "plain_write_fsync",

@@ -1,5 +1,8 @@
 """ckpt_pipeline: asynchronous, crash-safe checkpointing for PyTorch training."""
 
+import warnings
+
+from . import events as _events
 from ._pipeline.blocking import CheckpointPipeline as CheckpointPipeline
 from ._pipeline.lifecycle import AsyncCheckpointPipeline as AsyncCheckpointPipeline
 from .config import BusyPolicy as BusyPolicy
@@ -47,12 +50,12 @@ from .events import RetentionFailed as RetentionFailed
 from .events import SaveFailed as SaveFailed
 from .events import SaveRequested as SaveRequested
 from .events import SaveSkipped as SaveSkipped
+from .events import ShardDataWritten as ShardDataWritten
 from .events import ShardDownloaded as ShardDownloaded
 from .events import ShardFetched as ShardFetched
 from .events import ShardReplicated as ShardReplicated
-from .events import ShardSerialized as ShardSerialized
+from .events import ShardSealed as ShardSealed
 from .events import ShardUploaded as ShardUploaded
-from .events import ShardWritten as ShardWritten
 from .events import SnapshotTaken as SnapshotTaken
 from .events import StepPersisted as StepPersisted
 from .events import TemporariesScrubbed as TemporariesScrubbed
@@ -132,12 +135,12 @@ __all__ = (
     "SaveHandle",
     "SaveRequested",
     "SaveSkipped",
+    "ShardDataWritten",
     "ShardDownloaded",
     "ShardFetched",
     "ShardReplicated",
-    "ShardSerialized",
+    "ShardSealed",
     "ShardUploaded",
-    "ShardWritten",
     "SnapshotMode",
     "SnapshotTaken",
     "SnapshotTornError",
@@ -154,3 +157,14 @@ __all__ = (
     "enable_logging",
     "load",
 )
+
+
+def __getattr__(name: str) -> type[Event]:
+    """An old event name (``events.RENAMED``): warn, and hand back the renamed class."""
+    new = _events.RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"ckpt_pipeline.{name} was renamed {new} (the stage's one name); the old "
+                  "name will be removed", DeprecationWarning, stacklevel=2)
+    event: type[Event] = getattr(_events, new)
+    return event

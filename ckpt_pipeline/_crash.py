@@ -5,9 +5,11 @@ environment variable ``CKPT_PIPELINE_CRASH_AT`` arms one of them; it accepts two
 
 - ``<label>``: SIGKILL this process the first time ``label`` is reached (same as ``<label>:1``);
 - ``<label>:<N>``: SIGKILL it the N-th time ``label`` is reached, N a positive decimal integer
-  (``write.done:3`` kills during the third save's ``write.done``).
+  (``seal.done:3`` kills during the third save's ``seal.done``).
 
-``<label>`` must be one of ``CRASH_POINTS``. Hits are counted per label, in this process, from
+``<label>`` must be one of ``CRASH_POINTS`` (a label of a save stage begins with the stage's
+name: ``write_data.``, ``seal.``, ``commit.``, ``retain.``); an old label of ``RENAMED`` is still
+accepted, with a DeprecationWarning. Hits are counted per label, in this process, from
 the moment the variable names that label (set it in the child's environment to count from the
 start of the process), under a lock, so saves in several threads count each hit exactly once.
 Any other value (an unknown label, ``N`` missing, zero, negative or not a number) is a mistake
@@ -23,6 +25,7 @@ import os
 import re
 import signal
 import threading
+import warnings
 
 __all__ = ("CRASH_ENV", "CRASH_POINTS", "crash_point")
 
@@ -30,10 +33,10 @@ CRASH_ENV = "CKPT_PIPELINE_CRASH_AT"
 
 CRASH_POINTS = (
     "save.requested",          # save() handed the job to the pipeline
-    "serialize.data_written",  # tensor bytes in the temporary shard, not fsynced
-    "write.shard_fsynced",     # shard fsynced under its temporary name
-    "write.shard_published",   # shard under its final name, no manifest yet
-    "write.done",              # shard and manifest durable, no vote yet
+    "write_data.done",         # tensor bytes in the temporary shard, not fsynced
+    "seal.shard_fsynced",      # shard fsynced under its temporary name
+    "seal.shard_published",    # shard under its final name, no manifest yet
+    "seal.done",               # shard and manifest durable, no vote yet
     "commit.voted",            # every rank agreed, no commit record yet
     "commit.record_published", # commit record durable, confirmation not exchanged
     "retain.commit_removed",   # an old step's commit record removed, its data not yet
@@ -43,6 +46,14 @@ CRASH_POINTS = (
     "replicate.receiving",     # holder: a chunk of a copy received, the copy incomplete
     "replicate.stored",        # holder: a copy published, not acknowledged or committed
 )
+
+RENAMED = {
+    "serialize.data_written": "write_data.done",
+    "write.shard_fsynced": "seal.shard_fsynced",
+    "write.shard_published": "seal.shard_published",
+    "write.done": "seal.done",
+}
+"""Old labels, from before the stages had one name each: {old: new}."""
 
 _FORM = re.compile(r"^(?P<label>[^:]+?)(?::(?P<nth>[0-9]+))?$")
 
@@ -57,6 +68,11 @@ def parse_crash_at(value: str) -> tuple[str, int]:
     match = _FORM.match(value.strip())
     label = match.group("label") if match else None
     nth = int(match.group("nth")) if match and match.group("nth") is not None else 1
+    if label in RENAMED:
+        warnings.warn(f"{CRASH_ENV}: the crash point {label!r} was renamed "
+                      f"{RENAMED[label]!r}; the old label will be removed", DeprecationWarning,
+                      stacklevel=2)
+        label = RENAMED[label]
     if label not in CRASH_POINTS or nth < 1:
         raise ValueError(
             f"{CRASH_ENV}={value!r} is not valid: use '<label>' or '<label>:<N>' (N >= 1, kill "

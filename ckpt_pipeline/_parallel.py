@@ -7,6 +7,8 @@ from typing import TypeVar
 
 import anyio
 
+from ._threads import in_thread
+
 __all__ = ("first_leaf", "run_groups", "split_balanced", "tensor_chunks")
 
 R = TypeVar("R", bound=tuple[int, ...])
@@ -50,7 +52,7 @@ async def run_groups(fn: Callable[[list[R]], None], groups: list[list[R]],
     try:
         async with anyio.create_task_group() as tg:
             for group in groups:
-                tg.start_soon(_run_sync, fn, group, limiter)
+                tg.start_soon(in_thread, limiter, fn, group)
     except Exception as exc:
         raise first_leaf(exc) from None
 
@@ -62,7 +64,3 @@ def first_leaf(exc: BaseException) -> BaseException:
         inner = getattr(exc, "exceptions", None)
     return exc
 
-
-async def _run_sync(fn: Callable[[list[R]], None], group: list[R],
-                    limiter: anyio.CapacityLimiter) -> None:
-    await anyio.to_thread.run_sync(fn, group, limiter=limiter)

@@ -110,7 +110,7 @@ class SnapshotTornError(CheckpointError):
 
 
 class SaveError(CheckpointError):
-    """A save failed in the pipeline (serialize, write or commit); nothing was committed.
+    """A save failed in the pipeline (write_data, seal or commit); nothing was committed.
 
     ``ranks``: the ranks that failed, when the failure was another rank's.
     """

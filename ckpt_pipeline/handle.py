@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .errors import CheckpointError
 from .train_state import TrainState
-
-if TYPE_CHECKING:
-    from ._save.copy import Snapshot
 
 __all__ = ("CommitInfo", "RejectedStep", "RestoreResult", "SaveHandle")
 
@@ -80,16 +75,28 @@ class RestoreResult:
     on the source rank when it is done). The same on every rank."""
 
 
-class SaveHandle:
-    """The pending result of one ``save()``. Thread-safe; usable from any thread."""
+class _CallerRelease(Protocol):
+    """What ``wait_snapshot`` needs of a save's snapshot: to order the caller after its copies.
 
-    def __init__(self, step: int, save_id: str, snapshot: Snapshot | None = None) -> None:
+    A protocol, so that this module (below the save path) knows nothing of snapshots."""
+
+    def release_by_caller(self, *, block_cpu: bool) -> None: ...
+
+
+class SaveHandle:
+    """The pending result of one ``save()``. Thread-safe; usable from any thread.
+
+    Only the pipeline settles it, through the control it was created with
+    (``ckpt_pipeline._save.control.HandleControl``); a handle only reads its outcome.
+    """
+
+    def __init__(self, step: int, save_id: str,
+                 outcome: concurrent.futures.Future[CommitInfo],
+                 snapshot: _CallerRelease | None = None) -> None:
         self.step = step
         self.save_id = save_id
         self._snapshot = snapshot
-        self._future: concurrent.futures.Future[CommitInfo] = concurrent.futures.Future()
-        self._lock = threading.Lock()
-        self._settled = threading.Event()  # set once retention after the commit is done too
+        self._future = outcome
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Order the caller's CUDA streams after this save's copies; check nothing was mutated.
@@ -115,20 +122,8 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
 
-    def _resolve(self, info: CommitInfo) -> None:
-        with self._lock:
-            if not self._future.done():
-                self._future.set_result(info)
-
-    def _fail(self, error: CheckpointError) -> None:
-        with self._lock:
-            if not self._future.done():
-                self._future.set_exception(error)
-
     def __repr__(self) -> str:
         state = "pending"
         if self._future.done():
             state = "failed" if self._future.exception() else "committed"
         return f"SaveHandle(step={self.step}, {state})"
-
-

@@ -73,9 +73,9 @@ def test_standard_logging_level_controls_the_lines(root: Path) -> None:
                 assert events == []
             elif level == logging.INFO:
                 assert "ckpt.commit.done" in events
-                assert "ckpt.write.done" not in events and "ckpt.save.requested" not in events
+                assert "ckpt.seal.done" not in events and "ckpt.save.requested" not in events
             else:
-                for name in ("ckpt.save.requested", "ckpt.serialize.done", "ckpt.write.done",
+                for name in ("ckpt.save.requested", "ckpt.write_data.done", "ckpt.seal.done",
                              "ckpt.commit.done"):
                     assert name in events, lines
     finally:

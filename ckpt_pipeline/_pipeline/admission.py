@@ -21,13 +21,14 @@ from .._format.limits import DTYPE_NAMES
 from .._gc import gc_paused
 from .._save.buffers import DeviceStaging, HostPool, Slot
 from .._save.checks import check_byte_copyable, check_save
-from .._save.copy import begin_streamed_snapshot, item_sources, take_snapshot
+from .._save.control import HandleControl
+from .._save.copy import item_sources, take_snapshot
+from .._save.copy_streamed import begin_streamed_snapshot
 from .._save.job import SaveJob
 from .._tree import FlatState, flatten_state
 from ..config import PipelineConfig
 from ..errors import ForkedProcessError, PoolBusyError, StateError, StepOrderError
 from ..events import Event, SaveRequested, SaveSkipped
-from ..handle import SaveHandle
 from ..train_state import RNGState, TrainState
 from .ledger import Ledger
 
@@ -161,16 +162,16 @@ class Admission:
                                  ordered=self.config.snapshot_mode == "ordered",
                                  staging=self.staging)
         save_id = f"{self.run_id}-{step}"
-        handle = SaveHandle(step, save_id, snap)
+        control = HandleControl(step, save_id, snap)
         job = SaveJob(
             step=step, rank=self.rank, world_size=self.config.world_size, save_id=save_id,
-            handle=handle, slot=slot, snapshot=snap, paths=flat.paths,
+            control=control, slot=slot, snapshot=snap, paths=flat.paths,
             dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
             shapes=tuple(tuple(t.shape) for t in flat.tensors), layouts=flat.layouts,
             data=layout, tree=plan.tree, train_state=plan.train_state,
             requested_at=plan.started,
         )
-        self.ledger.register(handle, wait_for_snapshot=snap.needs_release)
+        self.ledger.register(control, wait_for_snapshot=snap.needs_release)
         self._emit(SaveRequested(step=step, rank=self.rank, save_id=save_id,
                                  tensors=len(flat.tensors), bytes=job.data_bytes,
                                  blocking_seconds=time.perf_counter() - plan.started))
@@ -180,14 +181,14 @@ class Admission:
         """A save dropped by the ``skip`` policy: it fails now, and still votes at commit."""
         self.ledger.claim(step)
         save_id = f"{self.run_id}-{step}"
-        handle = SaveHandle(step, save_id)
+        control = HandleControl(step, save_id)
         reason = "every host buffer is busy with an earlier save"
         error = PoolBusyError(f"save skipped: {reason}", step=step, rank=self.rank,
                               hint="save less often, or use buffer_slots=2 or "
                                    "when_busy='block'")
-        handle._fail(error)
+        control.fail(error)
         self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
-        return SaveJob.placeholder(step, self.rank, self.config.world_size, save_id, handle,
+        return SaveJob.placeholder(step, self.rank, self.config.world_size, save_id, control,
                                    error, "copy")
 
     def wait_snapshot(self, *, block_cpu: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+from .._save.control import HandleControl
 from ..config import PipelineConfig
 from ..errors import CheckpointError, PipelineBusyError, SaveError, StepOrderError
 from ..handle import SaveHandle
@@ -27,7 +28,7 @@ class Ledger:
         self.lock = threading.Lock()
         self.admission = threading.Lock()
         """Held while a save is admitted, and while a restore begins: one of them goes first."""
-        self._pending: dict[int, SaveHandle] = {}
+        self._pending: dict[int, HandleControl] = {}
         self._snapshots: list[SaveHandle] = []
         self._last_step: int | None = None
         self._latest_committed: int | None = None
@@ -73,21 +74,25 @@ class Ledger:
                 self._check_not_restoring("save()", step)
             self._last_step = step
 
-    def register(self, handle: SaveHandle, *, wait_for_snapshot: bool) -> None:
+    def register(self, control: HandleControl, *, wait_for_snapshot: bool) -> None:
         with self.lock:
-            self._pending[handle.step] = handle
+            self._pending[control.step] = control
             if wait_for_snapshot:
-                self._snapshots.append(handle)
+                self._snapshots.append(control.handle)
 
-    def settle(self, handle: SaveHandle) -> None:
+    def settle(self, control: HandleControl) -> None:
         """The save has left the pipeline (committed and retained, or failed)."""
         with self.lock:
-            self._pending.pop(handle.step, None)
-        handle._settled.set()
+            self._pending.pop(control.step, None)
+        control.settle()
 
     def pending_handles(self) -> list[SaveHandle]:
+        return [control.handle for control in self.pending_controls()]
+
+    def pending_controls(self) -> list[HandleControl]:
+        """The saves in flight, by step (the pipeline's side of their handles)."""
         with self.lock:
-            return sorted(self._pending.values(), key=lambda h: h.step)
+            return sorted(self._pending.values(), key=lambda c: c.step)
 
     def take_snapshots(self) -> list[SaveHandle]:
         """The saves whose copies ``wait_snapshot()`` has not waited for yet."""

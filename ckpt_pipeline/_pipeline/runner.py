@@ -32,9 +32,9 @@ from .._logging import log, warn_unless_shown
 from .._save.job import SaveJob
 from .._threads import in_thread
 from ..errors import CheckpointError, CheckpointWarning, PipelineClosedError, SaveError
-from ..events import Event, SaveFailed, TemporariesScrubbed
+from ..events import Event, FailedAt, SaveFailed, SaveStage, TemporariesScrubbed
 from .ledger import Ledger
-from .stages import STAGES, StageName, Stages
+from .stages import STAGES, Stages
 
 __all__ = ("StageRunner",)
 
@@ -103,7 +103,7 @@ class StageRunner:
 
     async def _start_stages(self, tg: TaskGroup, receive: MemoryObjectReceiveStream[SaveJob]
                             ) -> None:
-        work: dict[StageName, _Work] = {
+        work: dict[SaveStage, _Work] = {
             "copy": self.stages.copy, "write_data": self.stages.write_data,
             "seal": self.stages.seal, "commit": self.stages.commit,
             "retain": self.stages.retain,
@@ -122,7 +122,7 @@ class StageRunner:
         working = self._working
 
         async def run(job: SaveJob) -> None:
-            for key in [k for k, j in working.items() if j.handle._settled.is_set()]:
+            for key in [k for k, j in working.items() if j.control.settled]:
                 del working[key]
             working[id(job)] = job
             try:
@@ -133,7 +133,7 @@ class StageRunner:
 
         return run
 
-    async def _shielded(self, name: StageName, receive: MemoryObjectReceiveStream[SaveJob],
+    async def _shielded(self, name: SaveStage, receive: MemoryObjectReceiveStream[SaveJob],
                         send: MemoryObjectSendStream[SaveJob] | None, work: _Work, *,
                         task_status: TaskStatus[None]) -> None:
         """A stage runs shielded: only ``_stop`` cuts it short, never a cancellation around."""
@@ -146,7 +146,7 @@ class StageRunner:
         for scope in self._scopes:
             scope.cancel()
 
-    async def _consume(self, name: StageName, receive: MemoryObjectReceiveStream[SaveJob],
+    async def _consume(self, name: SaveStage, receive: MemoryObjectReceiveStream[SaveJob],
                        send: MemoryObjectSendStream[SaveJob] | None, work: _Work, *,
                        task_status: TaskStatus[None]) -> None:
         """Take jobs in order; a failed job skips to ``commit`` and leaves there."""
@@ -220,7 +220,7 @@ class StageRunner:
 
     # ------------------------------------------------------------------ outcomes
 
-    def _as_error(self, job: SaveJob, stage: StageName, exc: Exception) -> CheckpointError:
+    def _as_error(self, job: SaveJob, stage: SaveStage, exc: Exception) -> CheckpointError:
         if isinstance(exc, CheckpointError):
             if exc.step is None:
                 exc.step = job.step
@@ -238,19 +238,20 @@ class StageRunner:
         if job.committed:  # a committed step is never removed by a later failure
             log.error("ckpt.pipeline.bug", step=job.step, rank=self.rank,
                       stage=job.failed_stage, error=str(job.error))
-            self.ledger.settle(job.handle)
+            self.ledger.settle(job.control)
             return
+        assert job.failed_stage is not None  # set with the error
         with anyio.CancelScope(shield=True):
             try:
                 await in_thread(self.stages.limiter, job.files.remove, self.storage)
             finally:
                 self.abandon(job, job.error, job.failed_stage)
 
-    def abandon(self, job: SaveJob, error: CheckpointError, stage: str = "submit") -> None:
+    def abandon(self, job: SaveJob, error: CheckpointError, stage: FailedAt = "submit") -> None:
         """Fail the job's handle (once) and take it out of the pipeline."""
         self.stages.release_slot(job)
         if job.handle.done():  # failed already (a skipped save): no second report
-            self.ledger.settle(job.handle)
+            self.ledger.settle(job.control)
             return
         self.ledger.failed(error, job.step)
         self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id, stage=stage,
@@ -261,20 +262,20 @@ class StageRunner:
             f"{self.ledger.policy_note()}. (This warning stands in for the ckpt.save.failed "
             "ERROR log line, which no logging handler shows: configure logging, or filter "
             "ckpt_pipeline.CheckpointWarning.)", CheckpointWarning)
-        job.handle._fail(error)
-        self.ledger.settle(job.handle)
+        job.control.fail(error)
+        self.ledger.settle(job.control)
 
     async def wait_pending(self, timeout: float | None, *, raise_errors: bool) -> None:
         """Wait for every save in flight to settle; raise the first failure if asked."""
         deadline = None if timeout is None else time.monotonic() + timeout
         first: BaseException | None = None
-        for handle in self.ledger.pending_handles():
+        for control in self.ledger.pending_controls():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            settled = await anyio.to_thread.run_sync(handle._settled.wait, left,
-                                                     abandon_on_cancel=True)
+            settled = await in_thread(None, control.wait_settled, left, abandon_on_cancel=True)
             if not settled:
-                raise TimeoutError(f"save of step {handle.step} not finished after {timeout} s")
-            error = handle.exception(0)
+                raise TimeoutError(f"save of step {control.step} not finished after "
+                                   f"{timeout} s")
+            error = control.handle.exception(0)
             if first is None and isinstance(error, CheckpointError):
                 first = error
         if first is not None and raise_errors:
@@ -293,7 +294,7 @@ class StageRunner:
                     break
             self._queued.close()
         self._working.clear()
-        left = [job for job in jobs if not job.handle._settled.is_set()]
+        left = [job for job in jobs if not job.control.settled]
         if left:
             log.warning("ckpt.close.cancelled", rank=self.rank,
                         steps=sorted(job.step for job in left if not job.committed),
@@ -301,7 +302,7 @@ class StageRunner:
                                          "removed; the previous checkpoint is intact")
         for job in left:
             if job.committed:  # committed before retention ran: it stays
-                self.ledger.settle(job.handle)
+                self.ledger.settle(job.control)
                 continue
             try:
                 await in_thread(self.stages.limiter, job.files.remove, self.storage)
@@ -322,7 +323,7 @@ class StageRunner:
                 scrubbed = []
             for path, size in scrubbed:
                 self._emit(TemporariesScrubbed(step=-1, rank=self.rank, path=path, bytes=size))
-        for handle in self.ledger.pending_handles():  # not expected: every job is tracked
-            handle._fail(PipelineClosedError(f"save abandoned: the pipeline closed ({why})",
-                                             step=handle.step, rank=self.rank))
-            self.ledger.settle(handle)
+        for control in self.ledger.pending_controls():  # not expected: every job is tracked
+            control.fail(PipelineClosedError(f"save abandoned: the pipeline closed ({why})",
+                                             step=control.step, rank=self.rank))
+            self.ledger.settle(control)

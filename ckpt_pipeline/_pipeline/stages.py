@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import get_args
 
 import anyio
 
@@ -33,8 +33,8 @@ from .._save.buffers import HostPool
 from .._save.commit import commit
 from .._save.job import SaveJob
 from .._save.retain import Pruned, PruneFailed, prune, prune_rewound
-from .._save.seal import write_shard
-from .._save.write_data import serialize
+from .._save.seal import seal
+from .._save.write_data import write_data
 from .._threads import in_thread
 from .._tiers.persistent.promote import Promoter
 from .._tiers.replica.replication import Replication
@@ -47,19 +47,20 @@ from ..events import (
     Event,
     ReplicationDegraded,
     RetentionFailed,
+    SaveStage,
+    ShardDataWritten,
     ShardReplicated,
-    ShardSerialized,
-    ShardWritten,
+    ShardSealed,
     SnapshotTaken,
 )
 from ..handle import CommitInfo
 from ..storage import Storage
 from .ledger import Ledger
 
-__all__ = ("STAGES", "StageName", "Stages")
+__all__ = ("STAGES", "Stages")
 
-StageName = Literal["copy", "write_data", "seal", "commit", "retain"]
-STAGES: tuple[StageName, ...] = ("copy", "write_data", "seal", "commit", "retain")
+STAGES: tuple[SaveStage, ...] = get_args(SaveStage)
+"""The stages in order (``SaveStage``: their one vocabulary)."""
 
 class Stages:
     """The five stages' work for one pipeline (see the module docstring)."""
@@ -114,28 +115,28 @@ class Stages:
         if self.replication is not None:
             job.push = self.replication.push_for(job.step, job.save_id)
         with self._uploads_paused():
-            written = await serialize(job, self.storage, chunk_bytes=self.config.chunk_bytes,
-                                      threads=self.config.io_threads, limiter=self.limiter,
-                                      direct_io=self.config.direct_io)
+            written = await write_data(job, self.storage, chunk_bytes=self.config.chunk_bytes,
+                                       threads=self.config.io_threads, limiter=self.limiter,
+                                       direct_io=self.config.direct_io)
         job.written = written
         self.release_slot(job)  # the bytes are in the file now: the next save may copy
         if written.copy_seconds is not None:
             self._emit(SnapshotTaken(step=job.step, rank=self.rank, save_id=job.save_id,
                                      bytes=job.data_bytes, seconds=written.copy_seconds))
-        self._emit(ShardSerialized(step=job.step, rank=self.rank, save_id=job.save_id,
-                                   bytes=job.data_bytes, header_bytes=len(written.header),
-                                   seconds=time.perf_counter() - started))
+        self._emit(ShardDataWritten(step=job.step, rank=self.rank, save_id=job.save_id,
+                                    bytes=job.data_bytes, header_bytes=len(written.header),
+                                    seconds=time.perf_counter() - started))
 
     async def seal(self, job: SaveJob) -> None:
         started = time.perf_counter()
         with self._uploads_paused():
-            job.sealed = await write_shard(job, self.storage, limiter=self.limiter)
+            job.sealed = await seal(job, self.storage, limiter=self.limiter)
         if job.push is not None and job.written is not None:
             await in_thread(self.limiter, job.push.finish, job.written.header,
                             job.data.data_end, job.sealed.preamble, job.sealed.manifest)
-        self._emit(ShardWritten(step=job.step, rank=self.rank, save_id=job.save_id,
-                                path=os.path.join(str(self.storage.root), job.files.dir_name),
-                                bytes=job.shard_size, seconds=time.perf_counter() - started))
+        self._emit(ShardSealed(step=job.step, rank=self.rank, save_id=job.save_id,
+                               path=os.path.join(str(self.storage.root), job.files.dir_name),
+                               bytes=job.shard_size, seconds=time.perf_counter() - started))
 
     async def commit(self, job: SaveJob) -> None:
         lineage = self.timeline.lineage()
@@ -183,7 +184,7 @@ class Stages:
                           missing_replicas=replicas.missing)
         self._emit(CheckpointCommitted(step=job.step, rank=self.rank, save_id=job.save_id,
                                        path=path, bytes=job.shard_size, seconds=seconds))
-        job.handle._resolve(info)
+        job.control.resolve(info)
         if self.promoter is not None:
             self.promoter.committed(job.step, job.save_id, lineage)
 
@@ -213,7 +214,7 @@ class Stages:
             await self._record_prunes(pruned, failed)
             rewound = await self._prune_rewound(job)
         finally:
-            self.ledger.settle(job.handle)
+            self.ledger.settle(job.control)
         for done in [*pruned, *rewound]:
             self._emit(CheckpointPruned(step=done.step, rank=self.rank, path=done.path,
                                         bytes=done.bytes,

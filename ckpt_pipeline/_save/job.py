@@ -10,8 +10,10 @@ from .._format.layout import EMPTY_LAYOUT, DataLayout
 from .._format.publish import PendingFiles
 from .._tiers.replica.push import Push
 from ..errors import CheckpointError
+from ..events import SaveStage
 from ..handle import SaveHandle
 from .buffers import Slot
+from .control import HandleControl
 from .copy import Snapshot
 
 __all__ = ("DataWritten", "SaveJob", "Sealed")
@@ -43,7 +45,8 @@ class SaveJob:
     rank: int
     world_size: int
     save_id: str
-    handle: SaveHandle
+    control: HandleControl
+    """Settles the save's handle (the stages resolve or fail it, retention settles it)."""
     slot: Slot | None
     snapshot: Snapshot | None
     paths: tuple[str, ...]
@@ -66,7 +69,12 @@ class SaveJob:
     committed: bool = False
     # set by the first stage that fails; the job still reaches commit to take part in the vote
     error: CheckpointError | None = None
-    failed_stage: str = ""
+    failed_stage: SaveStage | None = None
+
+    @property
+    def handle(self) -> SaveHandle:
+        """What ``save()`` returned to the caller for this save."""
+        return self.control.handle
 
     @property
     def data_bytes(self) -> int:
@@ -83,9 +91,10 @@ class SaveJob:
 
     @classmethod
     def placeholder(cls, step: int, rank: int, world_size: int, save_id: str,
-                    handle: SaveHandle, error: CheckpointError, stage: str) -> SaveJob:
+                    control: HandleControl, error: CheckpointError,
+                    stage: SaveStage) -> SaveJob:
         """A save that failed before it had data: it only takes part in the commit vote."""
         return cls(step=step, rank=rank, world_size=world_size, save_id=save_id,
-                   handle=handle, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),
+                   control=control, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),
                    layouts=(), data=EMPTY_LAYOUT, tree=b"",
                    train_state={}, requested_at=0.0, error=error, failed_stage=stage)

@@ -1,4 +1,4 @@
-"""Stage 3, write: the shard and manifest of this rank, durable under their final names.
+"""Stage 3, seal: the shard and manifest of this rank, durable under their final names.
 
 Each file is published as: create a temporary name, write everything, fsync, close, link to the
 final name (never replacing one), fsync the directory (``_format/publish.py``).
@@ -18,11 +18,10 @@ from .._threads import in_thread
 from ..storage import Storage
 from .job import SaveJob, Sealed
 
-__all__ = ("publish_small", "write_shard")
+__all__ = ("publish_small", "seal")
 
 
-async def write_shard(job: SaveJob, storage: Storage, *,
-                      limiter: anyio.CapacityLimiter) -> Sealed:
+async def seal(job: SaveJob, storage: Storage, *, limiter: anyio.CapacityLimiter) -> Sealed:
     """Finish the shard that write_data streamed, publish it, then the manifest.
 
     Header and preamble go after the data, then fsync, close, link to the final name; on
@@ -37,7 +36,7 @@ async def write_shard(job: SaveJob, storage: Storage, *,
         preamble = memoryview(encode_preamble(header_offset, header))
         await in_thread(limiter, storage.pwrite, fd, preamble, 0)
         await in_thread(limiter, storage.fsync, fd)
-        crash_point("write.shard_fsynced")
+        crash_point("seal.shard_fsynced")
     except BaseException:
         with anyio.CancelScope(shield=True):
             await in_thread(limiter, close_quietly, storage, fd)
@@ -49,14 +48,14 @@ async def write_shard(job: SaveJob, storage: Storage, *,
     final = shard_name(job.rank)
     temp = job.files.temps[-1]
     await in_thread(limiter, job.files.publish, storage, temp, final)
-    crash_point("write.shard_published")
+    crash_point("seal.shard_published")
 
     manifest = encode_manifest(Manifest(
         step=job.step, rank=job.rank, world_size=job.world_size, save_id=job.save_id,
         shard_size=shard_size, header_checksum=checksum(header),
         data_bytes=job.data_bytes))
     await publish_small(job, storage, manifest_name(job.rank), manifest, limiter=limiter)
-    crash_point("write.done")
+    crash_point("seal.done")
     return Sealed(shard_size, bytes(preamble), manifest)
 
 

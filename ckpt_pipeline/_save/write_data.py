@@ -1,4 +1,4 @@
-"""Stage 2, serialize: the host copy into a temporary shard file, hashed as it is written."""
+"""Stage 2, write_data: the host copy into a temporary shard file, hashed as it is written."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import functools
 import queue
 import time
 from bisect import bisect_left, bisect_right
-from functools import partial
 
 import anyio
 import torch
@@ -22,13 +21,15 @@ from .._format.region import align_down, align_up, checksum, region_chunks
 from .._format.shard import PREAMBLE_SIZE, encode_header_fields
 from .._hostmem import byte_view
 from .._parallel import first_leaf, run_groups, split_balanced
+from .._threads import in_thread
 from .._tiers.replica.push import Push
 from ..errors import StorageError
 from ..storage import Storage
-from .copy import Snapshot, copy_piece
+from .copy import Snapshot
+from .copy_streamed import copy_piece
 from .job import DataWritten, SaveJob
 
-__all__ = ("checksum_chunk", "required_bytes", "serialize")
+__all__ = ("checksum_chunk", "required_bytes", "write_data")
 
 
 def checksum_chunk(data_end: int, chunk_bytes: int, threads: int) -> int:
@@ -47,8 +48,8 @@ def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
     return job.data.data_end + header + 3 * ALIGN
 
 
-async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
-                    limiter: anyio.CapacityLimiter, direct_io: bool = True) -> DataWritten:
+async def write_data(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads: int,
+                     limiter: anyio.CapacityLimiter, direct_io: bool = True) -> DataWritten:
     """Write the data region into a new temporary shard file, then encode the shard header.
 
     One pass over host memory: each checksum chunk of the region is hashed (xxh3) right
@@ -65,20 +66,19 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     layout = job.data
     chunk = checksum_chunk(layout.data_end, chunk_bytes, threads)
     need = required_bytes(job, chunk)
-    free = await anyio.to_thread.run_sync(storage.free_bytes, limiter=limiter)
+    free = await in_thread(limiter, storage.free_bytes)
     if free < need:
         raise StorageError(
             f"not enough free space: the save needs {need} bytes, {free} are free",
             step=job.step, rank=job.rank, path=str(storage.root),
             hint="free disk space, lower keep_last, or use a larger disk")
-    await anyio.to_thread.run_sync(storage.make_dir, job.files.dir_name, limiter=limiter)
-    fd, temp = await anyio.to_thread.run_sync(storage.create_temp, job.files.dir_name,
-                                              shard_name(job.rank), limiter=limiter)
+    await in_thread(limiter, storage.make_dir, job.files.dir_name)
+    fd, temp = await in_thread(limiter, storage.create_temp, job.files.dir_name,
+                               shard_name(job.rank))
     job.files.created(temp)
     job.files.fd = fd
     if job.push is not None:  # connect to the holders of the copies before the first chunk
-        await anyio.to_thread.run_sync(job.push.open, layout.data_end + MAX_HEADER_BYTES,
-                                       limiter=limiter)
+        await in_thread(limiter, job.push.open, layout.data_end + MAX_HEADER_BYTES)
     assert job.slot is not None and job.snapshot is not None
     buffer = job.slot.buffer
     chunks = [(a, b, k) for k, (a, b) in enumerate(region_chunks(PREAMBLE_SIZE,
@@ -86,8 +86,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     sums = [0] * len(chunks)
     direct: int | None = None
     if direct_io and buffer.data_ptr() % ALIGN == 0 and chunks:
-        direct = await anyio.to_thread.run_sync(storage.open_direct, job.files.dir_name, temp,
-                                                limiter=limiter)
+        direct = await in_thread(limiter, storage.open_direct, job.files.dir_name, temp)
     snap = job.snapshot
     writer = _ChunkWriter(storage, fd, direct, buffer, sums, snap.copied,
                           [item.offset for item in layout.items], job.push)
@@ -102,13 +101,12 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
     except BaseException:
         if direct is not None:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(close_quietly, storage, direct,
-                                               limiter=limiter)
+                await in_thread(limiter, close_quietly, storage, direct)
         raise
     if direct is not None:
-        await anyio.to_thread.run_sync(storage.close, direct, limiter=limiter)
-    crash_point("serialize.data_written")
-    header = await anyio.to_thread.run_sync(functools.partial(
+        await in_thread(limiter, storage.close, direct)
+    crash_point("write_data.done")
+    header = await in_thread(limiter, functools.partial(
         encode_header_fields, step=job.step, rank=job.rank, world_size=job.world_size,
         save_id=job.save_id, created_unix=time.time(), chunk_bytes=chunk,
         data_offset=PREAMBLE_SIZE, data_length=layout.data_length, checksums=sums,
@@ -119,8 +117,7 @@ async def serialize(job: SaveJob, storage: Storage, *, chunk_bytes: int, threads
             for path, dtype, shape, stride, item, offset, dist in zip(
                 job.paths, job.dtypes, job.shapes, layout.tensor_stride, layout.tensor_item,
                 layout.tensor_offset, job.layouts)),
-        tensor_count=len(job.paths), tree=job.tree, train_state=job.train_state),
-        limiter=limiter)
+        tensor_count=len(job.paths), tree=job.tree, train_state=job.train_state))
     return DataWritten(header, copied)
 
 
@@ -220,11 +217,11 @@ async def _overlapped(snap: Snapshot, writer: _ChunkWriter, chunks: list[Chunk],
 
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(partial(anyio.to_thread.run_sync, copies_done))  # a waiter, not I/O
+            tg.start_soon(in_thread, None, copies_done)  # a waiter, not I/O
             tg.start_soon(run_groups, writer.run, split_balanced(chunks, threads), limiter)
     except Exception as exc:
         raise first_leaf(exc) from None
-    await anyio.to_thread.run_sync(snap.release_by_pipeline, limiter=limiter)
+    await in_thread(limiter, snap.release_by_pipeline)
     if snap.torn is not None:
         raise snap.torn
     return done[0]
@@ -304,12 +301,12 @@ async def _stream(job: SaveJob, writer: _ChunkWriter, chunks: list[Chunk], threa
 
     async with anyio.create_task_group() as tg:
         # Not under the I/O limiter: the writers must be able to run while it waits for them.
-        tg.start_soon(partial(anyio.to_thread.run_sync, drive))
+        tg.start_soon(in_thread, None, drive)
         for _ in range(writers):
-            tg.start_soon(partial(anyio.to_thread.run_sync, write, limiter=limiter))
+            tg.start_soon(in_thread, limiter, write)
     if errors:
         raise errors[0]
-    await anyio.to_thread.run_sync(snap.release_by_pipeline, limiter=limiter)
+    await in_thread(limiter, snap.release_by_pipeline)
     if snap.torn is not None:
         raise snap.torn
     return launched[0]

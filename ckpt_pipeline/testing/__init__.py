@@ -12,7 +12,7 @@ Crash points: the pipeline calls ``crash_point(label)`` at labelled moments of s
 retention and scrub (``CRASH_POINTS``); when the environment variable ``CKPT_PIPELINE_CRASH_AT``
 arms a label, the process kills itself with SIGKILL there (use it in a child process). The value
 is ``<label>`` (the first time the label is reached) or ``<label>:<N>`` (the N-th time, N >= 1;
-``write.done:3`` dies during the third save after arming). Hits are counted per label, in the
+``seal.done:3`` dies during the third save after arming). Hits are counted per label, in the
 process, from when the variable names that label; a malformed value or an unknown label makes
 ``crash_point`` raise ValueError instead of silently never crashing.
 

@@ -81,7 +81,7 @@ def test_a_state_larger_than_the_buffer_round_trips_with_the_same_bytes(tmp_path
     step, live = _restore(tmp_path / "streamed", state)
     assert step == 1 and _same(live, state)
     kinds = [type(e).__name__ for e in events if e.step == 1]
-    assert kinds.index("SnapshotTaken") < kinds.index("ShardWritten")
+    assert kinds.index("SnapshotTaken") < kinds.index("ShardSealed")
 
 
 def test_wait_snapshot_returns_once_every_piece_is_copied(tmp_path: Path) -> None:

@@ -143,14 +143,21 @@ LATE_LABELS = ("commit.record_published", "retain.commit_removed")
 
 
 def test_the_crash_variable_takes_a_label_or_a_label_and_a_count() -> None:
-    assert parse_crash_at("write.done") == ("write.done", 1)
-    assert parse_crash_at("write.done:1") == ("write.done", 1)
+    assert parse_crash_at("seal.done") == ("seal.done", 1)
+    assert parse_crash_at("seal.done:1") == ("seal.done", 1)
     assert parse_crash_at("scrub.removed:12") == ("scrub.removed", 12)
-    for bad in ("write.don", "write.done:0", "write.done:-1", "write.done:x", "write.done:",
-                ":3", "write.done:2:3", "write.done:1.5"):
+    for bad in ("seal.don", "seal.done:0", "seal.done:-1", "seal.done:x", "seal.done:",
+                ":3", "seal.done:2:3", "seal.done:1.5"):
         with pytest.raises(ValueError, match=CRASH_ENV) as info:
             parse_crash_at(bad)
-        assert "'<label>:<N>'" in str(info.value) and "write.done" in str(info.value), bad
+        assert "'<label>:<N>'" in str(info.value) and "seal.done" in str(info.value), bad
+
+
+def test_an_old_crash_label_still_arms_its_renamed_point_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="'write.done' was renamed 'seal.done'"):
+        assert parse_crash_at("write.done:2") == ("seal.done", 2)
+    with pytest.warns(DeprecationWarning, match="'write_data.done'"):
+        assert parse_crash_at("serialize.data_written") == ("write_data.done", 1)
 
 
 def test_a_crash_point_fires_at_the_nth_hit_of_its_label_counted_across_threads(
@@ -161,7 +168,7 @@ def test_a_crash_point_fires_at_the_nth_hit_of_its_label_counted_across_threads(
 
     def count_hits() -> None:
         for _ in range(100):
-            _crash.crash_point("write.done")
+            _crash.crash_point("seal.done")
             with lock:
                 hits["n"] += 1
 
@@ -169,8 +176,8 @@ def test_a_crash_point_fires_at_the_nth_hit_of_its_label_counted_across_threads(
     _crash._reset_counts()
     try:
         monkeypatch.delenv(CRASH_ENV, raising=False)
-        _crash.crash_point("write.done")  # not armed: not counted
-        monkeypatch.setenv(CRASH_ENV, "write.done:300")
+        _crash.crash_point("seal.done")  # not armed: not counted
+        monkeypatch.setenv(CRASH_ENV, "seal.done:300")
         for _ in range(5):
             _crash.crash_point("commit.voted")  # another label: not counted
         threads = [threading.Thread(target=count_hits) for _ in range(8)]
@@ -180,7 +187,7 @@ def test_a_crash_point_fires_at_the_nth_hit_of_its_label_counted_across_threads(
             t.join()
         assert len(kills) == 1, kills  # exactly one of the 800 hits, in 8 threads, fired
         monkeypatch.setenv(CRASH_ENV, "commit.voted")  # a plain label: its first hit
-        _crash.crash_point("write.done")
+        _crash.crash_point("seal.done")
         assert len(kills) == 1
         _crash.crash_point("commit.voted")
         assert len(kills) == 2
