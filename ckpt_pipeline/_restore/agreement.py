@@ -42,7 +42,7 @@ candidate; ``extra`` is what it tells the other ranks with its outcome (every ra
 back to the recovery)."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Agreed:
     """What the ranks agreed on, for the recovery's candidate loop (the same on every rank
     but for this rank's own statuses and copies)."""
