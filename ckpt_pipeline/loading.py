@@ -27,7 +27,7 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,14 +38,16 @@ from ._format.documents import TensorRef
 from ._format.filesets import rank_sets
 from ._format.header import DistLayout
 from ._format.names import step_dir_name
-from ._format.scan import StepStatus, decode_contents, scan_files
+from ._format.scan import StepStatus, decode_contents
 from ._format.steps import committed_steps
 from ._restore.read import read_shard
+from ._restore.root_source import RootFiles
+from ._tiers.base import LocatedShard, ShardSources, SourceFailure
 from ._tiers.persistent.layout import StepRecord
 from ._tiers.persistent.remote import Remote
 from ._tiers.persistent.urls import is_url
 from ._tree import materialize
-from .errors import CheckpointError, CheckpointIntegrityError, ConfigError, StorageError
+from .errors import CheckpointError, CheckpointIntegrityError, ConfigError
 from .storage import LocalStorage, Storage
 from .train_state import TrainState
 
@@ -200,6 +202,7 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
                        ) -> LoadedCheckpoint:
     """``load`` of a persistent tier's step: each rank's files stream into a temporary
     directory (``ShardStream``) while they are read, and are removed afterwards."""
+    from ._tiers.persistent.source import TierDownload
     from ._tiers.persistent.stream import ShardStream
     from ._tiers.persistent.urls import open_remote
 
@@ -215,17 +218,13 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
             storage = LocalStorage(tmp)
 
             async def read(r: int) -> tuple[LoadedCheckpoint, _Parts]:
-                stream: ShardStream | None = None
-                try:
-                    stream = await anyio.to_thread.run_sync(ShardStream, remote, storage,
-                                                            record, r, limiter=limiter)
-                    status = await anyio.to_thread.run_sync(stream.status, limiter=limiter)
-                    loaded, parts = await _read_status(storage, status, r, device, limiter,
-                                                       stream.shard_file, stream.wait)
-                finally:
-                    if stream is not None:
-                        with anyio.CancelScope(shield=True):
-                            await anyio.to_thread.run_sync(stream.discard, limiter=limiter)
+                async def read_download(shard: LocatedShard) -> tuple[LoadedCheckpoint, _Parts]:
+                    return await _read_status(storage, shard.status, r, device, limiter,
+                                              shard.shard_file, shard.arrived)
+
+                download = TierDownload(functools.partial(ShardStream, remote, storage,
+                                                          record, r), limiter, keep=False)
+                (loaded, parts), _ = await ShardSources((download,)).read(read_download)
                 return dataclasses.replace(loaded, path=where), parts
 
             return await _gather(read, rank, consolidate, step)
@@ -266,26 +265,33 @@ async def _read_rank(storage: LocalStorage, step: int, dir_name: str, rank: int,
     """``rank``'s shard of ``step``: its own files, else the first copy that verifies."""
     names = await anyio.to_thread.run_sync(
         lambda: {e.name for e in storage.list_dir(dir_name)}, limiter=limiter)
-    failures: list[str] = []
-    for files in rank_sets(names, rank):
-        status = await anyio.to_thread.run_sync(scan_files, storage, files, step,
-                                                dir_name, names, limiter=limiter)
-        if not status.valid or status.header is None:
-            failures.append(str(status.reason))  # names the copy's holder itself
-            continue
-        try:
-            loaded, parts = await _read_status(storage, status, rank, device, limiter)
-        except (CheckpointIntegrityError, StorageError) as exc:
-            held = "" if files.holder is None else f" (copy held by rank {files.holder})"
-            failures.append(f"{files.shard}{held}: {exc.message}")
-            continue
-        if files.holder is not None:
-            loaded = dataclasses.replace(loaded, copies={rank: files.holder})
-        return loaded, parts
-    raise CheckpointIntegrityError(
-        f"step {step} of rank {rank} does not verify: {'; '.join(failures)}", step=step,
-        rank=rank, path=os.path.join(storage.root, dir_name),
-        hint="load another step (ckpt-pipeline ls ROOT)")
+    places = tuple(RootFiles(storage, files, step, dir_name, limiter, names=names)
+                   for files in rank_sets(names, rank))
+
+    async def read(shard: LocatedShard) -> tuple[LoadedCheckpoint, _Parts]:
+        return await _read_status(storage, shard.status, rank, device, limiter)
+
+    def exhausted(failures: Sequence[SourceFailure]) -> CheckpointError:
+        return CheckpointIntegrityError(
+            f"step {step} of rank {rank} does not verify: "
+            f"{'; '.join(map(_failure_text, failures))}", step=step, rank=rank,
+            path=os.path.join(storage.root, dir_name),
+            hint="load another step (ckpt-pipeline ls ROOT)")
+
+    (loaded, parts), shard = await ShardSources(places, exhausted=exhausted).read(read)
+    if shard.holder is not None:
+        loaded = dataclasses.replace(loaded, copies={rank: shard.holder})
+    return loaded, parts
+
+
+def _failure_text(failure: SourceFailure) -> str:
+    """One file set's failure in ``_read_rank``'s error: the scan's reason (it names a copy's
+    holder itself), or the shard file and holder with the read's error."""
+    source, message = failure.source, failure.error.message
+    if not failure.read or not isinstance(source, RootFiles):
+        return message
+    held = "" if source.files.holder is None else f" (copy held by rank {source.files.holder})"
+    return f"{source.files.shard}{held}: {message}"
 
 
 async def _read_status(storage: LocalStorage, status: StepStatus, rank: int,
