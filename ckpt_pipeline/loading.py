@@ -42,6 +42,7 @@ from ._format.scan import StepStatus, decode_contents
 from ._format.steps import committed_steps
 from ._restore.read import read_shard
 from ._restore.root_source import RootFiles
+from ._threads import in_thread
 from ._tiers.base import LocatedShard, ShardSources, SourceFailure
 from ._tiers.persistent.layout import StepRecord
 from ._tiers.persistent.remote import Remote
@@ -186,9 +187,9 @@ _Reader = Callable[[int], Awaitable[tuple["LoadedCheckpoint", "_Parts"]]]
 async def _load_local(storage: LocalStorage, step: int | None, rank: int,
                       device: torch.device, consolidate: bool) -> LoadedCheckpoint:
     limiter = anyio.CapacityLimiter(_THREADS)
-    steps = await anyio.to_thread.run_sync(functools.partial(
+    steps = await in_thread(limiter, functools.partial(
         newest_candidates if step is None else committed_steps, storage, rank,
-        copies=True), limiter=limiter)
+        copies=True))
     step, dir_name = pick_step(steps, step, rank, str(storage.root))
 
     async def read(r: int) -> tuple[LoadedCheckpoint, _Parts]:
@@ -207,11 +208,11 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
     from ._tiers.persistent.urls import open_remote
 
     limiter = anyio.CapacityLimiter(_THREADS)
-    remote = await anyio.to_thread.run_sync(functools.partial(
-        open_remote, url, options=options, retries=2), limiter=limiter)
+    remote = await in_thread(limiter, functools.partial(
+        open_remote, url, options=options, retries=2))
     try:
-        record = await anyio.to_thread.run_sync(tier_step, remote, step,
-                                                None if consolidate else rank, limiter=limiter)
+        record = await in_thread(limiter, tier_step, remote, step,
+                                 None if consolidate else rank)
         step = record.step
         where = f"{remote.url}/{step_dir_name(step)}"
         with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
@@ -229,7 +230,7 @@ async def _load_remote(url: str, options: Mapping[str, Any] | None, step: int | 
 
             return await _gather(read, rank, consolidate, step)
     finally:
-        await anyio.to_thread.run_sync(remote.close, limiter=limiter)
+        await in_thread(limiter, remote.close)
 
 
 async def _gather(read: _Reader, rank: int, consolidate: bool, step: int
@@ -263,8 +264,7 @@ async def _read_rank(storage: LocalStorage, step: int, dir_name: str, rank: int,
                      device: torch.device, limiter: anyio.CapacityLimiter
                      ) -> tuple[LoadedCheckpoint, _Parts]:
     """``rank``'s shard of ``step``: its own files, else the first copy that verifies."""
-    names = await anyio.to_thread.run_sync(
-        lambda: {e.name for e in storage.list_dir(dir_name)}, limiter=limiter)
+    names = await in_thread(limiter, lambda: {e.name for e in storage.list_dir(dir_name)})
     places = tuple(RootFiles(storage, files, step, dir_name, limiter, names=names)
                    for files in rank_sets(names, rank))
 

@@ -28,6 +28,7 @@ from .._format.region import checksum
 from .._format.scan import StepStatus
 from .._hostmem import byte_view
 from .._parallel import run_groups, split_balanced
+from .._threads import in_thread
 from ..errors import CheckpointIntegrityError, StorageError
 from ..storage import Storage
 
@@ -126,8 +127,7 @@ async def read_shard(
                        shard_file or status.shard_file or shard_name(rank))
     path = os.path.join(storage.root, rel)
     bad: list[tuple[int, int]] = []
-    fd, _size = await anyio.to_thread.run_sync(storage.open_read, rel, status.shard_size,
-                                               limiter=limiter)
+    fd, _size = await in_thread(limiter, storage.open_read, rel, status.shard_size)
 
     def read(view: memoryview, offset: int) -> None:
         try:
@@ -152,7 +152,7 @@ async def read_shard(
     try:
         await run_groups(run, split_balanced(header.checks(), threads), limiter)
     finally:
-        await anyio.to_thread.run_sync(storage.close, fd, limiter=limiter)
+        await in_thread(limiter, storage.close, fd)
     if bad:
         start, end = min(bad)
         raise CheckpointIntegrityError(

@@ -288,7 +288,7 @@ class Sourcing:
                 threads=self.config.io_threads, limiter=limiter,
                 shard_file=shard.shard_file, arrived=shard.arrived)
         finally:
-            await anyio.to_thread.run_sync(prefetch.join, abandon_on_cancel=True)
+            await in_thread(None, prefetch.join, abandon_on_cancel=True)
         tree, train_state = decode_contents(status, self.rank)
         tensors = [t if rec.dist is None
                    else to_dtensor(t, rec.dist, *meshes[rec.dist.mesh_shape])

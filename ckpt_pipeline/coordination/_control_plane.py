@@ -22,10 +22,10 @@ import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
-import anyio
 import torch
 
 from .._hostmem import byte_view
+from .._threads import in_thread
 from ..errors import ConfigError, CoordinationError
 
 __all__ = ("Coordinator", "DistributedCoordinator", "LocalCoordinator")
@@ -103,7 +103,7 @@ class DistributedCoordinator:
                 rank=self.rank, hint="restart the job; checkpoints committed so far are intact")
         started = time.monotonic()
         try:
-            return await anyio.to_thread.run_sync(self._gather, payload, seq)
+            return await in_thread(None, self._gather, payload, seq)
         except Exception as exc:
             elapsed = time.monotonic() - started
             missing = self._missing(seq)
