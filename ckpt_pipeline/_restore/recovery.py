@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from .._config_groups import RestoreOptions
 from .._crash import crash_point
 from .._format import scan as _recovery
 from .._format.names import step_dir_name
@@ -29,7 +30,6 @@ from .._lineage import Timeline, forget_rewind, read_rewinds, write_rewind
 from .._logging import log
 from .._threads import in_thread
 from .._tree import find_mesh, to_dtensor
-from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..coordination._agree import (
     Candidates,
@@ -118,7 +118,7 @@ class Loaded:
 class Recovery:
     """Finds the newest step that every rank holds and verifies, and loads it."""
 
-    def __init__(self, storage: Storage, coordinator: Coordinator, config: PipelineConfig,
+    def __init__(self, storage: Storage, coordinator: Coordinator, config: RestoreOptions,
                  emit: Callable[[Event], None], replication: Replication | None = None,
                  promoter: Promoter | None = None, timeline: Timeline | None = None) -> None:
         self.timeline = timeline if timeline is not None else Timeline()
@@ -131,7 +131,7 @@ class Recovery:
         self.storage = storage
         self.coordinator = coordinator
         self.config = config
-        self.rank = config.rank
+        self.rank = coordinator.rank
         self._emit = emit
 
     async def load_latest(self, state: Mapping[str, Any],
@@ -452,7 +452,7 @@ class Recovery:
             saved = agreed.world_sizes[newest]
             raise RestoreError(
                 f"step {newest} was saved by {saved} rank(s), this job has "
-                f"{self.config.world_size}", step=newest, rank=self.rank,
+                f"{self.coordinator.world_size}", step=newest, rank=self.rank,
                 path=str(self.storage.root),
                 hint=f"restore with {saved} ranks (resharding is not supported)")
 
