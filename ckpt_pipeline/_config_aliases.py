@@ -14,12 +14,12 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from ._config_groups import PersistentConfig, ReplicationConfig, Retention, retention_of
 from .errors import ConfigError
 
-__all__ = ("PERSISTENT_ALIASES", "REPLICATION_ALIASES", "resolve_options")
+__all__ = ("PERSISTENT_ALIASES", "REPLICATION_ALIASES", "DeprecatedOptions", "resolve_options")
 
 REPLICATION_ALIASES: Mapping[str, str] = {
     "replicas": "copies", "node_name": "node_name", "replication_timeout_s": "timeout_s",
@@ -33,6 +33,28 @@ PERSISTENT_ALIASES: Mapping[str, str] = {
     "persistent_lease_s": "lease_s", "persistent_takeover": "takeover",
 }
 """Old flat option -> its field of ``PersistentConfig``."""
+
+
+
+class DeprecatedOptions(TypedDict, total=False):
+    """The old flat keywords ``PipelineConfig`` still takes (typed, so that a misspelling
+    stays a type error there too)."""
+
+    replicas: int
+    node_name: str | None
+    replication_timeout_s: float
+    replication_host: str | None
+    persist_every: int
+    persist_on_close: bool
+    persist_timeout_s: float
+    persistent_keep: int | None
+    persistent_options: Mapping[str, Any] | None
+    persist_retries: int
+    persistent_lease_s: float
+    persistent_takeover: bool
+    rank: int
+    world_size: int
+
 
 _IGNORED = ("rank", "world_size")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ._config_aliases import resolve_options
 from ._config_groups import BusyPolicy as BusyPolicy
@@ -31,6 +31,11 @@ from ._config_groups import ReplicationConfig as ReplicationConfig
 from ._config_groups import SnapshotMode as SnapshotMode
 from .errors import ConfigError
 from .retention import KeepAny, RetentionPolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._config_aliases import DeprecatedOptions
 
 __all__ = ("BusyPolicy", "PersistentConfig", "PipelineConfig", "PipelineOptions",
            "ReplicationConfig", "SnapshotMode")
@@ -114,7 +119,7 @@ class PipelineConfig:
                  coordination_timeout_s: float = 300.0, max_failures_in_row: int = 3,
                  strict: bool = False, replication: ReplicationConfig | None = None,
                  persistent: PersistentConfig | str | None = None,
-                 **deprecated: Any) -> None:
+                 **deprecated: Unpack[DeprecatedOptions]) -> None:
         """Keyword options only; ``deprecated``: the flat spellings of earlier releases."""
         given = resolve_options(
             {"keep_last": keep_last, "retention": retention, "replication": replication,

@@ -7,8 +7,9 @@ through the internal API at the end of the class. The parts it puts together:
 task group), ``Recovery`` (the restore path), a ``Ledger`` they share and an ``Emitter``.
 
 Entering the ``async with`` block checks the root, takes the root lock, scrubs what crashed
-saves left, agrees on the run id with the other ranks and starts the stages; leaving it
-finishes the saves in flight (see ``StageRunner.running``), or abandons them when cancelled.
+saves left, agrees on the run id with the other ranks (``opening.py``) and starts the stages;
+leaving it finishes the saves in flight (see ``StageRunner.running``), or abandons them when
+cancelled.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
 
     Use ``async with AsyncCheckpointPipeline(root) as pipe:``; ``save`` returns a
     :class:`SaveHandle` once the tensors are copied (CPU) or their copies are queued (CUDA).
-    Options: keyword arguments named like the fields of :class:`PipelineConfig`, or
-    ``config=``.
+    Options: the keyword options of :class:`PipelineConfig` (applied over ``config=`` when
+    both are given).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, config: PipelineConfig | None = None,
