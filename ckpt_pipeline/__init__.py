@@ -6,7 +6,9 @@ from . import events as _events
 from ._pipeline.blocking import CheckpointPipeline as CheckpointPipeline
 from ._pipeline.lifecycle import AsyncCheckpointPipeline as AsyncCheckpointPipeline
 from .config import BusyPolicy as BusyPolicy
+from .config import PersistentConfig as PersistentConfig
 from .config import PipelineConfig as PipelineConfig
+from .config import ReplicationConfig as ReplicationConfig
 from .config import SnapshotMode as SnapshotMode
 from .coordination import Coordinator as Coordinator
 from .coordination import DistributedCoordinator as DistributedCoordinator
@@ -112,6 +114,7 @@ __all__ = (
     "PersistPruned",
     "PersistSkipped",
     "PersistentAvailable",
+    "PersistentConfig",
     "PersistentInUseError",
     "PersistentTakenOver",
     "PersistentUnavailable",
@@ -124,6 +127,7 @@ __all__ = (
     "ReplicaRestoreFailed",
     "ReplicaRestored",
     "ReplicaStored",
+    "ReplicationConfig",
     "ReplicationDegraded",
     "RestoreError",
     "RestoreResult",

@@ -339,7 +339,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     node = None if args.ranks_per_node is None else f"node{rank // args.ranks_per_node}"
     with cp.CheckpointPipeline(pipe_root, keep_last=args.keep_last,
                                coordination_timeout_s=args.coordination_timeout,
-                               replicas=args.replicas, node_name=node) as pipe:
+                               replication=cp.ReplicationConfig(copies=args.replicas,
+                                                                node_name=node)) as pipe:
         restored = pipe.restore_latest(state)
         resumed_step = 0 if restored is None else restored.step
         check_same_everywhere(resumed_step, device, "restored step")

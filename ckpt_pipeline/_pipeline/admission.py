@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._config_groups import SnapshotOptions
 from .._format.documents import encode_tree
 from .._format.layout import DataLayout, plan_layout
 from .._format.limits import DTYPE_NAMES
@@ -26,7 +27,6 @@ from .._save.copy import item_sources, take_snapshot
 from .._save.copy_streamed import begin_streamed_snapshot
 from .._save.job import SaveJob
 from .._tree import FlatState, flatten_state
-from ..config import PipelineConfig
 from ..errors import ForkedProcessError, PoolBusyError, StateError, StepOrderError
 from ..events import Event, SaveRequested, SaveSkipped
 from ..train_state import RNGState, TrainState
@@ -52,10 +52,12 @@ class SavePlan:
 class Admission:
     """The training-thread part of ``save()`` and ``wait_snapshot()`` (see module docstring)."""
 
-    def __init__(self, config: PipelineConfig, root: str, ledger: Ledger, pool: HostPool,
-                 staging: DeviceStaging | None, emit: Callable[[Event], None]) -> None:
-        self.config = config
-        self.rank = config.rank
+    def __init__(self, options: SnapshotOptions, rank: int, world_size: int, root: str,
+                 ledger: Ledger, pool: HostPool, staging: DeviceStaging | None,
+                 emit: Callable[[Event], None]) -> None:
+        self.options = options
+        self.rank = rank
+        self.world_size = world_size
         self.root = root
         self.ledger = ledger
         self.pool = pool
@@ -96,7 +98,7 @@ class Admission:
             raise StateError(f"train_state.step is {ts.step} but the save is for step {step}",
                              step=step, rank=self.rank,
                              hint="advance the TrainState to this step before saving")
-        if self.config.capture_rng:
+        if self.options.capture_rng:
             ts = ts.with_rng(RNGState.capture())
         try:
             flat = flatten_state(state, step=step)
@@ -114,9 +116,9 @@ class Admission:
         # Every limit a reader enforces (the table in _format.limits), before anything is
         # written.
         check_save(flat, tree, ts_plain, step=step, rank=self.rank,
-                   world_size=self.config.world_size, save_id=f"{self.run_id}-{step}",
-                   chunk_bytes=self.config.chunk_bytes, layout=layout)
-        cap = self.config.host_buffer_bytes
+                   world_size=self.world_size, save_id=f"{self.run_id}-{step}",
+                   chunk_bytes=self.options.chunk_bytes, layout=layout)
+        cap = self.options.host_buffer_bytes
         streamed = cap is not None and layout.buffer_bytes > cap
         if streamed:
             _check_streamable(flat, step, self.rank)
@@ -127,8 +129,8 @@ class Admission:
 
     def acquire(self, plan: SavePlan, block: bool) -> Slot | None:
         """A host buffer for the plan; None when none is free and this call may not wait."""
-        wait = block and self.config.when_busy == "block"
-        size = self.config.host_buffer_bytes if plan.streamed else plan.layout.buffer_bytes
+        wait = block and self.options.when_busy == "block"
+        size = self.options.host_buffer_bytes if plan.streamed else plan.layout.buffer_bytes
         assert size is not None
         return self.pool.acquire(max(size, 1), pinned=plan.pinned, block=wait)
 
@@ -159,12 +161,12 @@ class Admission:
         else:
             snap = take_snapshot(flat.tensors, flat.paths, sources, offsets, layout.gaps,
                                  slot.buffer, step=step, rank=self.rank,
-                                 ordered=self.config.snapshot_mode == "ordered",
+                                 ordered=self.options.snapshot_mode == "ordered",
                                  staging=self.staging)
         save_id = f"{self.run_id}-{step}"
         control = HandleControl(step, save_id, snap)
         job = SaveJob(
-            step=step, rank=self.rank, world_size=self.config.world_size, save_id=save_id,
+            step=step, rank=self.rank, world_size=self.world_size, save_id=save_id,
             control=control, slot=slot, snapshot=snap, paths=flat.paths,
             dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
             shapes=tuple(tuple(t.shape) for t in flat.tensors), layouts=flat.layouts,
@@ -188,7 +190,7 @@ class Admission:
                                    "when_busy='block'")
         control.fail(error)
         self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
-        return SaveJob.placeholder(step, self.rank, self.config.world_size, save_id, control,
+        return SaveJob.placeholder(step, self.rank, self.world_size, save_id, control,
                                    error, "copy")
 
     def wait_snapshot(self, *, block_cpu: bool) -> None:

@@ -3,7 +3,7 @@
 The event loop runs in one named background thread behind an anyio blocking portal; the
 training thread only validates, copies (CPU) or queues copies (CUDA), and hands the save over.
 
-Shutdown (see ``close``): leaving the ``with`` block, normally or by an exception (Ctrl-C
+Shutdown (see ``close``, and ``loop_thread.py`` for the thread): leaving the ``with`` block, normally or by an exception (Ctrl-C
 during training included), finishes the saves in flight before the block is left; the
 interpreter exiting without ``close()`` finishes them from an ``atexit`` hook, bounded by
 ``exit_timeout_s``; an interrupt (Ctrl-C) *while* ``close()`` waits, or its timeout, abandons
@@ -14,21 +14,12 @@ temporaries and uncommitted files, which the next pipeline opened on the root re
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import functools
 import math
 import os
-import queue
-import threading
-import time
-import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
-
-import anyio
-from anyio.from_thread import BlockingPortal
 
 from .._logging import log
 from .._restore.rollback import undone_on_error
@@ -40,6 +31,7 @@ from ..storage import Storage
 from ..train_state import TrainState
 from .emitter import Subscriber
 from .lifecycle import AsyncCheckpointPipeline
+from .loop_thread import LoopThread
 from .signals import SigtermGuard, SigtermPolicy, signals_held
 
 if TYPE_CHECKING:
@@ -105,15 +97,7 @@ class CheckpointPipeline:
         self._pipe = AsyncCheckpointPipeline(root, config=config, storage=storage,
                                              coordinator=coordinator, **options)
         self.config = self._pipe.config
-        self.exit_timeout_s = exit_timeout_s
-        self._thread_name = thread_name
-        self._thread: threading.Thread | None = None
-        self._portal: BlockingPortal | None = None
-        self._closing: anyio.Event | None = None
-        self._abandon_scope: anyio.CancelScope | None = None
-        self._close_error: BaseException | None = None
-        self._closed = False
-        self._at_exit: Callable[[], None] | None = None
+        self._loop = LoopThread(self._pipe, thread_name, exit_timeout_s)
         self._sigterm_policy: SigtermPolicy = sigterm
         self._sigterm: SigtermGuard | None = None
 
@@ -121,9 +105,18 @@ class CheckpointPipeline:
     def root(self) -> str:
         return str(self._pipe.storage.root)
 
+    @property
+    def exit_timeout_s(self) -> float | None:
+        """How long the interpreter's exit, or a SIGTERM, waits for saves in flight."""
+        return self._loop.exit_timeout_s
+
+    @exit_timeout_s.setter
+    def exit_timeout_s(self, value: float | None) -> None:
+        self._loop.exit_timeout_s = value
+
     def __enter__(self) -> CheckpointPipeline:
         """Open (unless ``open()`` was already called) and watch SIGTERM (see ``sigterm``)."""
-        if self._thread is None or self._closed:
+        if self._loop.thread is None or self._loop.closed:
             self.open()  # a closed pipeline raises here: it cannot be opened again
         if self._sigterm_policy != "off":
             self._sigterm = SigtermGuard.install(self._sigterm_policy, self._pipe.rank)
@@ -148,13 +141,13 @@ class CheckpointPipeline:
             timeout = self.exit_timeout_s if terminated else None
             if exc is None:
                 try:
-                    self._close(timeout, "SIGTERM" if terminated else None)
+                    self._loop.close(timeout, "SIGTERM" if terminated else None)
                 except TimeoutError:
                     if not terminated:
                         raise
                 return
             try:
-                self._close(timeout, exc)
+                self._loop.close(timeout, exc)
             except Exception as error:
                 _log.error("ckpt.close.failed", rank=self._pipe.rank,
                            error=f"{type(error).__name__}: {error}",
@@ -172,47 +165,7 @@ class CheckpointPipeline:
 
     def open(self) -> None:
         """Start the background thread and the pipeline in it (scrubbing leftovers first)."""
-        if self._thread is not None:
-            raise PipelineClosedError("a pipeline can be opened once")
-        ready: queue.Queue[BlockingPortal | BaseException] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, args=(ready,),
-                                        name=self._thread_name, daemon=True)
-        self._thread.start()
-        item = ready.get()
-        if isinstance(item, BaseException):
-            self._thread.join()
-            self._closed = True
-            raise item
-        self._portal = item
-        # The thread is a daemon (a forgotten pipeline must not keep the process alive), so
-        # the interpreter would stop it wherever it is at exit: finish the saves first.
-        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
-        atexit.register(self._at_exit)
-
-    def _run(self, ready: queue.Queue[BlockingPortal | BaseException]) -> None:
-        async def main() -> None:
-            async with BlockingPortal() as portal:
-                self._closing = anyio.Event()
-                opened = False
-                # Cancelled when close() stops waiting (interrupted, or its timeout): leaving
-                # the pipeline's block then abandons what is pending instead of finishing it.
-                with anyio.CancelScope() as abandon:
-                    self._abandon_scope = abandon
-                    try:
-                        async with self._pipe:
-                            opened = True
-                            ready.put(portal)
-                            await self._closing.wait()
-                    except Exception as exc:
-                        if opened:
-                            self._close_error = exc
-                        else:
-                            ready.put(exc)
-
-        try:
-            anyio.run(main)
-        except BaseException as exc:  # the loop itself failed to start
-            ready.put(exc)
+        self._loop.open()
 
     def close(self, timeout: float | None = None) -> None:
         """Finish every pending save, stop the background thread. Idempotent.
@@ -225,71 +178,7 @@ class CheckpointPipeline:
         the newest committed step stays the newest, and the next pipeline opened on the root
         removes their temporaries.
         """
-        self._close(timeout, None)
-
-    def _close(self, timeout: float | None, why: BaseException | str | None) -> None:
-        self._check_process()
-        self._unregister_at_exit()
-        thread, portal, closing = self._thread, self._portal, self._closing
-        if self._closed or thread is None or portal is None or closing is None:
-            self._closed = True
-            return
-        started = time.monotonic()
-        self._closed = True
-        handles: list[SaveHandle] = []
-        try:  # from here an interrupt anywhere abandons the wait
-            handles = self._pending_handles()
-            if handles:
-                fields: dict[str, Any] = {"rank": self._pipe.rank,
-                                          "steps": [h.step for h in handles],
-                                          "reason": _describe(why)}
-                if why is None:
-                    _log.info("ckpt.close.waiting", **fields)
-                else:
-                    again = " again" if isinstance(why, KeyboardInterrupt) else ""
-                    _log.warning("ckpt.close.waiting", **fields,
-                                 hint=f"they finish before the process goes on; interrupt "
-                                      f"(Ctrl-C){again} to abandon them: nothing partial is "
-                                      "published")
-            if thread.is_alive():
-                with contextlib.suppress(RuntimeError):  # the loop already stopped
-                    portal.start_task_soon(closing.set)
-            thread.join(timeout)
-        except BaseException as exc:  # KeyboardInterrupt (Ctrl-C while waiting), SystemExit
-            self._abandon(f"interrupted by {type(exc).__name__}")
-            raise
-        if thread.is_alive():
-            left = self._abandon(f"not finished within {timeout} s")
-            raise TimeoutError(f"close() gave up after {timeout} s; steps {left} were "
-                               "abandoned (nothing partial is published)")
-        if handles:
-            failed = [h.step for h in handles if h.done() and h.exception(0) is not None]
-            _log.info("ckpt.close.done", rank=self._pipe.rank,
-                      committed=[h.step for h in handles if h.step not in failed],
-                      failed=failed, seconds=round(time.monotonic() - started, 3))
-        if self._close_error is not None:
-            raise self._close_error
-
-    def _pending_handles(self) -> list[SaveHandle]:
-        return self._pipe.ledger.pending_handles()
-
-    def _abandon(self, reason: str) -> list[int]:
-        """Stop waiting: log what is left, and tell the loop to abandon it (no wait)."""
-        left = [h.step for h in self._pending_handles() if not h.done()]
-        _log.warning("ckpt.close.abandoned", rank=self._pipe.rank, steps=left, reason=reason,
-                     latest_committed=self._pipe.ledger.latest_committed,
-                     hint="nothing of these steps is published as complete; the next "
-                          "pipeline opened on this root removes their temporaries")
-        scope, portal = self._abandon_scope, self._portal
-        if scope is not None and portal is not None:
-            with contextlib.suppress(Exception):  # the loop stopped meanwhile: nothing to do
-                portal.start_task_soon(scope.cancel)
-        return left
-
-    def _unregister_at_exit(self) -> None:
-        hook, self._at_exit = self._at_exit, None
-        if hook is not None:
-            atexit.unregister(hook)
+        self._loop.close(timeout, None)
 
     def _check_process(self) -> None:
         """Refuse use from a forked child: the pipeline's thread exists only in its parent."""
@@ -297,10 +186,11 @@ class CheckpointPipeline:
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._check_process()
-        if self._closed or self._portal is None:
+        portal = self._loop.portal
+        if self._loop.closed or portal is None:
             raise PipelineClosedError("the pipeline is closed (or was never opened)",
                                       hint="use it inside `with CheckpointPipeline(...)`")
-        return self._portal.call(fn, *args)
+        return portal.call(fn, *args)
 
     def save(self, step: int, state: Mapping[str, Any],
              train_state: TrainState | None = None) -> SaveHandle:
@@ -313,8 +203,8 @@ class CheckpointPipeline:
         flight (and ``close()`` finishes it) rather than half registered.
         """
         self._check_process()
-        portal = self._portal
-        if self._closed or portal is None:
+        portal = self._loop.portal
+        if self._loop.closed or portal is None:
             raise PipelineClosedError("save() after close()", step=step,
                                       hint="open a new pipeline")
         pipe = self._pipe
@@ -403,27 +293,3 @@ class CheckpointPipeline:
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every pipeline event (called from the pipeline's thread)."""
         return self._pipe.subscribe(callback)
-
-
-def _describe(why: BaseException | str | None) -> str:
-    if why is None:
-        return "close"
-    if isinstance(why, str):
-        return why
-    if isinstance(why, KeyboardInterrupt):
-        return "KeyboardInterrupt (Ctrl-C) in the with block"
-    return f"{type(why).__name__} raised in the with block"
-
-
-def _close_at_exit(ref: weakref.ref[CheckpointPipeline]) -> None:
-    """atexit hook of an open pipeline: finish its saves in flight, within exit_timeout_s."""
-    pipe = ref()
-    if pipe is None or pipe._closed or os.getpid() != pipe._pipe.admission.pid:
-        return  # closed already, or a forked child that holds a copy without the thread
-    try:
-        pipe._close(pipe.exit_timeout_s, "interpreter exit: close() was not called")
-    except (TimeoutError, KeyboardInterrupt):
-        pass  # logged as ckpt.close.abandoned
-    except Exception as exc:
-        _log.error("ckpt.close.failed", rank=pipe._pipe.rank,
-                   error=f"{type(exc).__name__}: {exc}", hint="at interpreter exit")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 
+from .._config_groups import FailurePolicy
 from .._save.control import HandleControl
-from ..config import PipelineConfig
 from ..errors import CheckpointError, PipelineBusyError, SaveError, StepOrderError
 from ..handle import SaveHandle
 
@@ -21,8 +21,8 @@ __all__ = ("Ledger",)
 class Ledger:
     """The shared bookkeeping of one pipeline (see the module docstring)."""
 
-    def __init__(self, config: PipelineConfig, rank: int, root: str) -> None:
-        self.config = config
+    def __init__(self, failures: FailurePolicy, rank: int, root: str) -> None:
+        self.failures = failures
         self.rank = rank
         self.root = root
         self.lock = threading.Lock()
@@ -113,7 +113,7 @@ class Ledger:
             else:
                 self._failures_in_row = 0
                 self._degraded_in_row = 0
-                if not self.config.strict:
+                if not self.failures.strict:
                     self._unreported = None
             if self._latest_committed is None or step > self._latest_committed:
                 self._latest_committed = step
@@ -138,10 +138,10 @@ class Ledger:
         or a save committed without some of its copies."""
         with self.lock:
             count, latest = self._failures_in_row, self._latest_committed
-        limit = self.config.max_failures_in_row
+        limit = self.failures.max_failures_in_row
         kept = ("no step is committed yet" if latest is None
                 else f"the newest committed step, {latest}, is intact")
-        if self.config.strict:
+        if self.failures.strict:
             then = "strict=True: the next save() or wait() raises"
         else:
             then = (f"the next save() raises once {limit} saves in a row have failed "
@@ -167,8 +167,8 @@ class Ledger:
             error = self._unreported
             count = self._failures_in_row
             degraded = self._degraded_in_row
-            due = error is not None and (self.config.strict
-                                         or count >= self.config.max_failures_in_row)
+            due = error is not None and (self.failures.strict
+                                         or count >= self.failures.max_failures_in_row)
             if due:
                 self._unreported = None
                 self._failures_in_row = 0
@@ -176,7 +176,7 @@ class Ledger:
                 self._first_since_wait = None  # reported by this error: wait() does not
         if not due:
             return
-        if count >= self.config.max_failures_in_row:
+        if count >= self.failures.max_failures_in_row:
             what = (f"{count} saves in a row failed" if not degraded else
                     f"{count} saves in a row failed or committed without all their copies "
                     f"({degraded} of them without copies)")

@@ -7,52 +7,45 @@ through the internal API at the end of the class. The parts it puts together:
 task group), ``Recovery`` (the restore path), a ``Ledger`` they share and an ``Emitter``.
 
 Entering the ``async with`` block checks the root, takes the root lock, scrubs what crashed
-saves left, agrees on the run id with the other ranks and starts the stages; leaving it
-finishes the saves in flight (see ``StageRunner.running``), or abandons them when cancelled.
+saves left, agrees on the run id with the other ranks (``opening.py``) and starts the stages;
+leaving it finishes the saves in flight (see ``StageRunner.running``), or abandons them when
+cancelled.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._format.steps import committed_steps
-from .._format.tidy import scrub
-from .._lineage import Timeline, local_timeline, read_rewinds
+from .._lineage import Timeline
 from .._logging import log
 from .._restore.recovery import AppliedState, Loaded, Recovery
 from .._restore.rollback import undone_on_error
 from .._save.buffers import DeviceStaging, HostPool
 from .._save.job import SaveJob
-from .._threads import in_thread
 from .._tiers.persistent.promote import Promoter
 from .._tiers.persistent.urls import is_url
 from .._tiers.replica.replication import Replication
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
-from ..coordination._agree import gather_shared
 from ..errors import (
     CheckpointError,
     ConfigError,
-    PersistentInUseError,
     PipelineClosedError,
     StepOrderError,
 )
-from ..events import TemporariesScrubbed
 from ..handle import RestoreResult, SaveHandle
 from ..storage import LocalStorage, Storage
 from ..train_state import TrainState
 from .admission import Admission
 from .emitter import Emitter, Subscriber
 from .ledger import Ledger
-from .rootlock import RootLock
+from .opening import OpenSequence, persist_at_close
 from .runner import StageRunner
 from .stages import Stages
 
@@ -61,7 +54,7 @@ if TYPE_CHECKING:
 
     from ..config import PipelineOptions
 
-__all__ = ("AsyncCheckpointPipeline", "PipelineState", "default_coordinator", "make_config")
+__all__ = ("AsyncCheckpointPipeline", "PipelineState", "default_coordinator")
 
 
 class PipelineState(enum.Enum):
@@ -82,30 +75,19 @@ def default_coordinator(config: PipelineConfig) -> Coordinator:
     return LocalCoordinator()
 
 
-def make_config(config: PipelineConfig | None, options: Mapping[str, Any]) -> PipelineConfig:
-    """Merge keyword options into a config; unknown names fail with the valid ones listed."""
-    base = config if config is not None else PipelineConfig()
-    fields = set(PipelineConfig.__dataclass_fields__)
-    unknown = set(options) - fields
-    if unknown:
-        raise ConfigError(f"unknown option(s) {sorted(unknown)}",
-                          hint=f"valid options: {sorted(fields)}")
-    return replace(base, **options) if options else base
-
-
 class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
     """Asynchronous checkpoint pipeline inside the caller's event loop.
 
     Use ``async with AsyncCheckpointPipeline(root) as pipe:``; ``save`` returns a
     :class:`SaveHandle` once the tensors are copied (CPU) or their copies are queued (CUDA).
-    Options: keyword arguments named like the fields of :class:`PipelineConfig`, or
-    ``config=``.
+    Options: the keyword options of :class:`PipelineConfig` (applied over ``config=`` when
+    both are given).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, config: PipelineConfig | None = None,
                  storage: Storage | None = None, coordinator: Coordinator | None = None,
                  **options: Unpack[PipelineOptions]) -> None:
-        self.config = make_config(config, options)
+        self.config = (config if config is not None else PipelineConfig()).merged(options)
         if storage is None and isinstance(root, str) and is_url(root):
             raise ConfigError(
                 f"the checkpoint root {root.split('://', 1)[0]}://... is a URL; the root is a "
@@ -115,32 +97,29 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         self.storage: Storage = storage if storage is not None else LocalStorage(root)
         self.coordinator: Coordinator = (
             coordinator if coordinator is not None else default_coordinator(self.config))
-        if (self.coordinator.rank, self.coordinator.world_size) != (
-            self.config.rank, self.config.world_size
-        ):
-            self.config = replace(self.config, rank=self.coordinator.rank,
-                                  world_size=self.coordinator.world_size)
-        self.rank = self.config.rank
-        root_path = str(self.storage.root)
+        self.rank = self.coordinator.rank  # the job's shape is the coordinator's, never config's
+        world_size = self.coordinator.world_size
         self.emitter = Emitter()
-        self.ledger = Ledger(self.config, self.rank, root_path)
-        self._pool = HostPool(self.config.buffer_slots)
-        self._staging = DeviceStaging() if self.config.device_staging else None
-        self.admission = Admission(self.config, root_path, self.ledger, self._pool,
-                                   self._staging, self.emitter.emit)
-        self._limiter = anyio.CapacityLimiter(self.config.io_threads)
-        self.replication = Replication(self.storage, self.config, self.emitter.emit)
-        self.promoter = (None if self.config.persistent is None
-                         else Promoter(self.storage, self.config, self.emitter.emit))
+        config, root_path, emit = self.config, str(self.storage.root), self.emitter.emit
+        self.ledger = Ledger(config.failures, self.rank, root_path)
+        self._pool = HostPool(config.buffer_slots)
+        self._staging = DeviceStaging() if config.device_staging else None
+        self.admission = Admission(config.snapshot, self.rank, world_size, root_path,
+                                   self.ledger, self._pool, self._staging, emit)
+        self._limiter = anyio.CapacityLimiter(config.io_threads)
+        self.replication = Replication(self.storage, config.replication, emit, rank=self.rank,
+                                       world_size=world_size)
+        self.promoter = (None if config.persistent is None
+                         else Promoter(self.storage, config.persistent, emit, rank=self.rank,
+                                       world_size=world_size, io_threads=config.io_threads))
         self.timeline = Timeline()
         self.runner = StageRunner(
-            Stages(self.config, self.storage, self.coordinator, self.ledger, self._pool,
-                   self.emitter.emit, self._limiter, self.replication, self.promoter,
-                   self.timeline),
-            self.ledger, self.emitter.emit, self.config.queue_depth)
-        self._recovery = Recovery(self.storage, self.coordinator, self.config,
-                                  self.emitter.emit, self.replication, self.promoter,
-                                  self.timeline)
+            Stages(config.write, config.retention_policy, self.storage, self.coordinator,
+                   self.ledger, self._pool, emit, self._limiter, self.replication,
+                   self.promoter, self.timeline),
+            self.ledger, emit, config.queue_depth)
+        self._recovery = Recovery(self.storage, self.coordinator, config.restore, emit,
+                                  self.replication, self.promoter, self.timeline)
         self.state = PipelineState.NEW
 
     # ------------------------------------------------------------------ lifecycle
@@ -156,7 +135,9 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         if self.state is not PipelineState.NEW:
             raise PipelineClosedError("a pipeline can be opened once", rank=self.rank)
         self.state = PipelineState.CLOSING  # until the stages run: nothing may be saved
-        lock = await self._prepare()
+        lock = await OpenSequence(self.storage, self.coordinator, self._limiter,
+                                  self.emitter.emit, self.admission, self.ledger,
+                                  self.replication, self.promoter, self.timeline).run()
         raised: BaseException | None = None
         try:
             async with self.runner.running():
@@ -169,7 +150,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 finally:
                     self.state = PipelineState.CLOSING
             if self.promoter is not None:
-                await self._persist_at_close()
+                await persist_at_close(self.promoter, self.coordinator,
+                                       self.promoter.config.timeout_s)
         except Exception as error:  # the close itself failed
             if raised is None or error is raised:
                 raise
@@ -190,96 +172,6 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             self.state = PipelineState.CLOSED
         assert raised is not None
         raise raised  # the block's own exception, after the close failed
-
-    async def _persist_at_close(self) -> None:
-        """After a clean close: promote the newest committed step (``persist_on_close``), wait
-        for the uploads, let every rank report, so that rank 0 commits what every rank
-        finished, and wait for those commit objects: all of it within ``persist_timeout_s``
-        (and the exchange's ``coordination_timeout_s``). What did not end by then is never
-        committed, and is reported by ``Promoter.close``. Failures are logged: the local tier
-        holds every committed step whatever happens here."""
-        promoter = self.promoter
-        assert promoter is not None
-        promoter.closing()
-        try:
-            timeout = self.config.persist_timeout_s
-            deadline = anyio.current_time() + timeout
-            finished = await anyio.to_thread.run_sync(promoter.wait, timeout,
-                                                      abandon_on_cancel=True)
-            reports = await gather_shared(self.coordinator, promoter.report(),
-                                          what="persist at close")
-            promoter.on_reports(reports)
-            left = max(0.0, deadline - anyio.current_time())
-            finished = await anyio.to_thread.run_sync(
-                functools.partial(promoter.wait, left, uploads=False),
-                abandon_on_cancel=True) and finished
-            if not finished:
-                log.warning("ckpt.persist.close_timeout", rank=self.rank, url=promoter.url,
-                            timeout_s=timeout)
-            if finished:  # a commit object still in flight keeps the URL held: no release
-                await anyio.to_thread.run_sync(promoter.release, abandon_on_cancel=True)
-        except CheckpointError as exc:
-            log.error("ckpt.persist.close_failed", rank=self.rank, url=promoter.url,
-                      error=exc.message)
-
-    async def _open_persistent(self, promoter: Promoter) -> None:
-        """Open the persistent tier on every rank (rank 0 takes the URL: its owner object).
-        A refusal (``PersistentInUseError``) is raised on every rank, so that none waits for
-        rank 0 in the next agreement."""
-        refused: PersistentInUseError | None = None
-        try:
-            await in_thread(self._limiter, promoter.open)
-        except PersistentInUseError as exc:
-            refused = exc
-        answers = await gather_shared(self.coordinator,
-                                      None if refused is None else refused.message,
-                                      what="persistent owner")
-        if refused is not None:
-            raise refused
-        if answers and isinstance(answers[0], str):
-            raise PersistentInUseError(answers[0], rank=self.rank,
-                                       hint="rank 0 was refused the persistent URL; see its "
-                                            "error")
-
-    async def _prepare(self) -> RootLock:
-        """Check the root, take the root lock, scrub, agree on the run id; return the lock."""
-        await in_thread(self._limiter, self.storage.ensure_root)
-        # One job per root and rank: a second live opener is refused (RootInUseError).
-        lock = await in_thread(self._limiter, RootLock.acquire, self.storage.root, self.rank)
-        try:
-            for path, size in await in_thread(self._limiter, scrub, self.storage,
-                                              self.rank):
-                self.emitter.emit(TemporariesScrubbed(step=-1, rank=self.rank, path=path,
-                                                      bytes=size))
-            # After the scrub: the agreement is also a barrier, so that no rank's first save
-            # can create a step directory that another rank's scrub (of a shared root) removes.
-            # It also tells every rank where the others' copy servers are (replication).
-            if self.promoter is not None:
-                await self._open_persistent(self.promoter)
-            self.admission.run_id = await self.replication.start(self.coordinator,
-                                                                 self._limiter)
-            await self._open_timeline()
-            committed = await in_thread(self._limiter, committed_steps, self.storage,
-                                        self.rank)
-            self.ledger.resume_at(max(committed, default=None))
-        except BaseException:
-            if self.promoter is not None:
-                self.promoter.close()  # its heartbeat stops: the URL is not held any more
-            self.replication.close()
-            lock.release()
-            raise
-        return lock
-
-    async def _open_timeline(self) -> None:
-        """Agree on the timeline the commits carry until a restore (the newest any rank's
-        records name); rank 0 records in the persistent tier any rewind its root records
-        that the tier lacks (one left pending by an outage)."""
-        rewinds = await in_thread(self._limiter, read_rewinds, self.storage)
-        mine = await in_thread(self._limiter, local_timeline, self.storage, self.rank)
-        answers = await gather_shared(self.coordinator, mine, what="open timeline")
-        self.timeline.timeline = max((a for a in answers if type(a) is int), default=0)
-        if self.promoter is not None and rewinds:
-            await in_thread(self._limiter, self.promoter.rewound, rewinds)
 
     # ------------------------------------------------------------------ saving
 

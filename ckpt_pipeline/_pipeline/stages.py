@@ -26,6 +26,7 @@ from typing import get_args
 
 import anyio
 
+from .._config_groups import WriteOptions, retention_metrics
 from .._format.markers import clear_marker, write_marker
 from .._lineage import Timeline
 from .._logging import log, warn_unless_shown
@@ -38,7 +39,6 @@ from .._save.write_data import write_data
 from .._threads import in_thread
 from .._tiers.persistent.promote import Promoter
 from .._tiers.replica.replication import Replication
-from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..errors import CheckpointWarning, SaveError
 from ..events import (
@@ -54,6 +54,7 @@ from ..events import (
     SnapshotTaken,
 )
 from ..handle import CommitInfo
+from ..retention import RetentionPolicy
 from ..storage import Storage
 from .ledger import Ledger
 
@@ -65,12 +66,15 @@ STAGES: tuple[SaveStage, ...] = get_args(SaveStage)
 class Stages:
     """The five stages' work for one pipeline (see the module docstring)."""
 
-    def __init__(self, config: PipelineConfig, storage: Storage, coordinator: Coordinator,
-                 ledger: Ledger, pool: HostPool, emit: Callable[[Event], None],
-                 limiter: anyio.CapacityLimiter, replication: Replication | None = None,
+    def __init__(self, options: WriteOptions, retention: RetentionPolicy, storage: Storage,
+                 coordinator: Coordinator, ledger: Ledger, pool: HostPool,
+                 emit: Callable[[Event], None], limiter: anyio.CapacityLimiter,
+                 replication: Replication | None = None,
                  promoter: Promoter | None = None, timeline: Timeline | None = None) -> None:
-        self.config = config
-        self.rank = config.rank
+        self.options = options
+        self.retention = retention
+        self.retention_metrics = retention_metrics(retention)
+        self.rank = coordinator.rank
         self.storage = storage
         self.coordinator = coordinator
         self.ledger = ledger
@@ -115,9 +119,9 @@ class Stages:
         if self.replication is not None:
             job.push = self.replication.push_for(job.step, job.save_id)
         with self._uploads_paused():
-            written = await write_data(job, self.storage, chunk_bytes=self.config.chunk_bytes,
-                                       threads=self.config.io_threads, limiter=self.limiter,
-                                       direct_io=self.config.direct_io)
+            written = await write_data(job, self.storage, chunk_bytes=self.options.chunk_bytes,
+                                       threads=self.options.io_threads, limiter=self.limiter,
+                                       direct_io=self.options.direct_io)
         job.written = written
         self.release_slot(job)  # the bytes are in the file now: the next save may copy
         if written.copy_seconds is not None:
@@ -142,7 +146,7 @@ class Stages:
         lineage = self.timeline.lineage()
         replicas = await commit(job, self.storage, self.coordinator, limiter=self.limiter,
                                 replication=self.replication, promoter=self.promoter,
-                                metrics=self.config.retention_metrics, lineage=lineage)
+                                metrics=self.retention_metrics, lineage=lineage)
         job.push = None
         if job.error is not None:
             return
@@ -202,7 +206,7 @@ class Stages:
             try:
                 protect = set() if self.promoter is None else self.promoter.protected()
                 pruned, failed = await in_thread(self.limiter, prune, self.storage, self.rank,
-                                                 self.config.retention_policy, job.step,
+                                                 self.retention, job.step,
                                                  protect)
             except Exception as exc:  # the root could not even be listed
                 failed = [PruneFailed(-1, str(self.storage.root),

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from .._config_groups import RestoreOptions
 from .._format.scan import StepStatus, scan, scan_replicas
 from .._format.timeline import Rewind
 from .._lineage import Timeline, read_rewinds
 from .._logging import log
 from .._threads import in_thread
-from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..coordination._agree import Candidates, agree_candidates, gather_outcome
 from ..errors import CheckpointError, RestoreError, StateError
@@ -74,13 +74,13 @@ class Agreed:
 class Agreement:
     """Scans this rank's tiers and agrees with the other ranks on what to restore."""
 
-    def __init__(self, storage: Storage, coordinator: Coordinator, config: PipelineConfig,
+    def __init__(self, storage: Storage, coordinator: Coordinator, config: RestoreOptions,
                  reject: Callable[[int, str, str], RejectedStep],
                  promoter: Promoter | None, timeline: Timeline) -> None:
         self.storage = storage
         self.coordinator = coordinator
         self.config = config
-        self.rank = config.rank
+        self.rank = coordinator.rank
         self.promoter = promoter
         self.timeline = timeline
         self._reject = reject
@@ -239,7 +239,7 @@ class Agreement:
             saved = agreed.world_sizes[newest]
             raise RestoreError(
                 f"step {newest} was saved by {saved} rank(s), this job has "
-                f"{self.config.world_size}", step=newest, rank=self.rank,
+                f"{self.coordinator.world_size}", step=newest, rank=self.rank,
                 path=str(self.storage.root),
                 hint=f"restore with {saved} ranks (resharding is not supported)")
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._config_groups import RestoreOptions
 from .._crash import crash_point
 from .._format.filesets import FileSet
 from .._format.steps import step_dirs
@@ -25,7 +26,6 @@ from .._format.tidy import quarantine, set_aside_files
 from .._lineage import Timeline, forget_rewind, write_rewind
 from .._logging import log
 from .._threads import in_thread
-from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..coordination._agree import agree_barrier, agree_outcome
 from ..errors import CheckpointError, RestoreError
@@ -51,7 +51,7 @@ _log = log
 class Recovery:
     """Finds the newest step that every rank holds and verifies, and loads it."""
 
-    def __init__(self, storage: Storage, coordinator: Coordinator, config: PipelineConfig,
+    def __init__(self, storage: Storage, coordinator: Coordinator, config: RestoreOptions,
                  emit: Callable[[Event], None], replication: Replication | None = None,
                  promoter: Promoter | None = None, timeline: Timeline | None = None) -> None:
         self.timeline = timeline if timeline is not None else Timeline()
@@ -60,11 +60,11 @@ class Recovery:
         self.storage = storage
         self.coordinator = coordinator
         self.config = config
-        self.rank = config.rank
+        self.rank = coordinator.rank
         self._emit = emit
         self.agreement = Agreement(storage, coordinator, config, self._reject, promoter,
                                    self.timeline)
-        self.sourcing = Sourcing(storage, config, emit, replication, promoter)
+        self.sourcing = Sourcing(storage, config, self.rank, emit, replication, promoter)
 
     async def load_latest(self, state: Mapping[str, Any],
                           limiter: anyio.CapacityLimiter, *, step: int | None = None,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from .._config_groups import RestoreOptions
 from .._format.filesets import FileSet
 from .._format.header import TensorRecord
 from .._format.names import step_dir_name
@@ -28,7 +29,6 @@ from .._tiers.base import LocatedShard, ShardSource, ShardSources, SourceFailure
 from .._tiers.persistent.source import TierDownload
 from .._tiers.replica.source import FetchedCopy
 from .._tree import find_mesh, to_dtensor
-from ..config import PipelineConfig
 from ..coordination._agree import Candidates
 from ..errors import CheckpointError, CheckpointIntegrityError, StateError
 from ..events import Event, ForeignFilesSetAside, ShardDownloaded, ShardFetched
@@ -95,12 +95,12 @@ class Sourcing:
     """Gets this rank's shard of each candidate the agreement hands it (see the module
     docstring), moving the rank's files of other saves aside first."""
 
-    def __init__(self, storage: Storage, config: PipelineConfig,
+    def __init__(self, storage: Storage, config: RestoreOptions, rank: int,
                  emit: Callable[[Event], None], replication: Replication | None,
                  promoter: Promoter | None) -> None:
         self.storage = storage
         self.config = config
-        self.rank = config.rank
+        self.rank = rank
         self.replication = replication
         self.promoter = promoter
         self._emit = emit

@@ -83,9 +83,10 @@ def main() -> None:
     model, opt = build(args.kind, device, seed=0)
     train_step(model, opt, device, seed=1)
     blocking = []
-    copies: dict[str, Any] = ({} if not args.replicas else
-                              {"replicas": args.replicas, "node_name": f"node-{rank}"})
-    with cp.CheckpointPipeline(root, coordination_timeout_s=60, **copies) as pipe:
+    replication = (cp.ReplicationConfig() if not args.replicas else
+                   cp.ReplicationConfig(copies=args.replicas, node_name=f"node-{rank}"))
+    with cp.CheckpointPipeline(root, coordination_timeout_s=60,
+                               replication=replication) as pipe:
         for step in (1, 2):
             started = time.perf_counter()
             handle = pipe.save(step, {"model": model, "optim": opt}, cp.TrainState(step=step))
@@ -100,7 +101,8 @@ def main() -> None:
         if rank == 0:
             np.savez(os.path.join(os.path.dirname(args.out), "full.npz"), **full)
     fresh, fresh_opt = build(args.kind, device, seed=1)
-    with cp.CheckpointPipeline(root, coordination_timeout_s=60, **copies) as pipe:
+    with cp.CheckpointPipeline(root, coordination_timeout_s=60,
+                               replication=replication) as pipe:
         result = pipe.restore_latest({"model": fresh, "optim": fresh_opt})
     equal_after_restore = same(model, fresh)
     first_state = next(iter(fresh_opt.state_dict()["state"].values()))

@@ -32,8 +32,9 @@ def main() -> None:
     lease = float(os.environ.get("CKPT_TEST_PERSIST_LEASE", "60"))
     if os.environ.get("CKPT_TEST_HOLD_UPLOAD"):
         _hold_upload()
-    pipe = cp.CheckpointPipeline(root, persistent=url, persistent_options=options,
-                                 direct_io=False, sigterm="off", persistent_lease_s=lease)
+    pipe = cp.CheckpointPipeline(root, persistent=cp.PersistentConfig(url, options=options,
+                                                                      lease_s=lease),
+                                 direct_io=False, sigterm="off")
     pipe.open()
     state = {"w": torch.randn(3_000_000)}  # 12 MB: three parts of 5 MiB
     pipe.save(10, state, cp.TrainState(step=10)).result(60)

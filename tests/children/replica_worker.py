@@ -7,8 +7,8 @@ Usage (one process per rank, the environment set as ``torchrun`` would set it)::
             --replicas K --steps 10,20 --out OUT.json [--scenario S]
 
 It joins a gloo process group and opens a ``cp.CheckpointPipeline`` on ``ROOT/rank-r`` with
-``node_name=f"node{r // (n // N)}"`` (ranks 0 .. n/N-1 on node0, and so on) and
-``replicas=K``. Phases:
+``ReplicationConfig(copies=K, node_name=f"node{r // (n // N)}")`` (ranks 0 .. n/N-1 on node0,
+and so on). Phases:
 
 - ``save``: saves each of ``--steps`` and waits for its result; records per step the
   ``CommitInfo`` (or the error), and the replication events;
@@ -255,14 +255,16 @@ def _plain(event: cp.Event) -> dict[str, Any]:
 
 def _options(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     per_node = max(1, args.world_size // args.nodes)
-    options = {"replicas": args.replicas, "node_name": f"node{rank // per_node}",
+    replication = cp.ReplicationConfig(copies=args.replicas,
+                                       node_name=f"node{rank // per_node}",
+                                       timeout_s=args.replication_timeout)
+    options = {"replication": replication,
                "keep_last": args.keep_last, "coordination_timeout_s": args.coordination_timeout,
-               "replication_timeout_s": args.replication_timeout, "io_threads": 2,
-               "direct_io": False, "max_failures_in_row": args.max_failures}
+               "io_threads": 2, "direct_io": False, "max_failures_in_row": args.max_failures}
     if args.persistent:
-        options.update(persistent=args.persistent, persist_every=args.persist_every,
-                       persistent_options=json.loads(os.environ.get("CKPT_TEST_PERSIST_OPTIONS",
-                                                                    "null")))
+        options["persistent"] = cp.PersistentConfig(
+            args.persistent, every=args.persist_every,
+            options=json.loads(os.environ.get("CKPT_TEST_PERSIST_OPTIONS", "null")))
     return options
 
 

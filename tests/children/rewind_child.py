@@ -19,7 +19,7 @@ import ckpt_pipeline as cp
 def main() -> None:
     root, tier, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
     state = {"w": torch.zeros(1000), "meta": {"v": 0.0}}
-    with cp.CheckpointPipeline(root, persistent=tier, persist_every=1, persistent_keep=None,
+    with cp.CheckpointPipeline(root, persistent=cp.PersistentConfig(tier, every=1, keep=None),
                                keep_last=10, direct_io=False, sigterm="off") as pipe:
         result = pipe.restore(state, step=step)
         print(f"restored {None if result is None else result.step}", flush=True)

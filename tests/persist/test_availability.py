@@ -25,7 +25,7 @@ from ckpt_pipeline._tiers.persistent import promote as promote_mod
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
 from ckpt_pipeline._tiers.persistent.retries import RemoteError
 from ckpt_pipeline._tiers.persistent.urls import open_remote
-from ckpt_pipeline.config import PipelineConfig
+from ckpt_pipeline.config import PersistentConfig
 from ckpt_pipeline.storage import LocalStorage
 from tests._support.children import spawn_child
 from tests._support.replicas import launch
@@ -63,9 +63,10 @@ def _options(endpoint: str, **extra: Any) -> dict[str, Any]:
 
 def _pipeline(root: Path, url: str, options: dict[str, Any] | None, events: list[cp.Event],
               **kw: Any) -> cp.CheckpointPipeline:
-    """A pipeline with ``events`` subscribed before it opens (to see the events of open)."""
-    pipe = cp.CheckpointPipeline(root, persistent=url, persistent_options=options,
-                                 direct_io=False, sigterm="off", **kw)
+    """A pipeline with ``events`` subscribed before it opens (to see the events of open);
+    ``kw``: the persistent tier's settings."""
+    pipe = cp.CheckpointPipeline(root, persistent=cp.PersistentConfig(url, options=options, **kw),
+                                 direct_io=False, sigterm="off")
     pipe.subscribe(events.append)
     return pipe
 
@@ -149,7 +150,7 @@ def test_close_gives_up_on_a_hung_upload_and_never_commits_it(
     proxy = fault_proxy(options)
     proxy.fail("PUT", count=None, status=HANG, match="step-")  # the owner object is written
     events: list[cp.Event] = []
-    pipe = _pipeline(tmp_path / "local", url, proxy.options, events, persist_timeout_s=1.0)
+    pipe = _pipeline(tmp_path / "local", url, proxy.options, events, timeout_s=1.0)
     _within(pipe.open)
     pipe.save(10, {"w": torch.ones(100)}, cp.TrainState(step=10)).result(60)
     _within(pipe.close)
@@ -231,9 +232,10 @@ def test_every_rank_skips_the_same_step_while_one_rank_cannot_reach_the_tier(
     events: dict[int, list[cp.Event]] = {0: [], 1: []}
     promoters = []
     for rank in (0, 1):
-        config = PipelineConfig(persistent=str(tmp_path / "shared"), rank=rank, world_size=2)
+        config = PersistentConfig(str(tmp_path / "shared"))
         promoters.append(promote_mod.Promoter(LocalStorage(tmp_path / f"r{rank}"), config,
-                                              events[rank].append))
+                                              events[rank].append, rank=rank, world_size=2,
+                                              io_threads=8))
     promoters[0].remote = open_remote(str(tmp_path / "shared"))
     try:
         promoters[0].acquire()  # rank 0 reaches the tier and holds the URL
@@ -337,7 +339,7 @@ def test_a_missing_bucket_fails_open_at_once_with_a_config_error(
     proxy = fault_proxy(_options(s3_server))
     events: list[cp.Event] = []
     pipe = _pipeline(tmp_path / "local", "s3://ckpt-no-such-bucket/run", proxy.options, events,
-                     persist_retries=5)
+                     retries=5)
     with pytest.raises(cp.ConfigError) as info:
         _within(pipe.open)
     assert "NoSuchBucket" in info.value.message

@@ -63,7 +63,9 @@ def any_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
 
 def _pipe(root: Path, tier: Tier, **options: Any) -> cp.CheckpointPipeline:
     url, fs_options = tier
-    return cp.CheckpointPipeline(root, persistent=url, persistent_options=fs_options,
+    group = {k: options.pop(k) for k in ("lease_s", "takeover") if k in options}
+    return cp.CheckpointPipeline(root, persistent=cp.PersistentConfig(url, options=fs_options,
+                                                                      **group),
                                  direct_io=False, **options)
 
 
@@ -114,11 +116,11 @@ def test_a_second_job_on_a_url_whose_holder_is_alive_is_refused_naming_the_holde
 ) -> None:
     tier = any_tier
     events: list[cp.Event] = []
-    with _pipe(tmp_path / "a", tier, persistent_lease_s=3.0) as first:
+    with _pipe(tmp_path / "a", tier, lease_s=3.0) as first:
         first.subscribe(events.append)
         holder = _owner(tier)
         assert holder is not None and not holder.released
-        second = _pipe(tmp_path / "b", tier, persistent_lease_s=1.0)
+        second = _pipe(tmp_path / "b", tier, lease_s=1.0)
         with pytest.raises(cp.PersistentInUseError) as refused:
             second.open()
         message = str(refused.value)
@@ -132,7 +134,7 @@ def test_a_second_job_on_a_url_whose_holder_is_alive_is_refused_naming_the_holde
     released = _owner(tier)
     assert released is not None and released.run_id == holder.run_id and released.released
     # Once the holder closed, the refused job (its root lock given back) opens at once.
-    with _pipe(tmp_path / "b", tier, persistent_lease_s=1.0) as again:
+    with _pipe(tmp_path / "b", tier, lease_s=1.0) as again:
         _save(again, 2, 2.0)
     owner = _owner(tier)
     assert owner is not None and owner.root == str(tmp_path / "b")
@@ -143,11 +145,11 @@ def test_a_url_released_by_a_clean_close_is_taken_at_once_by_the_next_job(
     tmp_path: Path
 ) -> None:
     tier: Tier = (str(tmp_path / "shared"), None)
-    with _pipe(tmp_path / "a", tier, persistent_lease_s=3600.0) as first:
+    with _pipe(tmp_path / "a", tier, lease_s=3600.0) as first:
         _save(first, 1, 1.0)
     events: list[cp.Event] = []
     # A lease of an hour: were the URL not released, the open would watch it for an hour.
-    with _pipe(tmp_path / "b", tier, persistent_lease_s=3600.0) as second:
+    with _pipe(tmp_path / "b", tier, lease_s=3600.0) as second:
         second.subscribe(events.append)
         _save(second, 2, 2.0)
     assert _steps(cp.StepPersisted, events) == [2]
@@ -160,7 +162,7 @@ def test_a_url_whose_heartbeat_is_older_than_its_lease_is_taken_over_with_an_eve
 ) -> None:
     _write_owner(tier, _gone(heartbeat_age_s=120.0, lease_s=60.0))
     events: list[cp.Event] = []
-    pipe = _pipe(tmp_path / "b", tier, persistent_lease_s=3600.0)
+    pipe = _pipe(tmp_path / "b", tier, lease_s=3600.0)
     pipe.subscribe(events.append)
     # A lease of an hour for this job: the holder's own lease (60 s) decides.
     with caplog.at_level(logging.WARNING, logger="ckpt_pipeline"), pipe:
@@ -200,14 +202,14 @@ def test_a_job_that_lost_its_url_to_a_takeover_never_reports_the_other_jobs_step
     tier = any_tier
     first_events: list[cp.Event] = []
     second_events: list[cp.Event] = []
-    first = _pipe(tmp_path / "a", tier, persistent_lease_s=3.0)
+    first = _pipe(tmp_path / "a", tier, lease_s=3.0)
     first.subscribe(first_events.append)
     with caplog.at_level(logging.ERROR, logger="ckpt_pipeline"), first:
         _save(first, 1, 1.0)
         _wait_for(first_events, cp.ShardUploaded, 1)
         _save(first, 2, 1.5)  # its vote commits step 1 in the tier
         _wait_for(first_events, cp.StepPersisted, 1)
-        second = _pipe(tmp_path / "b", tier, persistent_takeover=True)
+        second = _pipe(tmp_path / "b", tier, takeover=True)
         second.subscribe(second_events.append)
         with second:
             _save(second, 6, 6.0)
@@ -269,13 +271,12 @@ def test_a_step_whose_objects_another_job_replaced_is_not_committed(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("option", "value"), [
-    ("persistent_lease_s", 0), ("persistent_lease_s", -1.0), ("persistent_lease_s", True),
-    ("persistent_lease_s", "60"), ("persistent_lease_s", 86400.0),
-    ("persistent_takeover", "yes"), ("persistent_takeover", 1),
+    ("lease_s", 0), ("lease_s", -1.0), ("lease_s", True), ("lease_s", "60"),
+    ("lease_s", 86400.0), ("takeover", "yes"), ("takeover", 1),
 ])
 def test_invalid_ownership_options_fail_at_construction(option: str, value: Any) -> None:
     with pytest.raises(cp.ConfigError, match=option):
-        cp.PipelineConfig(persistent="/tmp/x", **{option: value})
+        cp.PersistentConfig("/tmp/x", **{option: value})
 
 
 @pytest.mark.slow
@@ -329,7 +330,7 @@ def test_every_rank_of_a_job_refused_the_url_raises_the_refusal_and_none_waits(
     tmp_path: Path
 ) -> None:
     tier: Tier = (str(tmp_path / "shared"), None)
-    with _pipe(tmp_path / "holder", tier, persistent_lease_s=3.0) as holder:
+    with _pipe(tmp_path / "holder", tier, lease_s=3.0) as holder:
         # Rank 0 is refused; rank 1 learns it from the agreement that follows, not after
         # the 60 s coordination timeout of the next one (a CoordinationError).
         results = launch("save", tmp_path / "root", tmp_path / "logs", world=2, nodes=2,

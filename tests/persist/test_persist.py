@@ -75,10 +75,11 @@ def _save_steps(root: Path, tier: tuple[str, dict[str, Any] | None], steps: list
     url, fs_options = tier
     saved = {}
     seen: list[cp.Event] = [] if events is None else events
-    with cp.CheckpointPipeline(root, persistent=url, persistent_options=fs_options,
-                               direct_io=False, **options) as pipe:
+    group = cp.PersistentConfig(url, options=fs_options, **{
+        k: options.pop(k) for k in ("every", "on_close", "keep", "retries") if k in options})
+    with cp.CheckpointPipeline(root, persistent=group, direct_io=False, **options) as pipe:
         pipe.subscribe(seen.append)
-        every = options.get("persist_every", 1)
+        every = group.every
         for n, step in enumerate(steps, 1):
             state = _state(step)
             torch.manual_seed(step)  # the RNG state captured differs per step
@@ -99,13 +100,13 @@ def test_promotes_every_mth_step_and_restores_after_every_local_root_is_lost(
 ) -> None:
     events: list[cp.Event] = []
     saved = _save_steps(tmp_path / "local", tier, [10, 20, 30, 40, 50], events,
-                        settle=True, persist_every=2, keep_last=2)
+                        settle=True, every=2, keep_last=2)
     # Steps 20 and 40 were due (every 2nd commit), 50 at the clean close.
     assert _steps_in(*tier) == {20: True, 40: True, 50: True}
     persisted = [e.step for e in events if isinstance(e, cp.StepPersisted)]
     assert persisted == [20, 40, 50]
     assert all(not isinstance(e, cp.PersistFailed) for e in events)
-    # The local tier kept only two steps; the persistent tier three (persistent_keep=3).
+    # The local tier kept only two steps; the persistent tier three (keep=3).
     assert sorted(p.name for p in (tmp_path / "local").glob("step-*")) == [
         "step-0000000040", "step-0000000050"]
 
@@ -114,7 +115,8 @@ def test_promotes_every_mth_step_and_restores_after_every_local_root_is_lost(
     state = _state(999)
     torch.manual_seed(4321)
     restored: list[cp.Event] = []
-    with cp.CheckpointPipeline(tmp_path / "local", persistent=url, persistent_options=options,
+    with cp.CheckpointPipeline(tmp_path / "local",
+                               persistent=cp.PersistentConfig(url, options=options),
                                direct_io=False) as pipe:
         pipe.subscribe(restored.append)
         result = pipe.restore_latest(state)
@@ -164,7 +166,8 @@ def test_a_restore_from_the_tier_reads_the_shard_while_it_downloads(
     monkeypatch.setattr(ShardStream, "wait", logged_wait)
     url, options = tier
     state = _state(999)
-    with cp.CheckpointPipeline(tmp_path / "local", persistent=url, persistent_options=options,
+    with cp.CheckpointPipeline(tmp_path / "local",
+                               persistent=cp.PersistentConfig(url, options=options),
                                direct_io=False) as pipe:
         result = pipe.restore_latest(state)
     assert result is not None and result.step == 10 and result.downloaded == (0,)
@@ -187,7 +190,7 @@ def test_persistent_keep_prunes_oldest_complete_steps_commit_object_first(
 ) -> None:
     events: list[cp.Event] = []
     _save_steps(tmp_path / "local", tier, [1, 2, 3, 4, 5], events, settle=True,
-                persistent_keep=2)
+                keep=2)
     assert _steps_in(*tier) == {4: True, 5: True}
     pruned = sorted(e.step for e in events if isinstance(e, cp.PersistPruned))
     assert pruned == [1, 2, 3]
@@ -214,7 +217,8 @@ def test_a_corrupt_or_missing_object_falls_back_to_the_previous_persisted_step(
         remote.close()
     shutil.rmtree(tmp_path / "local")
     state = _state(999)
-    with cp.CheckpointPipeline(tmp_path / "local", persistent=url, persistent_options=options,
+    with cp.CheckpointPipeline(tmp_path / "local",
+                               persistent=cp.PersistentConfig(url, options=options),
                                direct_io=False) as pipe:
         result = pipe.restore_latest(state)
     assert result is not None and result.step == 10
@@ -258,7 +262,7 @@ def test_failing_puts_end_in_an_event_and_leave_training_and_the_local_tier_alon
     proxy.fail("PUT", count=None, status=500, match="step-")
     events: list[cp.Event] = []
     local = tmp_path / "local"
-    _save_steps(local, (url, proxy.options), [10, 20], events, persist_retries=1)
+    _save_steps(local, (url, proxy.options), [10, 20], events, retries=1)
     failed = [e for e in events if isinstance(e, cp.PersistFailed)]
     assert {e.step for e in failed} == {10, 20}, events
     assert all("rank 0" in e.error for e in failed)
@@ -281,7 +285,7 @@ def test_a_slow_tier_skips_promotions_instead_of_delaying_saves(
     proxy.delay("PUT", seconds=0.3)
     events: list[cp.Event] = []
     _save_steps(tmp_path / "local", (url, proxy.options), list(range(1, 9)), events,
-                persist_on_close=False)
+                on_close=False)
     skipped = [e.step for e in events if isinstance(e, cp.PersistSkipped)]
     persisted = [e.step for e in events if isinstance(e, cp.StepPersisted)]
     committed = [e.step for e in events if isinstance(e, cp.CheckpointCommitted)]
@@ -302,15 +306,17 @@ def test_credentials_reach_no_log_line_event_or_file(
     with structlog.testing.capture_logs() as logs:
         _save_steps(tmp_path / "local", (url, options), [10], events)
         shutil.rmtree(tmp_path / "local")
-        with cp.CheckpointPipeline(tmp_path / "local", persistent=url,
-                                   persistent_options=options, direct_io=False) as pipe:
+        with cp.CheckpointPipeline(tmp_path / "local",
+                                   persistent=cp.PersistentConfig(url, options=options),
+                                   direct_io=False) as pipe:
             pipe.restore_latest(_state(0))
     lines = [f"{r.getMessage()} {r.__dict__}" for r in caplog.records
              if r.name.startswith("ckpt_pipeline")]  # ours; not the clients' own debug lines
     assert any("ckpt.persist" in line for line in lines)  # the tier's lines were captured
     text = json.dumps(logs, default=str) + repr(events) + "\n".join(lines)
     assert secret not in text and options["access_key_id"] not in text
-    assert secret not in repr(cp.PipelineConfig(persistent=url, persistent_options=options))
+    assert secret not in repr(cp.PipelineConfig(persistent=cp.PersistentConfig(url,
+                                                                               options=options)))
     remote = open_remote(url, options=options)
     try:
         raw = remote.get_small(f"step-0000000010/{STEP_COMMIT}", 1 << 20)

@@ -136,7 +136,7 @@ def test_sigkill_during_an_upload_leaves_no_step_that_looks_complete(
 
     # The next promotion works, and the leftovers of the killed one are removed.
     events: list[cp.Event] = []
-    with cp.CheckpointPipeline(local, persistent=url, persistent_options=options,
+    with cp.CheckpointPipeline(local, persistent=cp.PersistentConfig(url, options=options),
                                direct_io=False) as pipe:
         pipe.subscribe(events.append)
         pipe.save(20, {"w": torch.ones(1000)}, cp.TrainState(step=20)).result(60)

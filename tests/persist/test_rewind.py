@@ -36,9 +36,9 @@ def _state(value: float) -> dict[str, Any]:
 
 def _open(root: Path, tier: Tier, **options: Any) -> cp.CheckpointPipeline:
     url, fs_options = tier
-    return cp.CheckpointPipeline(root, persistent=url, persistent_options=fs_options,
-                                 direct_io=False, persist_every=1, persistent_keep=None,
-                                 keep_last=10, **options)
+    group = cp.PersistentConfig(url, options=fs_options, every=1, keep=None)
+    return cp.CheckpointPipeline(root, persistent=group, direct_io=False, keep_last=10,
+                                 **options)
 
 
 def _save(pipe: cp.CheckpointPipeline, step: int, value: float, seen: list[cp.Event]) -> None:

@@ -491,8 +491,8 @@ def test_close_timeout_abandons_the_save_and_leaves_nothing(root: Path) -> None:
     storage.gate.set()  # the I/O call in progress returns; the loop then abandons the save
     with pytest.raises(cp.PipelineClosedError, match="abandoned"):
         handle.result(30)
-    assert pipe._thread is not None
-    pipe._thread.join(30)
+    assert pipe._loop.thread is not None
+    pipe._loop.thread.join(30)
     assert _committed_only(root) == [] and list(_layout(root)) == [f"step-{1:010d}"]
 
 

@@ -110,16 +110,17 @@ def test_invalid_configuration_fails_at_construction_with_a_hint(root: Path) -> 
         cp.CheckpointPipeline(root, keep_lats=2)
     with pytest.raises(cp.ConfigError, match="multiple of 4096"):
         cp.PipelineConfig(chunk_bytes=1000)
-    with pytest.raises(cp.ConfigError, match="replicas=-1 is not a number of copies"):
-        cp.PipelineConfig(replicas=-1)
+    with pytest.raises(cp.ConfigError, match="copies=-1 is not a number of copies"):
+        cp.ReplicationConfig(copies=-1)
     with pytest.raises(cp.ConfigError, match="node_name=''"):
-        cp.PipelineConfig(node_name="")
-    with pytest.raises(cp.ConfigError, match="replication_timeout_s=0"):
-        cp.PipelineConfig(replication_timeout_s=0)
+        cp.ReplicationConfig(node_name="")
+    with pytest.raises(cp.ConfigError, match="timeout_s=0"):
+        cp.ReplicationConfig(timeout_s=0)
 
 
 def test_copies_in_a_single_process_job_fail_at_open_naming_the_nodes(root: Path) -> None:
-    pipe = cp.CheckpointPipeline(root, replicas=1, node_name="alone")
+    pipe = cp.CheckpointPipeline(root, replication=cp.ReplicationConfig(copies=1,
+                                                                        node_name="alone"))
     with pytest.raises(cp.ConfigError, match=r"replicas=1 needs 2 nodes, this job runs on 1: "
                                              r"'alone' \(1 rank\(s\)\)"):
         pipe.open()

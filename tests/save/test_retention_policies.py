@@ -340,8 +340,9 @@ def _rank_main(argv: Iterable[str]) -> int:
         kept: list[list[int]] = []
         copies: list[list[int]] = []
         with cp.CheckpointPipeline(root, retention=[KeepLast(1), KeepBest(2, metric="loss")],
-                                   direct_io=False, coordination_timeout_s=30, replicas=1,
-                                   node_name=f"node-{rank}") as pipe:
+                                   direct_io=False, coordination_timeout_s=30,
+                                   replication=cp.ReplicationConfig(
+                                       copies=1, node_name=f"node-{rank}")) as pipe:
             for step, loss in enumerate(RANK_LOSSES[rank], start=1):
                 pipe.save(step, {"x": torch.full((4,), float(step + rank))},
                           cp.TrainState(step=step, extra={"loss": loss})).result(60)

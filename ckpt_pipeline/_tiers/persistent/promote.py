@@ -50,10 +50,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..._config_groups import PersistentConfig
 from ..._format.names import parse_step_dir, step_dir_name
 from ..._format.timeline import Lineage, Mark, Rewind, abandoned
 from ..._logging import log
-from ...config import PipelineConfig
 from ...errors import CheckpointError, CheckpointIntegrityError, PersistentInUseError
 from ...events import (
     Event,
@@ -110,17 +110,18 @@ class _Assigned:
 class Promoter:
     """This rank's side of the persistent tier (see the module docstring)."""
 
-    def __init__(self, storage: Storage, config: PipelineConfig,
-                 emit: Callable[[Event], None]) -> None:
-        assert config.persistent is not None
+    def __init__(self, storage: Storage, config: PersistentConfig,
+                 emit: Callable[[Event], None], *, rank: int, world_size: int,
+                 io_threads: int) -> None:
         self.storage = storage
         self.config = config
-        self.rank = config.rank
-        self.world_size = config.world_size
+        self.rank = rank
+        self.world_size = world_size
+        self.io_threads = io_threads
         self._emit = emit
-        self._spec = config.persistent
+        self._spec = config.url
         self.remote: Remote | None = None
-        self.url = _display(config.persistent)
+        self.url = _display(config.url)
         self._lock = threading.Lock()
         self._uploads = DaemonPool(1, f"ckpt-persist-r{self.rank}")
         self._meta = DaemonPool(1, f"ckpt-persist-meta-r{self.rank}")
@@ -172,9 +173,9 @@ class Promoter:
         """The steps of opening the persistent tier, at open and at every later attempt:
         open the root and list it once, so that a wrong URL or missing credentials fail at
         open, not at the first promotion. Runs in a daemon thread (``connect``)."""
-        remote = open_remote(self._spec, threads=self.config.io_threads,
-                             retries=self.config.persist_retries,
-                             options=self.config.persistent_options)
+        remote = open_remote(self._spec, threads=self.io_threads,
+                             retries=self.config.retries,
+                             options=self.config.options)
         retries, remote.retries = remote.retries, 0  # the connection's backoff retries it
         try:
             remote.gate = self._wait_for_quiet
@@ -281,8 +282,8 @@ class Promoter:
         try:
             owner = Ownership.acquire(
                 remote, root=str(self.storage.root),
-                lease_s=self.config.persistent_lease_s,
-                takeover=self.config.persistent_takeover, emit=self._emit, rank=self.rank,
+                lease_s=self.config.lease_s,
+                takeover=self.config.takeover, emit=self._emit, rank=self.rank,
                 watching=watching)
         except PersistentInUseError as exc:
             self._refused = exc.message  # reported, so that every rank stops promoting
@@ -366,7 +367,7 @@ class Promoter:
             self._emit(PersistFailed(
                 step=step, rank=self.rank, save_id=save_id, url=self.url,
                 error="the promotion did not end before the pipeline closed (within "
-                      f"persist_timeout_s={self.config.persist_timeout_s:g} s at a clean "
+                      f"persist_timeout_s={self.config.timeout_s:g} s at a clean "
                       "close); the step was not committed in the persistent tier and stays "
                       "in the local tier"))
         if self.remote is not None:
@@ -455,13 +456,13 @@ class Promoter:
         ``lineage``: its commit records' (the commit object names it too)."""
         self._commits += 1
         self._newest = (step, save_id, lineage)
-        if self._commits % self.config.persist_every == 0:
+        if self._commits % self.config.every == 0:
             self._assign(step, save_id, lineage, closing=False)
 
     def closing(self) -> None:
         """At a clean close: promote the newest step committed since open too
         (``persist_on_close``)."""
-        if self._newest is not None and self.config.persist_on_close:
+        if self._newest is not None and self.config.on_close:
             self._assign(*self._newest, closing=True)
 
     def protected(self) -> set[int]:
@@ -696,7 +697,7 @@ class Promoter:
         assert remote is not None
         if self._owner is None or self._owner.lost is not None:
             return
-        keep = self.config.persistent_keep
+        keep = self.config.keep
         try:
             steps = sorted((s for s in map(parse_step_dir, remote.list_steps())
                             if s is not None), reverse=True)

@@ -17,12 +17,12 @@ from typing import Any
 
 import anyio
 
+from ..._config_groups import ReplicationConfig
 from ..._format.documents import CommitRecord, encode_commit
 from ..._format.scan import scan_replicas
 from ..._format.timeline import Lineage
 from ..._logging import log
 from ..._threads import in_thread
-from ...config import PipelineConfig
 from ...coordination import Coordinator
 from ...coordination._agree import Opening, agree_open
 from ...errors import CheckpointError, ConfigError
@@ -41,11 +41,12 @@ class Replication:
     """See the module docstring. Created by the pipeline; ``start`` at open, ``close`` at
     close."""
 
-    def __init__(self, storage: Storage, config: PipelineConfig,
-                 emit: Callable[[Event], None]) -> None:
+    def __init__(self, storage: Storage, config: ReplicationConfig,
+                 emit: Callable[[Event], None], *, rank: int, world_size: int) -> None:
         self.storage = storage
         self.config = config
-        self.rank = config.rank
+        self.rank = rank
+        self.world_size = world_size
         self.node = config.node_name or socket.gethostname()
         self._emit = emit
         self.server: CopyServer | None = None
@@ -58,32 +59,32 @@ class Replication:
         """Agree on the run id, the token and the peers with the other ranks; place the
         copies. Returns the run id. A ConfigError (too few nodes) is raised on every rank."""
         config = self.config
-        serve = config.world_size > 1 and (
-            config.replicas > 0 or bool(await in_thread(limiter, scan_replicas, self.storage,
+        serve = self.world_size > 1 and (
+            config.copies > 0 or bool(await in_thread(limiter, scan_replicas, self.storage,
                                                         self.rank)))
         if serve:
-            bind, advertise = local_addresses(config.replication_host)
+            bind, advertise = local_addresses(config.host)
             self.server = CopyServer(self.storage, self.rank, bind_host=bind,
                                      advertise_host=advertise,
-                                     timeout_s=config.replication_timeout_s, emit=self._emit)
+                                     timeout_s=config.timeout_s, emit=self._emit)
         try:
             opening = await agree_open(coordinator, self.node,
                                        None if self.server is None else self.server.address)
             self.opening = opening
             self.peers = {rank: Peer(rank, opening.nodes[rank], addr[0], addr[1])
                           for rank, addr in enumerate(opening.addresses) if addr is not None}
-            if config.replicas > 0:
-                self.placement = place_replicas(opening.nodes, config.replicas)
+            if config.copies > 0:
+                self.placement = place_replicas(opening.nodes, config.copies)
                 missing = [h for h in self.placement.held_by_any() if h not in self.peers]
                 if missing:
                     raise ConfigError(f"rank(s) {missing} run no copy server, though the job "
-                                      f"asks for replicas={config.replicas}",
+                                      f"asks for replicas={config.copies}",
                                       rank=self.rank,
                                       hint="pass the same replicas= on every rank")
             if self.server is not None:
-                self.server.world_size = config.world_size
+                self.server.world_size = self.world_size
                 self.server.sources = frozenset(
-                    range(config.world_size) if self.placement is None
+                    range(self.world_size) if self.placement is None
                     else self.placement.held_by(self.rank))
                 self.server.token = opening.token
         except BaseException:
@@ -100,10 +101,10 @@ class Replication:
         stop the copy server (which removes every copy it did not commit)."""
         resends, self._resends = self._resends, []
         for resend in resends:
-            if not resend.close(self.config.replication_timeout_s):
+            if not resend.close(self.config.timeout_s):
                 log.warning("ckpt.replicate.resend_abandoned", step=resend.step,
                             rank=self.rank, holders=[p.rank for p in resend.peers],
-                            timeout_s=self.config.replication_timeout_s)
+                            timeout_s=self.config.timeout_s)
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -119,7 +120,7 @@ class Replication:
             return None
         return Push([self.peers[h] for h in holders], token=self.opening.token, step=step,
                     save_id=save_id, rank=self.rank,
-                    timeout_s=self.config.replication_timeout_s)
+                    timeout_s=self.config.timeout_s)
 
     def settle(self, step: int, save_id: str, commit: Sequence[int],
                metrics: Mapping[str, float] | None = None,
@@ -130,7 +131,7 @@ class Replication:
         too; recovery tells a copy of an abandoned timeline by its lineage)."""
         if self.server is None:
             return {src: f"rank {self.rank} runs no copy server" for src in commit}
-        world = self.config.world_size
+        world = self.world_size
 
         def record(source: int) -> bytes:
             import time
@@ -197,7 +198,7 @@ class Replication:
             return
         resend = Resend(self.storage, [self.peers[h] for h in holders if h in self.peers],
                         token=self.opening.token, step=step, save_id=save_id, rank=self.rank,
-                        timeout_s=self.config.replication_timeout_s, emit=self._emit)
+                        timeout_s=self.config.timeout_s, emit=self._emit)
         self._resends.append(resend)
         resend.start()
 
@@ -209,8 +210,8 @@ class Replication:
                                   step=step, rank=self.rank)
         return fetch_shard(self.storage, peer, token=self.opening.token, step=step,
                            save_id=save_id, rank=self.rank,
-                           world_size=self.config.world_size,
-                           timeout_s=self.config.replication_timeout_s)
+                           world_size=self.world_size,
+                           timeout_s=self.config.timeout_s)
 
 
 def local_addresses(configured: str | None) -> tuple[str, str]:
