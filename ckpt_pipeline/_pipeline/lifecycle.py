@@ -28,6 +28,7 @@ from .._restore.recovery import AppliedState, Loaded, Recovery
 from .._restore.rollback import undone_on_error
 from .._save.buffers import DeviceStaging, HostPool
 from .._save.job import SaveJob
+from .._threads import in_thread
 from .._tiers.persistent.promote import Promoter
 from .._tiers.persistent.urls import is_url
 from .._tiers.replica.replication import Replication
@@ -182,7 +183,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         plan = self.admission.plan(step, state, train_state)
         slot = self.admission.acquire(plan, block=False)
         if slot is None and self.config.when_busy == "block":  # wait off the event loop
-            slot = await anyio.to_thread.run_sync(self.admission.acquire, plan, True)
+            slot = await in_thread(None, self.admission.acquire, plan, True)
         job = self.admission.start(plan, slot)
         await self.runner.submit(job, wait=slot is not None)
         return job.handle
@@ -296,7 +297,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         if step is not None and (type(step) is not int or step < 0):
             raise StepOrderError(f"step must be a non-negative int, got {step!r}",
                                  rank=self.rank)
-        await anyio.to_thread.run_sync(self.ledger.begin_restore)
+        await in_thread(None, self.ledger.begin_restore)
         try:
             await self.runner.wait_pending(None, raise_errors=False)
             loaded = await self._recovery.load_latest(state, self._limiter, step=step,

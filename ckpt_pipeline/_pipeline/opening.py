@@ -122,19 +122,17 @@ async def persist_at_close(promoter: Promoter, coordinator: Coordinator,
     promoter.closing()
     try:
         deadline = anyio.current_time() + timeout
-        finished = await anyio.to_thread.run_sync(promoter.wait, timeout,
-                                                  abandon_on_cancel=True)
+        finished = await in_thread(None, promoter.wait, timeout, abandon_on_cancel=True)
         reports = await gather_shared(coordinator, promoter.report(),
                                       what="persist at close")
         promoter.on_reports(reports)
         left = max(0.0, deadline - anyio.current_time())
-        finished = await anyio.to_thread.run_sync(
-            functools.partial(promoter.wait, left, uploads=False),
-            abandon_on_cancel=True) and finished
+        finished = await in_thread(None, functools.partial(promoter.wait, left, uploads=False),
+                                   abandon_on_cancel=True) and finished
         if not finished:
             log.warning("ckpt.persist.close_timeout", rank=rank, url=promoter.url,
                         timeout_s=timeout)
         if finished:  # a commit object still in flight keeps the URL held: no release
-            await anyio.to_thread.run_sync(promoter.release, abandon_on_cancel=True)
+            await in_thread(None, promoter.release, abandon_on_cancel=True)
     except CheckpointError as exc:
         log.error("ckpt.persist.close_failed", rank=rank, url=promoter.url, error=exc.message)
