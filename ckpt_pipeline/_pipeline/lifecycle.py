@@ -36,7 +36,7 @@ from .._tiers.persistent.remote import is_url
 from .._tiers.replica.replication import Replication
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
-from ..coordination._agree import gather_shared
+from ..coordination._agree import agree_open, gather_parts, gather_shared
 from ..errors import (
     CheckpointError,
     ConfigError,
@@ -205,8 +205,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             deadline = anyio.current_time() + timeout
             finished = await anyio.to_thread.run_sync(promoter.wait, timeout,
                                                       abandon_on_cancel=True)
-            reports = await gather_shared(self.coordinator, promoter.report(),
-                                          what="persist at close")
+            reports = await gather_parts(self.coordinator, promoter.key, promoter.ballot(),
+                                         what="persist at close")
             promoter.on_reports(reports)
             left = max(0.0, deadline - anyio.current_time())
             finished = await anyio.to_thread.run_sync(
@@ -255,8 +255,10 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             # It also tells every rank where the others' copy servers are (replication).
             if self.promoter is not None:
                 await self._open_persistent(self.promoter)
-            self.admission.run_id = await self.replication.start(self.coordinator,
-                                                                 self._limiter)
+            opening = await agree_open(self.coordinator, self.replication.node,
+                                       await self.replication.serve(self._limiter))
+            self.replication.start(opening)
+            self.admission.run_id = opening.run_id
             await self._open_timeline()
             committed = await in_thread(self._limiter, _scan.committed_steps, self.storage,
                                         self.rank)

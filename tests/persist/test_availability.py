@@ -241,7 +241,7 @@ def test_every_rank_skips_the_same_step_while_one_rank_cannot_reach_the_tier(
     try:
         promoters[0].acquire()  # rank 0 reaches the tier and holds the URL
         reports = [p.report() for p in promoters]
-        assert [r["reachable"] for r in reports] == [True, False]
+        assert [r.reachable for r in reports] == [True, False]
         for promoter in promoters:
             promoter.on_reports(reports)
             promoter.committed(5, "save-5")

@@ -89,15 +89,11 @@ class Committing(Rewinding, Acquiring):
         objects: dict[str, ObjectSum] = {}
         stamps: dict[str, str | None] = {}
         for rank, report in sorted(assigned.reports.items()):
-            sums, marks = report.get("sums"), report.get("stamps")
-            if not isinstance(sums, dict) or not isinstance(marks, dict):
-                raise CheckpointIntegrityError(f"rank {rank} sent a malformed report")
             for name in rank_keys(step, rank):
-                if name not in sums:
+                if name not in report.sums:
                     raise CheckpointIntegrityError(f"rank {rank} did not report {name}")
-                objects[name] = ObjectSum.from_msg(sums[name])
-                mark = marks.get(name)
-                stamps[name] = mark if isinstance(mark, str) else None
+                objects[name] = report.sums[name]
+                stamps[name] = report.stamps.get(name)
         return objects, stamps
 
     def _check_objects(self, remote: Remote, dir_name: str, objects: dict[str, ObjectSum],

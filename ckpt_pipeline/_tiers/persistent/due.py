@@ -9,8 +9,11 @@ from typing import Any
 
 from ..._format.timeline import Lineage
 from ..._logging import log
+from ...coordination._agree import Ballot
 from ...events import PersistFailed, PersistSkipped
+from ..base import Recorded, Vote, VotePart, no_part
 from .commit_object import Committing
+from .reports import PersistReport
 from .rewinding import Rewinding
 from .state import Assigned
 from .upload import Uploading
@@ -25,28 +28,28 @@ _QUEUED_MAX = 2
 class Assigning(Committing, Rewinding, Uploading):
     """Assigning due steps, reporting uploads and settling what every rank reported."""
 
-    def report(self) -> dict[str, Any]:
+    key = "persist"
+    any_step = True
+    """A rank's report counts whatever save it votes on: it is about earlier steps."""
+
+    def report(self) -> PersistReport:
         """What this rank tells the others in the commit vote (each outcome once)."""
         with self._lock:
-            done = {str(s): d for s, d in self._finished.items()}
-            failed = {str(s): e for s, e in self._failures.items()}
+            done = dict(self._finished)
+            failed = dict(self._failures)
             self._finished.clear()
             self._failures.clear()
-            report: dict[str, Any] = {"unfinished": len(self._unfinished), "done": done,
-                                      "failed": failed,
-                                      # rank 0 promotes only once it holds the URL
-                                      "reachable": self.remote is not None and (
-                                          self.rank != 0 or self._owner is not None)}
+            unfinished = len(self._unfinished)
+            # rank 0 promotes only once it holds the URL
+            reachable = self.remote is not None and (self.rank != 0 or self._owner is not None)
         lost = self._refused if self._owner is None else self._owner.lost
-        if lost is not None:
-            report["lost"] = lost
-        return report
+        return PersistReport(unfinished, done, failed, reachable, lost)
 
-    def on_reports(self, reports: Sequence[Any]) -> None:
+    def on_reports(self, reports: Sequence[PersistReport | None]) -> None:
         """Every rank's ``report()`` of one exchange: record finished uploads, commit the
         steps every rank finished, give up the steps a rank failed. Same on every rank."""
-        lost = reports[0].get("lost") if reports and isinstance(reports[0], dict) else None
-        if isinstance(lost, str) and self._lost_url is None:
+        lost = reports[0].lost if reports and reports[0] is not None else None
+        if lost is not None and self._lost_url is None:
             self._stop_promoting(lost)
         if self._lost_url is not None:
             return
@@ -54,22 +57,18 @@ class Assigning(Committing, Rewinding, Uploading):
         failed: dict[int, dict[int, str]] = {}
         unreachable = []
         for rank, report in enumerate(reports):
-            if not isinstance(report, dict):  # a rank without the tier: nothing completes
+            if report is None:  # a rank without the tier: nothing completes
                 busiest = max(busiest, (_QUEUED_MAX, rank), key=lambda b: b[0])
                 continue
-            if report.get("reachable") is False:
+            if not report.reachable:
                 unreachable.append(rank)
-            unfinished = report.get("unfinished")
-            if isinstance(unfinished, int):
-                busiest = max(busiest, (unfinished, rank), key=lambda b: b[0])
-            for key, value in _items(report.get("done")):
-                step = _step(key)
-                if step in self._assigned and isinstance(value, dict):
-                    self._assigned[step].reports[rank] = value
-            for key, value in _items(report.get("failed")):
-                step = _step(key)
+            busiest = max(busiest, (report.unfinished, rank), key=lambda b: b[0])
+            for step, upload in report.done.items():
                 if step in self._assigned:
-                    failed.setdefault(step, {})[rank] = str(value)
+                    self._assigned[step].reports[rank] = upload
+            for step, error in report.failed.items():
+                if step in self._assigned:
+                    failed.setdefault(step, {})[rank] = error
         self._busy = busiest
         self._unreachable = "" if not unreachable else (
             f"rank{'s' if len(unreachable) > 1 else ''} "
@@ -88,6 +87,31 @@ class Assigning(Committing, Rewinding, Uploading):
                 if self.rank == 0:
                     self._committing[step] = assigned.save_id
                     self._submit(self._meta, self._commit_step, step, assigned)
+
+    # The commit participant (``_tiers.base.CommitParticipant``): the report rides the first
+    # vote of every save, and every rank's is settled whatever the vote's outcome.
+
+    def ballot(self) -> Ballot[PersistReport]:
+        """This rank's report, for an exchange outside a save's vote (at close)."""
+        return Ballot(self.report(), PersistReport.from_msg, self.any_step)
+
+    def decode_vote(self, message: Any) -> PersistReport:
+        return PersistReport.from_msg(message)
+
+    def decode_confirm(self, message: Any) -> VotePart:
+        return no_part(message)
+
+    async def contribute(self, failed: bool) -> PersistReport:
+        return self.report()
+
+    async def voted(self, vote: Vote[PersistReport]) -> None:
+        self.on_reports(vote.parts)
+
+    async def confirm(self, recorded: Recorded) -> None:
+        return None
+
+    async def confirmed(self, vote: Vote[VotePart]) -> None:
+        return None
 
     def _stop_promoting(self, reason: str) -> None:
         """The URL is another job's (rank 0 said so): give up every step in flight and
@@ -155,14 +179,3 @@ class Assigning(Committing, Rewinding, Uploading):
             return
         with self._lock:
             self._futures.append((pool is self._uploads, future))
-
-
-def _items(value: Any) -> list[tuple[Any, Any]]:
-    return list(value.items()) if isinstance(value, dict) else []
-
-
-def _step(key: Any) -> int:
-    try:
-        return int(key)
-    except (TypeError, ValueError):
-        return -1

@@ -8,7 +8,6 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..._format.timeline import Lineage, Rewind
 from ...config import PipelineConfig
@@ -17,6 +16,7 @@ from ...storage import Storage
 from .connect import Connection
 from .owner import Ownership
 from .remote import Remote, _display
+from .reports import UploadReport
 from .workers import DaemonPool
 
 __all__ = ("LIST_WAIT_S", "OPEN_WAIT_S", "Assigned", "PromoterState")
@@ -34,7 +34,7 @@ class Assigned:
 
     save_id: str
     committed_at: float
-    reports: dict[int, dict[str, Any]]
+    reports: dict[int, UploadReport]
     lineage: Lineage | None = None
 
 
@@ -61,7 +61,7 @@ class PromoterState:
         self._stopped = False
         # This rank's uploads: unfinished, and finished or failed but not reported yet.
         self._unfinished: dict[int, str] = {}
-        self._finished: dict[int, dict[str, Any]] = {}
+        self._finished: dict[int, UploadReport] = {}
         self._failures: dict[int, str] = {}
         # Agreed state: the same on every rank.
         self._assigned: dict[int, Assigned] = {}

@@ -7,7 +7,6 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from ..._format.names import step_dir_name
 from ..._logging import log
@@ -15,7 +14,8 @@ from ...errors import CheckpointError
 from ...events import ShardUploaded
 from .acquire import Acquiring
 from .layout import rank_keys
-from .remote import UNAVAILABLE_HINT, RemoteError
+from .remote import UNAVAILABLE_HINT, ObjectSum, RemoteError
+from .reports import UploadReport
 
 __all__ = ("Uploading",)
 
@@ -66,18 +66,18 @@ class Uploading(Acquiring):
             lost = self._lost_url if self.rank != 0 else self._lost()
             if lost is not None:
                 raise CheckpointError(f"not uploaded: {lost}")
-            sums: dict[str, list[Any]] = {}
+            sums: dict[str, ObjectSum] = {}
             stamps: dict[str, str | None] = {}
             for name, key in rank_keys(step, self.rank).items():
                 local = os.path.join(str(self.storage.root), dir_name, name)
-                sums[name] = remote.upload(local, key).to_msg()
+                sums[name] = remote.upload(local, key)
                 stamps[name] = remote.stamp(key)
-            size = sum(int(s[0]) for s in sums.values())
+            size = sum(s.size for s in sums.values())
             self._emit(ShardUploaded(step=step, rank=self.rank, save_id=save_id,
                                      url=self.url, bytes=size,
                                      seconds=time.perf_counter() - started))
             with self._lock:
-                self._finished[step] = {"sums": sums, "stamps": stamps}
+                self._finished[step] = UploadReport(sums, stamps)
         except Exception as exc:
             if self._stopped:  # closed meanwhile: close() reports the step
                 return
