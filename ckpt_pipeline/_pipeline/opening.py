@@ -22,7 +22,7 @@ from .._threads import in_thread
 from .._tiers.persistent.promote import Promoter
 from .._tiers.replica.replication import Replication
 from ..coordination import Coordinator
-from ..coordination._agree import gather_shared
+from ..coordination._agree import agree_open, gather_parts, gather_shared
 from ..errors import CheckpointError, PersistentInUseError
 from ..events import Event, TemporariesScrubbed
 from ..storage import Storage
@@ -65,8 +65,12 @@ class OpenSequence:
             # It also tells every rank where the others' copy servers are (replication).
             if self.promoter is not None:
                 await self._open_persistent(self.promoter)
-            self.admission.run_id = await self.replication.start(self.coordinator,
-                                                                 self.limiter)
+            # The run id (rank 0's), the replication token and every rank's node and copy
+            # server, agreed in one exchange.
+            opening = await agree_open(self.coordinator, self.replication.node,
+                                       await self.replication.serve(self.limiter))
+            self.replication.start(opening)
+            self.admission.run_id = opening.run_id
             await self._open_timeline()
             committed = await in_thread(self.limiter, committed_steps, self.storage,
                                         self.rank)
@@ -123,8 +127,8 @@ async def persist_at_close(promoter: Promoter, coordinator: Coordinator,
     try:
         deadline = anyio.current_time() + timeout
         finished = await in_thread(None, promoter.wait, timeout, abandon_on_cancel=True)
-        reports = await gather_shared(coordinator, promoter.report(),
-                                      what="persist at close")
+        reports = await gather_parts(coordinator, promoter.key, promoter.ballot(),
+                                     what="persist at close")
         promoter.on_reports(reports)
         left = max(0.0, deadline - anyio.current_time())
         finished = await in_thread(None, functools.partial(promoter.wait, left, uploads=False),

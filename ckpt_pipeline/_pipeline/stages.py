@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import get_args
+from typing import Any, get_args
 
 import anyio
 
@@ -37,8 +37,10 @@ from .._save.retain import Pruned, PruneFailed, prune, prune_rewound
 from .._save.seal import seal
 from .._save.write_data import write_data
 from .._threads import in_thread
+from .._tiers.base import CommitParticipant
 from .._tiers.persistent.promote import Promoter
 from .._tiers.replica.replication import Replication
+from .._tiers.replica.vote import Replicas, ReplicaVote
 from ..coordination import Coordinator
 from ..errors import CheckpointWarning, SaveError
 from ..events import (
@@ -144,9 +146,14 @@ class Stages:
 
     async def commit(self, job: SaveJob) -> None:
         lineage = self.timeline.lineage()
-        replicas = await commit(job, self.storage, self.coordinator, limiter=self.limiter,
-                                replication=self.replication, promoter=self.promoter,
-                                metrics=self.retention_metrics, lineage=lineage)
+        copies = None if self.replication is None else ReplicaVote(
+            self.replication, job.push, step=job.step, save_id=job.save_id, rank=self.rank,
+            limiter=self.limiter)
+        participants: list[CommitParticipant[Any, Any]] = [
+            p for p in (copies, self.promoter) if p is not None]
+        await commit(job, self.storage, self.coordinator, limiter=self.limiter,
+                     participants=participants, metrics=self.retention_metrics,
+                     lineage=lineage)
         job.push = None
         if job.error is not None:
             return
@@ -154,6 +161,7 @@ class Stages:
         path = os.path.join(str(self.storage.root), job.files.dir_name)
         job.committed = True
         self.timeline.committed(job.step, job.save_id)
+        replicas = Replicas() if copies is None else copies.replicas()
         pushed = replicas.pushed
         if pushed is not None and self.replication is not None:
             for holder in pushed.acked:

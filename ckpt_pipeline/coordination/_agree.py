@@ -7,16 +7,17 @@ on every rank, so that no rank can take a path the others do not take.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from .._format.documents import decode_message, encode_message
-from ..errors import CheckpointIntegrityError, CoordinationError
+from ..errors import CheckpointError, CheckpointIntegrityError, CoordinationError
 from ._control_plane import Coordinator
 
-__all__ = ("Candidates", "Opening", "agree_barrier", "agree_candidates", "agree_open",
-           "agree_outcome", "gather_outcome", "gather_shared")
+__all__ = ("Ballot", "Candidates", "Opening", "Tally", "VotePart", "agree_barrier",
+           "agree_candidates", "agree_open", "agree_outcome", "gather_outcome", "gather_parts",
+           "gather_shared", "gather_vote")
 
 
 async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: str,
@@ -89,31 +90,120 @@ async def agree_outcome(coordinator: Coordinator, step: int, save_id: str,
 
 async def gather_outcome(coordinator: Coordinator, step: int, save_id: str,
                          error: str | None, *, what: str, fatal: bool = False,
-                         extra: Any = None, shared: Any = None,
-                         shared_out: list[Any] | None = None
-                         ) -> tuple[dict[int, str], bool, list[Any]]:
+                         extra: Any = None) -> tuple[dict[int, str], bool, list[Any]]:
     """``agree_outcome``, and every rank's ``extra`` (None for a rank that answered for
-    another step or save id). ``shared`` rides along whatever step a rank answers for: every
-    rank's lands in ``shared_out`` (the same list on every rank)."""
+    another step or save id)."""
     answers = await _exchange(coordinator, {"step": step, "save_id": save_id, "error": error,
-                                            "fatal": fatal, "extra": extra, "shared": shared},
+                                            "fatal": fatal, "extra": extra},
                               what=what, step=step)
-    if shared_out is not None:
-        shared_out[:] = [answer.get("shared") for answer in answers]
-    extras: list[Any] = []
+    failures, any_fatal = _outcomes(answers, step, save_id)
+    extras = [answer.get("extra") if _same(answer, step, save_id) else None
+              for answer in answers]
+    return failures, any_fatal, extras
+
+
+def _same(answer: Mapping[str, Any], step: int, save_id: str) -> bool:
+    return answer.get("step") == step and answer.get("save_id") == save_id
+
+
+def _outcomes(answers: Sequence[Mapping[str, Any]], step: int, save_id: str
+              ) -> tuple[dict[int, str], bool]:
+    """({rank: error}, any fatal) of one outcome exchange: a rank that answered for another
+    step or save id counts as failed."""
     failures: dict[int, str] = {}
     any_fatal = False
     for rank, answer in enumerate(answers):
         err = answer.get("error")
-        same = answer.get("step") == step and answer.get("save_id") == save_id
-        extras.append(answer.get("extra") if same else None)
-        if not same:
+        if not _same(answer, step, save_id):
             failures[rank] = (f"was at step {answer.get('step')} (save {answer.get('save_id')})"
                               f", not step {step}")
         elif err is not None:
             failures[rank] = str(err)
         any_fatal = any_fatal or bool(answer.get("fatal"))
-    return failures, any_fatal, extras
+    return failures, any_fatal
+
+
+class VotePart(Protocol):
+    """One participant's part of a rank's vote: a frozen dataclass that packs to msgpack
+    types (never pickle), read back on every rank by the participant's strict decoder."""
+
+    def to_msg(self) -> Any:
+        """The part as msgpack types."""
+        ...
+
+
+P = TypeVar("P", bound=VotePart)
+
+
+@dataclass(frozen=True, slots=True)
+class Ballot(Generic[P]):
+    """What one participant puts into one vote: this rank's ``part`` (None: nothing to say)
+    and how every rank's part is read back (``decode``: a ValueError or CheckpointError for a
+    malformed one). ``any_step``: the part counts from a rank that votes on another save too
+    (the persistent tier's reports are about earlier steps); otherwise such a rank's is None."""
+
+    part: P | None
+    decode: Callable[[Any], P]
+    any_step: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """Every rank's outcome of one vote: ({rank: error}, any fatal) as ``agree_outcome``
+    says it, and every participant's parts by key, indexed by rank."""
+
+    failures: Mapping[int, str]
+    fatal: bool
+    parts: Mapping[str, tuple[VotePart | None, ...]]
+
+
+async def gather_vote(coordinator: Coordinator, step: int, save_id: str, error: str | None,
+                      *, what: str, ballots: Mapping[str, Ballot[Any]]) -> Tally:
+    """``agree_outcome`` with the participants' typed parts (``ballots``, by key). A part
+    that does not decode is a CoordinationError, the same on every rank."""
+    answers = await _exchange(coordinator, {
+        "step": step, "save_id": save_id, "error": error, "fatal": False,
+        "parts": {key: None if b.part is None else b.part.to_msg()
+                  for key, b in ballots.items()}}, what=what, step=step)
+    failures, any_fatal = _outcomes(answers, step, save_id)
+    parts: dict[str, tuple[VotePart | None, ...]] = {}
+    for key, ballot in ballots.items():
+        parts[key] = tuple(
+            _decode_part(answer, key, ballot, what=what, rank=rank, me=coordinator.rank)
+            if ballot.any_step or _same(answer, step, save_id) else None
+            for rank, answer in enumerate(answers))
+    return Tally(failures, any_fatal, parts)
+
+
+async def gather_parts(coordinator: Coordinator, key: str, ballot: Ballot[P], *, what: str,
+                       step: int | None = None) -> tuple[P | None, ...]:
+    """Every rank's part of one participant outside a save's vote, indexed by rank."""
+    answers = await _exchange(coordinator, {"parts": {key: None if ballot.part is None
+                                                      else ballot.part.to_msg()}},
+                              what=what, step=step)
+    return tuple(_decode_part(answer, key, ballot, what=what, rank=rank, me=coordinator.rank)
+                 for rank, answer in enumerate(answers))
+
+
+def _decode_part(answer: Mapping[str, Any], key: str, ballot: Ballot[P], *, what: str,
+                 rank: int, me: int) -> P | None:
+    parts = answer.get("parts")
+    if not isinstance(parts, dict):
+        raise CoordinationError(f"{what}: rank {rank} sent a malformed message (no parts)",
+                                rank=me, ranks=(rank,), hint=_VERSIONS_HINT)
+    raw = parts.get(key)
+    if raw is None:
+        return None
+    try:
+        return ballot.decode(raw)
+    except (ValueError, CheckpointError) as exc:
+        why = exc.message if isinstance(exc, CheckpointError) else str(exc)
+        raise CoordinationError(f"{what}: rank {rank} sent a malformed {key} part ({why})",
+                                rank=me, ranks=(rank,), hint=_VERSIONS_HINT) from exc
+
+
+_VERSIONS_HINT = ("ranks running different versions of ckpt_pipeline? restart the job with "
+                  "the same version everywhere")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ import torch
 import ckpt_pipeline as cp
 from ckpt_pipeline._tiers.persistent import connect as connect_mod
 from ckpt_pipeline._tiers.persistent import promote as promote_mod
+from ckpt_pipeline._tiers.persistent import state as promote_state
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
 from ckpt_pipeline._tiers.persistent.retries import RemoteError
 from ckpt_pipeline._tiers.persistent.urls import open_remote
@@ -100,7 +101,7 @@ def silent() -> Iterator[SilentServer]:
 def test_open_save_and_close_work_from_the_local_tier_when_the_store_never_answers(
     tmp_path: Path, silent: SilentServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(promote_mod, "OPEN_WAIT_S", 0.5)
+    monkeypatch.setattr(promote_state, "OPEN_WAIT_S", 0.5)
     events: list[cp.Event] = []
     pipe = _pipeline(tmp_path / "local", "s3://bucket/run", _options(silent.endpoint), events)
     _within(pipe.open)
@@ -240,7 +241,7 @@ def test_every_rank_skips_the_same_step_while_one_rank_cannot_reach_the_tier(
     try:
         promoters[0].acquire()  # rank 0 reaches the tier and holds the URL
         reports = [p.report() for p in promoters]
-        assert [r["reachable"] for r in reports] == [True, False]
+        assert [r.reachable for r in reports] == [True, False]
         for promoter in promoters:
             promoter.on_reports(reports)
             promoter.committed(5, "save-5")
@@ -293,8 +294,8 @@ def test_a_restore_falls_back_to_the_local_tier_when_the_store_hangs(
     local = tmp_path / "local"
     with cp.CheckpointPipeline(local, direct_io=False) as pipe:
         pipe.save(10, {"w": torch.full((100,), 10.0)}, cp.TrainState(step=10)).result(60)
-    monkeypatch.setattr(promote_mod, "OPEN_WAIT_S", 0.5)
-    monkeypatch.setattr(promote_mod, "LIST_WAIT_S", 0.5)
+    monkeypatch.setattr(promote_state, "OPEN_WAIT_S", 0.5)
+    monkeypatch.setattr(promote_state, "LIST_WAIT_S", 0.5)
     proxy = fault_proxy(options)
     hung = _options(silent.endpoint) if when == "at open" else proxy.options
     events: list[cp.Event] = []

@@ -18,7 +18,7 @@ import torch
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_rewinds
-from ckpt_pipeline._tiers.persistent import promote as promote_mod
+from ckpt_pipeline._tiers.persistent import rewinding as rewinding_mod
 from ckpt_pipeline._tiers.persistent.layout import STEP_COMMIT
 from ckpt_pipeline._tiers.persistent.retries import RemoteError
 from ckpt_pipeline._tiers.persistent.rewinds import TIER_REWINDS
@@ -166,18 +166,18 @@ def test_a_rewind_while_the_tier_is_unreachable_is_kept_pending_and_recorded_at_
 ) -> None:
     root = tmp_path / "local"
     _first_timeline(root, dir_tier)
-    real = promote_mod.record_rewinds
+    real = rewinding_mod.record_rewinds
 
     def unreachable(*_: Any) -> Any:
         raise RemoteError("injected: the tier cannot be reached", path=dir_tier[0])
 
-    monkeypatch.setattr(promote_mod, "record_rewinds", unreachable)
+    monkeypatch.setattr(rewinding_mod, "record_rewinds", unreachable)
     with _open(root, dir_tier) as pipe:
         assert pipe.restore(_state(0.0), step=3) is not None  # bounded: returns all the same
     # The tier still has the abandoned steps, but the local record hides them.
     assert _complete_in_tier(dir_tier) == [1, 2, 3, 4, 5, 6]
     assert cp.load(root).step == 3
-    monkeypatch.setattr(promote_mod, "record_rewinds", real)
+    monkeypatch.setattr(rewinding_mod, "record_rewinds", real)
     # The tier is back: the next open records the pending rewind there.
     assert _restore_latest(root, dir_tier) == (3, 3.0)
     assert _complete_in_tier(dir_tier) == [1, 2, 3]
@@ -197,7 +197,7 @@ def test_cp_load_and_show_of_the_tier_skip_steps_its_rewind_record_abandons(
     def crash(*_: Any) -> Any:
         raise RemoteError("injected: lost before the commit objects went", path=dir_tier[0])
 
-    monkeypatch.setattr(promote_mod, "drop_commit_objects", crash)
+    monkeypatch.setattr(rewinding_mod, "drop_commit_objects", crash)
     with _open(root, dir_tier) as pipe:
         assert pipe.restore(_state(0.0), step=3) is not None
     assert _complete_in_tier(dir_tier) == [1, 2, 3, 4, 5, 6]

@@ -1,8 +1,9 @@
 """Replication for one pipeline: the copy server, the placement, the peers, and what the
 stages and the restore ask of them.
 
-Every pipeline has one (``replicas=0`` too): opening always exchanges each rank's node name and
-copy-server address with the run id, so that any rank can fetch a copy at restore. A rank runs
+Every pipeline has one (``replicas=0`` too): the lifecycle's opening agreement (``agree_open``,
+with the run id) always exchanges each rank's node name and copy-server address, so that any
+rank can fetch a copy at restore; ``start`` takes what it agreed. A rank runs
 a copy server when the job asks for copies (``replicas > 0``) or when its root holds copies of
 other ranks' shards (they may be needed at restore); a single process never does.
 """
@@ -13,7 +14,6 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import anyio
 
@@ -23,8 +23,7 @@ from ..._format.scan import scan_replicas
 from ..._format.timeline import Lineage
 from ..._logging import log
 from ..._threads import in_thread
-from ...coordination import Coordinator
-from ...coordination._agree import Opening, agree_open
+from ...coordination._agree import Opening
 from ...errors import CheckpointError, ConfigError
 from ...events import Event
 from ...storage import Storage
@@ -38,8 +37,8 @@ __all__ = ("Replication", "local_addresses")
 
 
 class Replication:
-    """See the module docstring. Created by the pipeline; ``start`` at open, ``close`` at
-    close."""
+    """See the module docstring. Created by the pipeline; at open ``serve``, then (after
+    the opening agreement) ``start``; ``close`` at close."""
 
     def __init__(self, storage: Storage, config: ReplicationConfig,
                  emit: Callable[[Event], None], *, rank: int, world_size: int) -> None:
@@ -55,9 +54,10 @@ class Replication:
         self.peers: dict[int, Peer] = {}
         self._resends: list[Resend] = []
 
-    async def start(self, coordinator: Coordinator, limiter: anyio.CapacityLimiter) -> str:
-        """Agree on the run id, the token and the peers with the other ranks; place the
-        copies. Returns the run id. A ConfigError (too few nodes) is raised on every rank."""
+    async def serve(self, limiter: anyio.CapacityLimiter) -> tuple[str, int] | None:
+        """Start this rank's copy server when it needs one (see the module docstring);
+        returns its address, which the opening agreement tells the other ranks (None: no
+        server)."""
         config = self.config
         serve = self.world_size > 1 and (
             config.copies > 0 or bool(await in_thread(limiter, scan_replicas, self.storage,
@@ -67,9 +67,14 @@ class Replication:
             self.server = CopyServer(self.storage, self.rank, bind_host=bind,
                                      advertise_host=advertise,
                                      timeout_s=config.timeout_s, emit=self._emit)
+        return None if self.server is None else self.server.address
+
+    def start(self, opening: Opening) -> None:
+        """With what the ranks agreed at open (``agree_open``: the token, every rank's node
+        and copy-server address): the peers; place the copies. A ConfigError (too few nodes)
+        is raised on every rank."""
+        config = self.config
         try:
-            opening = await agree_open(coordinator, self.node,
-                                       None if self.server is None else self.server.address)
             self.opening = opening
             self.peers = {rank: Peer(rank, opening.nodes[rank], addr[0], addr[1])
                           for rank, addr in enumerate(opening.addresses) if addr is not None}
@@ -78,9 +83,9 @@ class Replication:
                 missing = [h for h in self.placement.held_by_any() if h not in self.peers]
                 if missing:
                     raise ConfigError(f"rank(s) {missing} run no copy server, though the job "
-                                      f"asks for replicas={config.copies}",
+                                      f"asks for {config.copies} cop(ies) of each shard",
                                       rank=self.rank,
-                                      hint="pass the same replicas= on every rank")
+                                      hint="pass the same ReplicationConfig(copies=...) on every rank")
             if self.server is not None:
                 self.server.world_size = self.world_size
                 self.server.sources = frozenset(
@@ -94,7 +99,6 @@ class Replication:
             log.info("ckpt.replicate.placement", rank=self.rank, node=self.node,
                      holders=list(self.placement.holders[self.rank]),
                      holds=list(self.placement.held_by(self.rank)))
-        return opening.run_id
 
     def close(self) -> None:
         """Let the copies sent again after a restore finish (bounded by the timeout), then
@@ -148,32 +152,6 @@ class Replication:
     def forget(self, step: int, save_id: str) -> None:
         if self.server is not None:
             self.server.receptions.forget(step, save_id)
-
-    def missing(self, acked: Sequence[Any], copy_failed: Sequence[Any]
-                ) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...], tuple[int, ...]]:
-        """From the two commit votes' extras: the copies that are not durable (source,
-        holder), why, and the holders of this rank's copies that are."""
-        if self.placement is None:
-            return (), (), ()
-        missing: list[tuple[int, int]] = []
-        reasons: list[str] = []
-        for source, holders in enumerate(self.placement.holders):
-            sent = acked[source] if isinstance(acked[source], Mapping) else {}
-            ok = set(sent.get("acked") or ())
-            errors = sent.get("errors") or {}
-            for holder in holders:
-                failed = copy_failed[holder] if isinstance(copy_failed[holder], Mapping) else {}
-                why = None
-                if holder not in ok:
-                    why = errors.get(str(holder)) or f"rank {holder} did not acknowledge it"
-                elif str(source) in failed:
-                    why = failed[str(source)]
-                if why is not None:
-                    missing.append((source, holder))
-                    reasons.append(str(why))
-        lost = {h for s, h in missing if s == self.rank}
-        mine = tuple(h for h in self.placement.holders[self.rank] if h not in lost)
-        return tuple(missing), tuple(reasons), mine
 
     # ------------------------------------------------------------------ restoring
 

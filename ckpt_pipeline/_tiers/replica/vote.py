@@ -1,0 +1,176 @@
+"""Replication's part in a save's commit (a ``CommitParticipant``).
+
+The first vote carries which holders acknowledged a durable copy of this rank's shard
+(``CopiesAcked``). The step commits when every rank's own shard is durable; each holder then
+writes the commit record of the copies it acknowledged (and removes any other copy of the
+step), and the second vote carries the copies that could not be committed
+(``CopiesSettled``). Every rank thus ends with the same list of missing copies
+(``Replicas``). When the step is not committed, every holder removes its copies of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from ..._threads import in_thread
+from ..base import Recorded, Vote
+from .push import Push, PushOutcome
+from .replication import Replication
+
+__all__ = ("CopiesAcked", "CopiesSettled", "ReplicaVote", "Replicas")
+
+
+@dataclass(frozen=True, slots=True)
+class CopiesAcked:
+    """A rank's first-vote part: the holders that acknowledged a durable copy of its shard,
+    and why each other holder did not."""
+
+    acked: tuple[int, ...]
+    errors: Mapping[int, str] = field(default_factory=dict)
+
+    def to_msg(self) -> Any:
+        return {"acked": list(self.acked),
+                "errors": {str(h): e for h, e in self.errors.items()}}
+
+    @classmethod
+    def from_msg(cls, message: Any) -> CopiesAcked:
+        """The inverse of ``to_msg``; a ValueError for anything else."""
+        if not isinstance(message, dict) or set(message) != {"acked", "errors"}:
+            raise ValueError("not a map of acked and errors")
+        acked = message["acked"]
+        if not isinstance(acked, list) or not all(type(h) is int for h in acked):
+            raise ValueError("acked is not a list of ranks")
+        return cls(tuple(acked), _by_rank(message["errors"]))
+
+
+@dataclass(frozen=True, slots=True)
+class CopiesSettled:
+    """A holder's second-vote part: {source: why} of the copies it could not commit."""
+
+    failed: Mapping[int, str] = field(default_factory=dict)
+
+    def to_msg(self) -> Any:
+        return {str(s): e for s, e in self.failed.items()}
+
+    @classmethod
+    def from_msg(cls, message: Any) -> CopiesSettled:
+        """The inverse of ``to_msg``; a ValueError for anything else."""
+        return cls(_by_rank(message))
+
+
+@dataclass(frozen=True, slots=True)
+class Replicas:
+    """The copies of a committed step (empty without replication)."""
+
+    holders: tuple[int, ...] = ()
+    """Holders of a durable copy of this rank's shard."""
+    missing: tuple[tuple[int, int], ...] = ()
+    """(source, holder) of every copy of the step that is not durable, on every rank."""
+    reasons: tuple[str, ...] = ()
+    pushed: PushOutcome | None = None
+
+
+class ReplicaVote:
+    """Replication's participant in the commit of one save (see the module docstring).
+    ``push``: the copies of this rank's shard (None: it sends none)."""
+
+    key = "replicas"
+    any_step = False
+
+    def __init__(self, replication: Replication, push: Push | None, *, step: int,
+                 save_id: str, rank: int, limiter: anyio.CapacityLimiter) -> None:
+        self.replication = replication
+        self.push = push
+        self.step = step
+        self.save_id = save_id
+        self.rank = rank
+        self.limiter = limiter
+        self.pushed: PushOutcome | None = None
+        self._first: Vote[CopiesAcked] = Vote(False, ())
+        self._second: Vote[CopiesSettled] = Vote(False, ())
+
+    def decode_vote(self, message: Any) -> CopiesAcked:
+        return CopiesAcked.from_msg(message)
+
+    def decode_confirm(self, message: Any) -> CopiesSettled:
+        return CopiesSettled.from_msg(message)
+
+    async def contribute(self, failed: bool) -> CopiesAcked | None:
+        """Wait for the holders' acknowledgements (or abort the copies of a failed save)."""
+        if self.push is None:
+            return None
+        if failed:
+            self.push.abort(f"the save failed on rank {self.rank}")
+            return None
+        self.pushed = await in_thread(self.limiter, self.push.collect)
+        return CopiesAcked(tuple(self.pushed.acked), dict(self.pushed.errors))
+
+    async def voted(self, vote: Vote[CopiesAcked]) -> None:
+        """Not committed: remove every copy this rank holds of the step."""
+        self._first = vote
+        if not vote.agreed:
+            await in_thread(self.limiter, self.replication.settle, self.step, self.save_id, ())
+            self.replication.forget(self.step, self.save_id)
+
+    async def confirm(self, recorded: Recorded) -> CopiesSettled | None:
+        """Commit the copies this rank acknowledged, with the owners' metrics and lineage;
+        the part names those that could not be committed."""
+        if self.replication.placement is None:
+            return None
+        sources = [source for source, part in enumerate(self._first.parts)
+                   if part is not None and self.rank in part.acked]
+        failed = await in_thread(self.limiter, self.replication.settle, self.step,
+                                 self.save_id, sources, recorded.metrics, recorded.lineage)
+        return CopiesSettled(failed)
+
+    async def confirmed(self, vote: Vote[CopiesSettled]) -> None:
+        """Not complete everywhere: remove the copies; complete: forget the step."""
+        self._second = vote
+        if vote.agreed:
+            self.replication.forget(self.step, self.save_id)
+        else:
+            await in_thread(self.limiter, self.replication.drop, self.step, self.save_id)
+
+    def replicas(self) -> Replicas:
+        """The copies of the committed step (after ``confirmed``): the same missing copies
+        on every rank, and the holders of this rank's durable ones."""
+        placement = self.replication.placement
+        if placement is None:
+            return Replicas((), (), (), self.pushed)
+        missing: list[tuple[int, int]] = []
+        reasons: list[str] = []
+        first, second = self._first.parts, self._second.parts
+        for source, holders in enumerate(placement.holders):
+            sent = first[source] if source < len(first) else None
+            ok = set(() if sent is None else sent.acked)
+            for holder in holders:
+                settled = second[holder] if holder < len(second) else None
+                failed = {} if settled is None else settled.failed
+                why = None
+                if holder not in ok:
+                    why = (None if sent is None else sent.errors.get(holder)) or (
+                        f"rank {holder} did not acknowledge it")
+                elif source in failed:
+                    why = failed[source]
+                if why is not None:
+                    missing.append((source, holder))
+                    reasons.append(str(why))
+        lost = {h for s, h in missing if s == self.rank}
+        mine = tuple(h for h in placement.holders[self.rank] if h not in lost)
+        return Replicas(mine, tuple(missing), tuple(reasons), self.pushed)
+
+
+def _by_rank(message: Any) -> dict[int, str]:
+    """{rank: text} from its msgpack form (rank keys as decimal strings)."""
+    if not isinstance(message, dict):
+        raise ValueError("not a map of ranks")
+    out: dict[int, str] = {}
+    for key, value in message.items():
+        if not (isinstance(key, str) and key.isdecimal() and isinstance(value, str)):
+            raise ValueError("a rank's entry is malformed")
+        out[int(key)] = value
+    return out

@@ -1,0 +1,125 @@
+"""The commit vote's typed parts (``gather_vote``): each participant's part travels as msgpack
+through the documents codec and is read back strictly on every rank; a malformed part from
+another rank is a CoordinationError naming it, and a part bound to the step is dropped for a
+rank that votes on another save.
+
+Rank 0's coordinator is given the other ranks' messages, as the gloo all-gather hands them
+(the multi-process votes are in tests/replicate and tests/persist).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from ckpt_pipeline._format.documents import decode_message, encode_message
+from ckpt_pipeline._save.metrics import MetricValues
+from ckpt_pipeline._tiers.persistent.remote import ObjectSum
+from ckpt_pipeline._tiers.persistent.reports import PersistReport, UploadReport
+from ckpt_pipeline._tiers.replica.vote import CopiesAcked, CopiesSettled
+from ckpt_pipeline.coordination._agree import Ballot, Tally, VotePart, gather_vote
+from ckpt_pipeline.errors import CoordinationError
+
+STEP, SAVE = 7, "run-7"
+
+
+class _Answers:
+    """Rank 0's coordinator in a job whose other ranks answer ``others``."""
+
+    def __init__(self, others: Sequence[dict[str, Any]]) -> None:
+        self.rank = 0
+        self.world_size = 1 + len(others)
+        self.others = others
+
+    async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
+                         ) -> list[bytes]:
+        return [payload, *(encode_message(m) for m in self.others)]
+
+
+def _vote(others: Sequence[dict[str, Any]], ballots: dict[str, Ballot[Any]]) -> Tally:
+    async def run() -> Tally:
+        return await gather_vote(_Answers(others), STEP, SAVE, None, what="commit",
+                                 ballots=ballots)
+
+    return anyio.run(run)
+
+
+def _answer(parts: dict[str, Any], step: int = STEP) -> dict[str, Any]:
+    return {"step": step, "save_id": SAVE, "error": None, "fatal": False, "parts": parts}
+
+
+_UPLOAD = UploadReport({"rank_00000.shard": ObjectSum(10, 4, (1, 2, 3))},
+                       {"rank_00000.shard": "etag-1", "rank_00000.commit": None})
+PARTS: list[VotePart] = [
+    CopiesAcked((1, 2), {3: "rank 3 did not answer"}),
+    CopiesAcked(()),
+    CopiesSettled({0: "disk full"}),
+    MetricValues({"loss": 0.25, "acc": None}),
+    PersistReport(1, {4: _UPLOAD}, {5: "timed out"}, reachable=True, lost=None),
+    PersistReport(0, lost="another job holds the URL"),
+]
+
+
+@pytest.mark.parametrize("part", PARTS, ids=lambda p: type(p).__name__)
+def test_a_vote_part_round_trips_through_the_message_codec(part: Any) -> None:
+    wire = decode_message(encode_message({"part": part.to_msg()}), "a vote")["part"]
+    assert type(part).from_msg(wire) == part
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    (CopiesAcked, {"acked": [1, "2"], "errors": {}}),
+    (CopiesAcked, {"acked": [1], "errors": {"x": "why"}}),
+    (CopiesAcked, {"acked": [1]}),
+    (CopiesSettled, {"0": 5}),
+    (CopiesSettled, [1, 2]),
+    (MetricValues, {"loss": "low"}),
+    (MetricValues, {"": 1.0}),
+    (MetricValues, {"loss": float("nan")}),
+    (PersistReport, {"unfinished": -1, "done": {}, "failed": {}, "reachable": True,
+                     "lost": None}),
+    (PersistReport, {"unfinished": 0, "done": {"4": {"sums": {}}}, "failed": {},
+                     "reachable": True, "lost": None}),
+    (PersistReport, {"unfinished": 0, "done": {}, "failed": {"four": "x"},
+                     "reachable": True, "lost": None}),
+    (PersistReport, {"unfinished": 0, "done": {}, "failed": {}, "reachable": 1,
+                     "lost": None}),
+])
+def test_a_malformed_vote_part_is_refused(kind: Any, message: Any) -> None:
+    with pytest.raises(ValueError):
+        kind.from_msg(message)
+
+
+def test_every_ranks_part_arrives_typed_by_participant() -> None:
+    mine = CopiesAcked((1,))
+    tally = _vote([_answer({"replicas": CopiesAcked((0,)).to_msg(), "metrics": None})],
+                  {"replicas": Ballot(mine, CopiesAcked.from_msg),
+                   "metrics": Ballot(None, MetricValues.from_msg)})
+    assert tally.failures == {}
+    assert tally.parts == {"replicas": (mine, CopiesAcked((0,))), "metrics": (None, None)}
+
+
+def test_a_malformed_part_from_another_rank_is_a_coordination_error_naming_it() -> None:
+    with pytest.raises(CoordinationError, match="rank 1 sent a malformed replicas part") as exc:
+        _vote([_answer({"replicas": {"acked": "all", "errors": {}}})],
+              {"replicas": Ballot(CopiesAcked(()), CopiesAcked.from_msg)})
+    assert exc.value.ranks == (1,)
+
+
+def test_a_message_without_parts_is_a_coordination_error() -> None:
+    answer = _answer({})
+    del answer["parts"]
+    with pytest.raises(CoordinationError, match="rank 1 sent a malformed message"):
+        _vote([answer], {"replicas": Ballot(None, CopiesAcked.from_msg)})
+
+
+def test_a_rank_on_another_save_fails_the_vote_and_only_parts_for_any_step_count() -> None:
+    report = PersistReport(0, reachable=True)
+    tally = _vote([_answer({"replicas": CopiesAcked((0,)).to_msg(),
+                            "persist": report.to_msg()}, step=STEP - 1)],
+                  {"replicas": Ballot(None, CopiesAcked.from_msg),
+                   "persist": Ballot(report, PersistReport.from_msg, any_step=True)})
+    assert list(tally.failures) == [1] and "not step 7" in tally.failures[1]
+    assert tally.parts == {"replicas": (None, None), "persist": (report, report)}
