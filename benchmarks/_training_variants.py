@@ -502,11 +502,12 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
         return CkptPipeline(work, root, args, cp,
                             host_buffer_bytes=args.streamed_buffer_mb << 20)
     if name == "ckpt_pipeline_persist":  # every 2nd committed step promoted to a directory
-        return CkptPipeline(work, root, args, cp, persistent=f"{root}-persistent",
-                            persist_every=2)
+        return CkptPipeline(work, root, args, cp,
+                            persistent=cp.PersistentConfig(f"{root}-persistent", every=2))
     if name == "ckpt_pipeline_persist_shm":  # the same, to a tier with a bandwidth of its own
         shared = Path("/dev/shm") / f"ckpt-bench-{root.name}-{os.getpid()}-persistent"
-        return CkptPipeline(work, root, args, cp, persistent=str(shared), persist_every=2,
+        return CkptPipeline(work, root, args, cp,
+                            persistent=cp.PersistentConfig(str(shared), every=2),
                             _remove_after=(shared,))
     raise ValueError(f"unknown variant {name!r}")
 

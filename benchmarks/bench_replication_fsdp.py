@@ -11,8 +11,8 @@ the same number of steps, in an interleaved order (``none r0 r1 r1 r0 none`` per
 that drift of the shared machine hits each one alike:
 
 - ``none``: no checkpointing;
-- ``r0``: ``CheckpointPipeline(replicas=0)``, a save every ``--every`` steps;
-- ``r1``: the same with ``replicas=1``: each rank's shard is also copied to the other rank,
+- ``r0``: ``CheckpointPipeline(replication=ReplicationConfig(copies=0))``, a save every ``--every`` steps;
+- ``r1``: the same with ``copies=1``: each rank's shard is also copied to the other rank,
   which ``node_name=f"node{rank}"`` makes another node (on one host, the copy goes over the
   loopback and lands on the same disk: the disk does twice the work).
 
@@ -138,8 +138,8 @@ def run_variant(args: argparse.Namespace, variant: str, index: int, work: Any,
     replicas = 1 if variant == "r1" else 0
     root = base / f"rank-{rank}" / f"run-{index}"
     events: list[Any] = []
-    with cp.CheckpointPipeline(root, replicas=replicas, node_name=f"node{rank}",
-                               keep_last=2) as pipe:
+    replication = cp.ReplicationConfig(copies=replicas, node_name=f"node{rank}")
+    with cp.CheckpointPipeline(root, replication=replication, keep_last=2) as pipe:
         pipe.subscribe(events.append)
         step = 0
         pipe.save(step, work.state()).result(600)  # the pool allocated, connections warm

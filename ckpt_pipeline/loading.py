@@ -8,7 +8,7 @@ another rank holds of them (``replicas=``), when the root has one. Nothing is wr
 root and no RNG state is touched; the RNG states the checkpoint holds are in ``train_state``.
 
 ``root`` may also be the URL of a persistent tier (``s3://bucket/run``, ``file://PATH`` of a
-shared directory, another fsspec protocol; ``options`` as ``persistent_options``): only
+shared directory, another fsspec protocol; ``options`` as ``PersistentConfig.options``): only
 complete steps (those with a commit object) are loaded. Each rank's files are downloaded into a
 temporary directory (under ``TMPDIR``), every part checked against the commit object, while
 the load reads them, and removed afterwards; nothing under the URL is written.
@@ -87,7 +87,7 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, rank: int = 0
     the local root ``root``, every byte verified, into ``map_location``.
 
     ``root`` may be a persistent tier's URL (``options``: its store's settings, as
-    ``persistent_options``); its complete steps are downloaded to a temporary directory while
+    ``PersistentConfig.options``); its complete steps are downloaded to a temporary directory while
     they are read. ``consolidate=True`` reads every rank's shard and assembles DTensor shards
     into full tensors (``rank`` is then ignored). Raises CheckpointError naming the step and
     path when the step does not exist, is incomplete, or does not verify; the root is never

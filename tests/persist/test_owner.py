@@ -125,7 +125,7 @@ def test_a_second_job_on_a_url_whose_holder_is_alive_is_refused_naming_the_holde
             second.open()
         message = str(refused.value)
         for part in (holder.run_id, holder.host, f"pid {os.getpid()}", str(tmp_path / "a"),
-                     "persistent_takeover=True"):
+                     "PersistentConfig(takeover=True)"):
             assert part in message, message
         # The holder goes on: its next step persists, and it still holds the URL.
         _save(first, 1, 1.0)

@@ -30,7 +30,7 @@ def test_nodes_are_ordered_by_their_lowest_rank_not_by_name() -> None:
                                                  (["a", "b", "c"], 3)])
 def test_more_replicas_than_other_nodes_is_a_config_error(names: list[str],
                                                           replicas: int) -> None:
-    with pytest.raises(cp.ConfigError, match=rf"replicas={replicas} needs {replicas + 1} nodes"):
+    with pytest.raises(cp.ConfigError, match=rf"copies={replicas} needs {replicas + 1} nodes"):
         place_replicas(names, replicas)
 
 

@@ -319,7 +319,7 @@ def test_more_copies_than_other_nodes_is_a_config_error_at_open(tmp_path: Path) 
                      codes={0: 1, 1: 1})
     for out in results.values():
         assert out["fatal"]["type"] == "ConfigError"
-        assert "replicas=1 needs 2 nodes, this job runs on 1" in out["fatal"]["message"]
+        assert "copies=1 needs 2 nodes, this job runs on 1" in out["fatal"]["message"]
 
 
 # ---------------------------------------------------------------- a rewind and the copies

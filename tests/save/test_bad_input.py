@@ -121,7 +121,7 @@ def test_invalid_configuration_fails_at_construction_with_a_hint(root: Path) -> 
 def test_copies_in_a_single_process_job_fail_at_open_naming_the_nodes(root: Path) -> None:
     pipe = cp.CheckpointPipeline(root, replication=cp.ReplicationConfig(copies=1,
                                                                         node_name="alone"))
-    with pytest.raises(cp.ConfigError, match=r"replicas=1 needs 2 nodes, this job runs on 1: "
+    with pytest.raises(cp.ConfigError, match=r"copies=1 needs 2 nodes, this job runs on 1: "
                                              r"'alone' \(1 rank\(s\)\)"):
         pipe.open()
     # Nothing was written, and the root opens again without copies.

@@ -48,7 +48,7 @@ def as_config_error(exc: BaseException, url: str) -> ConfigError | None:
         return ConfigError(f"the persistent tier {url} cannot be used: {exc.message}",
                            path=exc.path, hint=exc.hint or (
                                "the store refused the request for good: check the URL and "
-                               "persistent_options (credentials, region, endpoint)"))
+                               "PersistentConfig(options=) (credentials, region, endpoint)"))
     return None
 
 

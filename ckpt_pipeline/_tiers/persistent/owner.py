@@ -169,7 +169,7 @@ class Ownership:
                         f"the persistent URL {remote.url} is held by {shown}, whose heartbeat "
                         "advances: another job is promoting to it", path=where, rank=rank,
                         hint="give each job its own persistent URL; if that job is dead or "
-                             "must stop, stop it, or open with persistent_takeover=True")
+                             "must stop, stop it, or open with PersistentConfig(takeover=True)")
                 if watched is None:
                     watched = (version, raw)
                     watch_until = time.monotonic() + lease

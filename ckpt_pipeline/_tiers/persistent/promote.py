@@ -154,7 +154,7 @@ class Promoter(Assigning, Restoring):
             self._emit(PersistFailed(
                 step=step, rank=self.rank, save_id=save_id, url=self.url,
                 error="the promotion did not end before the pipeline closed (within "
-                      f"persist_timeout_s={self.config.timeout_s:g} s at a clean "
+                      f"PersistentConfig.timeout_s={self.config.timeout_s:g} s at a clean "
                       "close); the step was not committed in the persistent tier and stays "
                       "in the local tier"))
         if self.remote is not None:

@@ -93,7 +93,7 @@ def explain_generic(exc: BaseException) -> Failure:
     reason = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, PermissionError):
         return Failure(reason, False, hint="the persistent tier refused access: check its "
-                       "permissions and the credentials in persistent_options")
+                       "permissions and the credentials in PersistentConfig(options=)")
     if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError)):
         return Failure(reason, False, isinstance(exc, FileNotFoundError))
     transient = isinstance(exc, (ConnectionError, TimeoutError)) or any(

@@ -21,7 +21,7 @@ _NETWORK = ("error sending request", "connection", "timed out", "timeout", "brok
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 _TRANSIENT_KINDS = frozenset(("Connect", "Timeout", "Request", "Interrupted", "Decode"))
 CREDENTIAL_HINT = ("give access_key_id and secret_access_key (and session_token) in "
-                    "persistent_options, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+                    "PersistentConfig(options=), or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +82,13 @@ def refused_hint(url: str, status: int, code: str) -> str:
     if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId",
                                          "SignatureDoesNotMatch", "ExpiredToken"):
         return ("the store refused the credentials or the permission: check "
-                "access_key_id, secret_access_key and session_token in persistent_options "
+                "access_key_id, secret_access_key and session_token in PersistentConfig(options=) "
                 "(or the AWS_* variables), and that they may read, write and list "
                 f"{url}")
     if status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
-        return "the bucket is in another region: set region in persistent_options"
+        return "the bucket is in another region: set region in PersistentConfig(options=)"
     return ("the store refused the request: check the URL, the endpoint, the region and "
-            "the credentials in persistent_options")
+            "the credentials in PersistentConfig(options=)")
 
 def endpoint_hint(place: S3Place) -> str:
     """What to fix when the HTTP client could not even build a request."""
@@ -96,7 +96,7 @@ def endpoint_hint(place: S3Place) -> str:
              if place.endpoint else "the endpoint")
     return (f"the HTTP client could not make a request to {where}: it must be an "
             "http:// or https:// URL, and plain http:// needs client_options="
-            "{'allow_http': True} in persistent_options (or AWS_ALLOW_HTTP=true)")
+            "{'allow_http': True} in PersistentConfig(options=) (or AWS_ALLOW_HTTP=true)")
 
 
 def first_line(exc: BaseException) -> str:

@@ -93,7 +93,7 @@ class S3Remote(Remote):
         settings = dict(options)
         if "retry_config" in settings:
             raise ConfigError(f"the persistent tier {url}: retry_config is the pipeline's",
-                              hint="set persist_retries= instead")
+                              hint="set PersistentConfig(retries=) instead")
         client = dict(settings.pop("client_options", None) or {})
         self._endpoint, self._endpoint_from = _endpoint(settings)
         self._check_endpoint(client)
@@ -149,7 +149,7 @@ class S3Remote(Remote):
                 f"the persistent tier {self.url}: the endpoint {self._endpoint} (from "
                 f"{self._endpoint_from}) is plain http://, and {where} forbids it",
                 hint="use an https:// endpoint, or allow http: client_options="
-                     "{'allow_http': True} in persistent_options (or AWS_ALLOW_HTTP=true)")
+                     "{'allow_http': True} in PersistentConfig(options=) (or AWS_ALLOW_HTTP=true)")
 
     # -- uploads -------------------------------------------------------------------------
 
@@ -337,7 +337,7 @@ def _endpoint(settings: Mapping[str, Any]) -> tuple[str, str]:
     """(the endpoint obstore will use, the setting it comes from); ("", "") for AWS's."""
     for key in _ENDPOINT_OPTIONS:
         if settings.get(key):
-            return str(settings[key]), f"persistent_options {key!r}"
+            return str(settings[key]), f"PersistentConfig(options=) {key!r}"
     for name in _ENDPOINT_VARIABLES:
         if os.environ.get(name):
             return os.environ[name], name

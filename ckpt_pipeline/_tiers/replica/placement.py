@@ -45,7 +45,7 @@ def place_replicas(node_names: Sequence[str], replicas: int) -> Placement:
     Raises ConfigError when ``replicas`` is negative or larger than the number of other nodes.
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-        raise ConfigError(f"replicas={replicas!r} is not a number of copies",
+        raise ConfigError(f"copies={replicas!r} is not a number of copies",
                           hint="use 0 (no copies, the default) or a positive int")
     by_node: dict[str, list[int]] = {}
     for rank, name in enumerate(node_names):
@@ -56,10 +56,10 @@ def place_replicas(node_names: Sequence[str], replicas: int) -> Placement:
         listing = ", ".join(f"{name!r} ({len(ranks)} rank(s))"
                             for name, ranks in list(by_node.items())[:8])
         raise ConfigError(
-            f"replicas={replicas} needs {replicas + 1} nodes, this job runs on {count}: "
+            f"copies={replicas} needs {replicas + 1} nodes, this job runs on {count}: "
             f"{listing}{', ...' if count > 8 else ''}",
-            hint=f"use replicas={max(count - 1, 0)} or less, or give ranks on different "
-                 "machines different node names (node_name=)")
+            hint=f"use ReplicationConfig(copies={max(count - 1, 0)}) or less, or give ranks on "
+                 "different machines different node names (ReplicationConfig(node_name=))")
     where = {rank: (i, j) for i, ranks in enumerate(nodes) for j, rank in enumerate(ranks)}
     holders = []
     for rank in range(len(node_names)):

@@ -201,7 +201,7 @@ class CopyServer:
         except OSError as exc:
             raise ConfigError(f"the copy server of rank {rank} cannot listen on "
                               f"{bind_host!r}: {exc}", rank=rank,
-                              hint="set replication_host= to an address of this host") from exc
+                              hint="set ReplicationConfig(host=) to an address of this host") from exc
         self._sock.settimeout(0.2)
         self.address = (advertise_host, int(self._sock.getsockname()[1]))
         self._stop = threading.Event()
