@@ -139,11 +139,10 @@ def run(args: argparse.Namespace, rank: int, world: int, result: dict[str, Any])
     recorder = Recorder()
     options: dict[str, Any] = {
         "keep_last": args.keep_last, "io_threads": args.io_threads, "direct_io": args.direct_io,
-        "coordination_timeout_s": args.coordination_timeout_s,
-        "node_name": f"node{rank // args.ranks_per_node}"}
-    if args.replicas:  # left out at 0, so that a library without the option still runs
-        options["replicas"] = args.replicas
-    result["options"] = options
+        "coordination_timeout_s": args.coordination_timeout_s}
+    node = f"node{rank // args.ranks_per_node}"
+    result["options"] = {**options, "node_name": node, "copies": args.replicas}
+    options["replication"] = cp.ReplicationConfig(copies=args.replicas, node_name=node)
 
     with contextlib.ExitStack() as stack:
         barrier()
