@@ -24,12 +24,12 @@ from collections.abc import Callable
 from .._tiers.persistent.urls import is_url
 from ..errors import CheckpointError
 from ..storage import LocalStorage, Storage
-from ._export import _cmd_export
-from ._ls import _cmd_ls
-from ._remote import _cmd_ls_remote, _cmd_verify_remote
-from ._show import _cmd_show, _cmd_show_remote
-from ._status import EXIT_FAILED, EXIT_USAGE, _UsageError
-from ._verify import _cmd_verify
+from ._export import cmd_export
+from ._ls import cmd_ls
+from ._remote import cmd_ls_remote, cmd_verify_remote
+from ._show import cmd_show, cmd_show_remote
+from ._status import EXIT_FAILED, EXIT_USAGE, UsageError
+from ._verify import cmd_verify
 
 __all__ = ("main",)
 
@@ -40,9 +40,9 @@ def _open_root(root: str) -> LocalStorage:
     """The root the command reads; a usage error when it is not a directory."""
     path = os.path.abspath(root)
     if not os.path.exists(path):
-        raise _UsageError(f"no checkpoint root at {path}")
+        raise UsageError(f"no checkpoint root at {path}")
     if not os.path.isdir(path):
-        raise _UsageError(f"{path} is not a directory")
+        raise UsageError(f"{path} is not a directory")
     return LocalStorage(path)
 
 
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     ls = commands.add_parser("ls", help="list the steps under a checkpoint root",
                              description="List every step directory under ROOT, newest "
                                          "first, as one rank sees it.")
-    ls.set_defaults(handler=_cmd_ls)
+    ls.set_defaults(handler=cmd_ls)
 
     verify = commands.add_parser(
         "verify", help="read a step back and check every checksum",
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     which = verify.add_mutually_exclusive_group()
     which.add_argument("--step", type=_nonneg_int, metavar="N", help="verify step N")
     which.add_argument("--all", action="store_true", help="verify every step")
-    verify.set_defaults(handler=_cmd_verify)
+    verify.set_defaults(handler=cmd_verify)
 
     show = commands.add_parser(
         "show", help="the tensors and TrainState of a step (from its header)",
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("root", metavar="ROOT", help="the checkpoint root directory, or the URL "
                       "of a persistent tier (its complete steps)")
     show.add_argument("--step", type=_nonneg_int, metavar="N", help="show step N")
-    show.set_defaults(handler=_cmd_show)
+    show.set_defaults(handler=cmd_show)
 
     export = commands.add_parser(
         "export", help="write a step's tensors as safetensors or torch files",
@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", metavar="SIZE",
                         help="split into files of at most SIZE (5GB, 500MiB) with an index")
     export.add_argument("--force", action="store_true", help="replace existing files")
-    export.set_defaults(handler=_cmd_export)
+    export.set_defaults(handler=cmd_export)
 
     for sub in (show, export):
         sub.add_argument("--rank", type=_nonneg_int, default=None, metavar="R",
@@ -149,19 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     handler: Callable[[Storage, argparse.Namespace], int] = args.handler
     try:
         if is_url(args.root):
-            if handler is _cmd_export:
-                return _cmd_export(args.root, args)
-            if handler is _cmd_show:
+            if handler is cmd_export:
+                return cmd_export(args.root, args)
+            if handler is cmd_show:
                 args.rank = 0 if args.rank is None else args.rank
-                return _cmd_show_remote(args.root, args)
-            remote = _cmd_ls_remote if handler is _cmd_ls else _cmd_verify_remote
+                return cmd_show_remote(args.root, args)
+            remote = cmd_ls_remote if handler is cmd_ls else cmd_verify_remote
             return remote(args.root, args)
         if args.option:
-            raise _UsageError("--option applies to a URL only")
+            raise UsageError("--option applies to a URL only")
         if args.rank is None:
             args.rank = 0
         return handler(_open_root(args.root), args)
-    except _UsageError as exc:
+    except UsageError as exc:
         _error(str(exc))
         return EXIT_USAGE
     except CheckpointError as exc:

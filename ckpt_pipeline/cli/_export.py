@@ -11,11 +11,11 @@ import torch
 
 from ..export import ExportResult, export
 from ..storage import Storage
-from ._output import _human_bytes, _print_json, _Progress
+from ._output import Progress, human_bytes, print_json
 from ._remote import parse_options
-from ._status import EXIT_OK, _UsageError
+from ._status import EXIT_OK, UsageError
 
-__all__ = ("_cmd_export", "parse_size")
+__all__ = ("cmd_export", "parse_size")
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -27,30 +27,30 @@ def parse_size(text: str) -> int:
     """``5GB``, ``500MiB``, ``1000000`` -> bytes."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if match is None or match.group(2).upper() not in _UNITS:
-        raise _UsageError(f"--max-shard-size {text!r}: give a size such as 5GB or 500MiB")
+        raise UsageError(f"--max-shard-size {text!r}: give a size such as 5GB or 500MiB")
     size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
     if size < 1:
-        raise _UsageError(f"--max-shard-size {text!r} is not a positive size")
+        raise UsageError(f"--max-shard-size {text!r} is not a positive size")
     return size
 
 
-def _cmd_export(storage: Storage | str, args: argparse.Namespace) -> int:
+def cmd_export(storage: Storage | str, args: argparse.Namespace) -> int:
     """Export from a local root (``storage``) or a persistent tier's URL."""
     root = storage if isinstance(storage, str) else str(storage.root)
     options = parse_options(args.option) if isinstance(storage, str) else None
     dtype = None
     if args.dtype is not None:
         if args.dtype.lower() not in _DTYPES:
-            raise _UsageError(f"--dtype {args.dtype!r}: give bf16, fp16 or fp32")
+            raise UsageError(f"--dtype {args.dtype!r}: give bf16, fp16 or fp32")
         dtype = _DTYPES[args.dtype.lower()]
     limit = None if args.max_shard_size is None else parse_size(args.max_shard_size)
-    bar: _Progress | None = None
+    bar: Progress | None = None
     seen = [0]
 
     def progress(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = _Progress(total, "exporting", sys.stderr if sys.stderr.isatty() else None)
+            bar = Progress(total, "exporting", sys.stderr if sys.stderr.isatty() else None)
         bar(done - seen[0])
         seen[0] = done
 
@@ -67,12 +67,12 @@ def _cmd_export(storage: Storage | str, args: argparse.Namespace) -> int:
 
 def _report(result: ExportResult, args: argparse.Namespace) -> None:
     if args.json:
-        _print_json({"step": result.step, "files": list(result.files),
+        print_json({"step": result.step, "files": list(result.files),
                      "tensors": result.tensors, "bytes": result.bytes,
                      "tied": dict(result.tied), "skipped": list(result.skipped),
                      "suggested_prefix": result.suggested_prefix})
         return
-    print(f"step {result.step}: {result.tensors} tensors, {_human_bytes(result.bytes)} "
+    print(f"step {result.step}: {result.tensors} tensors, {human_bytes(result.bytes)} "
           f"-> {', '.join(result.files)}")
     for alias, name in sorted(result.tied.items()):
         print(f"  {alias} is tied to {name} (stored once)")

@@ -36,10 +36,10 @@ from .._format.timeline import Lineage, abandoned
 from .._lineage import local_marks
 from ..storage import Storage
 from ..train_state import TrainState
-from ._output import _human_age, _human_bytes, _print_json, _ranks_text, _rounded, _table
+from ._output import human_age, human_bytes, print_json, ranks_text, rounded, table_lines
 from ._status import EXIT_OK
 
-__all__ = ("_cmd_ls", "_copies_by_dir")
+__all__ = ("cmd_ls", "copies_by_dir")
 
 @dataclass(frozen=True, slots=True)
 class _Copy:
@@ -93,7 +93,7 @@ class _Listing:
 
 def _list_steps(storage: Storage, rank: int) -> list[_Listing]:
     """Every step directory, and every one that recovery moved aside, newest first."""
-    held = _copies_by_dir(storage, rank)
+    held = copies_by_dir(storage, rank)
     rows = [_listing(storage, rank, s.step, s.dir_name, s, held.get(s.dir_name, ()))
             for s in scan(storage, rank)]
     for entry in storage.list_dir(""):
@@ -133,7 +133,7 @@ def _lineage(storage: Storage, rank: int, row: _Listing) -> Lineage | None:
     return None if record is None else record.lineage
 
 
-def _copies_by_dir(storage: Storage, rank: int) -> dict[str, list[StepStatus]]:
+def copies_by_dir(storage: Storage, rank: int) -> dict[str, list[StepStatus]]:
     """The cheap look at every copy this rank holds, by step directory (by source rank)."""
     out: dict[str, list[StepStatus]] = {}
     for status in scan_replicas(storage, rank):
@@ -240,13 +240,13 @@ def _copy(storage: Storage, status: StepStatus, sizes: dict[str, int]) -> _Copy:
                  None if record is None else record.save_id, shard)
 
 
-def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
+def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     """List the steps under the root (``--json``: as a document); exit status 0."""
     rank: int = args.rank
     rows = _list_steps(storage, rank)
     now = time.time()
     if args.json:
-        _print_json({
+        print_json({
             "root": str(storage.root),
             "rank": rank,
             "steps": [{
@@ -256,7 +256,7 @@ def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
                 "status": r.status,
                 "reason": r.reason,
                 "bytes": r.bytes,
-                "age_seconds": _rounded(r.age_seconds(now)),
+                "age_seconds": rounded(r.age_seconds(now)),
                 "committed_unix": r.committed_unix,
                 "mtime_unix": r.mtime_unix,
                 "save_id": r.save_id,
@@ -283,8 +283,8 @@ def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         print(f"no checkpoints under {storage.root}")
         return EXIT_OK
     headers = ["STEP", "STATUS", "SIZE", "AGE", "RANKS", "SAVE ID"]
-    table = [[str(r.step), r.status, _human_bytes(r.bytes), _human_age(r.age_seconds(now)),
-              _ranks_text(r.ranks_committed, r.world_size), r.save_id or "-"] for r in rows]
+    table = [[str(r.step), r.status, human_bytes(r.bytes), human_age(r.age_seconds(now)),
+              ranks_text(r.ranks_committed, r.world_size), r.save_id or "-"] for r in rows]
     if any(r.samples or r.extra for r in rows):  # only when some step has something to say
         headers.append("EXTRA")
         for cells, r in zip(table, rows):
@@ -298,7 +298,7 @@ def _cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         headers.append("REASON")
         for cells, reason in zip(table, reasons):
             cells.append(reason)
-    for line in _table(headers, table, right={0, 2, 3}):
+    for line in table_lines(headers, table, right={0, 2, 3}):
         print(line)
     return EXIT_OK
 

@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 __all__ = (
-    "_Progress",
-    "_human_age",
-    "_human_bytes",
-    "_print_json",
+    "Progress",
     "_progress_text",
-    "_ranks_text",
-    "_rounded",
-    "_table",
+    "human_age",
+    "human_bytes",
+    "print_json",
+    "ranks_text",
+    "rounded",
+    "table_lines",
 )
 
 _PROGRESS_WIDTH = 30
@@ -32,7 +32,7 @@ _PROGRESS_INTERVAL_S = 0.1
 # --------------------------------------------------------------------------- tables
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *,
+def table_lines(headers: Sequence[str], rows: Sequence[Sequence[str]], *,
            right: set[int]) -> list[str]:
     """Lines of an aligned table; columns in ``right`` are right-aligned."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -57,13 +57,13 @@ def _unit_for(nbytes: int) -> tuple[str, int]:
     return unit, scale
 
 
-def _human_bytes(nbytes: int) -> str:
+def human_bytes(nbytes: int) -> str:
     """``96 B``, ``411.1 KiB``, ``1.2 GiB``."""
     unit, scale = _unit_for(nbytes)
     return f"{nbytes} B" if scale == 1 else f"{nbytes / scale:.1f} {unit}"
 
 
-def _human_age(seconds: float | None) -> str:
+def human_age(seconds: float | None) -> str:
     """``42s``, ``5m``, ``3h``, ``2d``; ``-`` when unknown."""
     if seconds is None:
         return "-"
@@ -73,7 +73,7 @@ def _human_age(seconds: float | None) -> str:
     return f"{int(seconds)}s"
 
 
-def _ranks_text(ranks: Sequence[int], world_size: int | None) -> str:
+def ranks_text(ranks: Sequence[int], world_size: int | None) -> str:
     """Ranks as ranges (``0-3``, ``0,2,5-7``); ``of N`` when some of the job's are missing."""
     if not ranks:
         return "-"
@@ -92,18 +92,18 @@ def _ranks_text(ranks: Sequence[int], world_size: int | None) -> str:
     return text
 
 
-def _rounded(value: float | None) -> float | None:
+def rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _print_json(data: dict[str, Any]) -> None:
+def print_json(data: dict[str, Any]) -> None:
     print(json.dumps(data, indent=2))
 
 
 # --------------------------------------------------------------------------- progress
 
 
-class _Progress:
+class Progress:
     """Counts the bytes checked; on a terminal, draws ``[#####.....] 45% 1.2/2.7 GiB``.
 
     ``read_shard`` calls it from several worker threads at once.

@@ -25,11 +25,11 @@ from .._tiers.persistent.remote import Remote
 from .._tiers.persistent.urls import open_remote
 from ..errors import CheckpointError
 from ..storage import LocalStorage
-from ._output import _human_bytes, _print_json
-from ._status import EXIT_FAILED, EXIT_OK, _UsageError
-from ._verify import _verify_step
+from ._output import human_bytes, print_json
+from ._status import EXIT_FAILED, EXIT_OK, UsageError
+from ._verify import verify_step
 
-__all__ = ("_cmd_ls_remote", "_cmd_verify_remote", "parse_options")
+__all__ = ("cmd_ls_remote", "cmd_verify_remote", "parse_options")
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise _UsageError(f"--option {pair!r} is not KEY=VALUE")
+            raise UsageError(f"--option {pair!r} is not KEY=VALUE")
         out[key] = value
     return out
 
@@ -56,7 +56,7 @@ def _steps(remote: Remote) -> list[tuple[int, dict[str, int]]]:
     return sorted(out, reverse=True)
 
 
-def _cmd_ls_remote(url: str, args: argparse.Namespace) -> int:
+def cmd_ls_remote(url: str, args: argparse.Namespace) -> int:
     remote = _open(url, args)
     try:
         rows: list[dict[str, Any]] = []
@@ -83,7 +83,7 @@ def _cmd_ls_remote(url: str, args: argparse.Namespace) -> int:
     finally:
         remote.close()
     if args.json:
-        _print_json({"url": remote.url, "steps": rows})
+        print_json({"url": remote.url, "steps": rows})
         return EXIT_OK
     if not rows:
         print(f"no steps under {remote.url}")
@@ -93,7 +93,7 @@ def _cmd_ls_remote(url: str, args: argparse.Namespace) -> int:
     print(columns.format("STEP", "STATE", "RANKS", "SIZE", "SAVE ID", "REASON").rstrip())
     for r in rows:
         print(columns.format(r["step"], "complete" if r["complete"] else "incomplete",
-                             r["world_size"] or "-", _human_bytes(r["bytes"]),
+                             r["world_size"] or "-", human_bytes(r["bytes"]),
                              r["save_id"] or "-", r["reason"] or "").rstrip())
     return EXIT_OK
 
@@ -103,18 +103,18 @@ def _select(remote: Remote, step: int | None, every: bool) -> list[int]:
     complete = [s for s, objects in steps if STEP_COMMIT in objects]
     if step is not None:
         if step not in {s for s, _ in steps}:
-            raise _UsageError(f"step {step} not found under {remote.url}")
+            raise UsageError(f"step {step} not found under {remote.url}")
         return [step]
     if not steps:
-        raise _UsageError(f"no steps under {remote.url}")
+        raise UsageError(f"no steps under {remote.url}")
     if every:
         return [s for s, _ in steps]
     if not complete:
-        raise _UsageError(f"no complete step under {remote.url} (no commit object)")
+        raise UsageError(f"no complete step under {remote.url} (no commit object)")
     return complete[:1]
 
 
-def _cmd_verify_remote(url: str, args: argparse.Namespace) -> int:
+def cmd_verify_remote(url: str, args: argparse.Namespace) -> int:
     """Download and verify the steps selected (every rank, or ``--rank``)."""
     remote = _open(url, args)
     results: list[dict[str, Any]] = []
@@ -124,14 +124,14 @@ def _cmd_verify_remote(url: str, args: argparse.Namespace) -> int:
     finally:
         remote.close()
     if args.json:
-        _print_json({"url": remote.url, "results": results})
+        print_json({"url": remote.url, "results": results})
     else:
         width = max(len("STEP"), *(len(str(r["step"])) for r in results))
         columns = f"{{:>{width}}}  {{:>5}}  {{:<7}}  {{:>10}}  {{:>7}}  {{}}"
         print(columns.format("STEP", "RANK", "RESULT", "READ", "SECONDS", "REASON").rstrip())
         for r in results:
             print(columns.format(r["step"], "-" if r["rank"] is None else r["rank"],
-                                 r["result"].upper(), _human_bytes(r["bytes"]),
+                                 r["result"].upper(), human_bytes(r["bytes"]),
                                  f"{r['seconds']:.2f}", r["reason"] or "").rstrip())
     return EXIT_FAILED if any(r["result"] == "failed" for r in results) else EXIT_OK
 
@@ -153,7 +153,7 @@ def _verify_remote_step(remote: Remote, step: int, only: int | None) -> list[dic
     out = []
     for rank in ranks:
         if not 0 <= rank < record.world_size:
-            raise _UsageError(f"step {step} was saved by {record.world_size} rank(s), there "
+            raise UsageError(f"step {step} was saved by {record.world_size} rank(s), there "
                               f"is no rank {rank}")
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as tmp:
@@ -165,7 +165,7 @@ def _verify_remote_step(remote: Remote, step: int, only: int | None) -> list[dic
                 continue
             status = scan_files(storage, FileSet(rank), step,
                                           step_dir_name(step))
-            v = _verify_step(storage, status, rank, explicit=True,
+            v = verify_step(storage, status, rank, explicit=True,
                              bar_stream=sys.stderr if sys.stderr.isatty() else None)
         out.append({"step": step, "rank": rank, "ok": v.result == "ok", "result": v.result,
                     "reason": v.reason, "bytes": _sizes(record, rank),

@@ -20,14 +20,14 @@ from .._tiers.persistent.urls import open_remote
 from ..errors import CheckpointIntegrityError
 from ..loading import newest_candidates, pick_step, tier_step
 from ..storage import LocalStorage, Storage
-from ._output import _human_bytes, _print_json, _table
+from ._output import human_bytes, print_json, table_lines
 from ._remote import parse_options
 from ._status import EXIT_OK
 
-__all__ = ("_cmd_show", "_cmd_show_remote")
+__all__ = ("cmd_show", "cmd_show_remote")
 
 
-def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
+def cmd_show(storage: Storage, args: argparse.Namespace) -> int:
     rank: int = args.rank
     steps = (newest_candidates(storage, rank) if args.step is None
              else committed_steps(storage, rank, copies=True))
@@ -44,7 +44,7 @@ def _cmd_show(storage: Storage, args: argparse.Namespace) -> int:
     return _show(status, str(storage.root), status.path, rank, holder, args)
 
 
-def _cmd_show_remote(url: str, args: argparse.Namespace) -> int:
+def cmd_show_remote(url: str, args: argparse.Namespace) -> int:
     """``show URL``: the header of a complete step of a persistent tier. Its first and last
     parts (preamble and header) are downloaded into a temporary directory, the rest of the
     download is stopped."""
@@ -83,7 +83,7 @@ def _show(status: StepStatus, root: str, where: str, rank: int, holder: int | No
                              "consumed_train_samples": train_state.consumed_train_samples,
                              "extra": dict(train_state.extra), "rng": repr(train_state.rng)}
     if args.json:
-        _print_json({"root": root, "step": step, "rank": rank,
+        print_json({"root": root, "step": step, "rank": rank,
                      "world_size": status.world_size, "save_id": status.save_id,
                      "copy_held_by": holder,
                      "path": where, "tensors": rows, "train_state": state,
@@ -93,13 +93,13 @@ def _show(status: StepStatus, root: str, where: str, rank: int, holder: int | No
     print(f"step {step} of {where} (rank {rank} of {status.world_size}, save "
           f"{status.save_id}{held})")
     table = [[r["path"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar",
-              _human_bytes(r["bytes"]),
+              human_bytes(r["bytes"]),
               ("" if "global_shape" not in r else
                f"shard of {'x'.join(map(str, r['global_shape']))} {','.join(r['placements'])}")]
              for r in rows]
-    for line in _table(["TENSOR", "DTYPE", "SHAPE", "SIZE", "DTENSOR"], table, right={3}):
+    for line in table_lines(["TENSOR", "DTYPE", "SHAPE", "SIZE", "DTENSOR"], table, right={3}):
         print(line)
-    print(f"{len(rows)} tensors, {_human_bytes(sum(r['bytes'] for r in rows))}")
+    print(f"{len(rows)} tensors, {human_bytes(sum(r['bytes'] for r in rows))}")
     print(f"train state: step {state['step']}, consumed samples "
           f"{state['consumed_train_samples']}, rng {state['rng']}")
     for key, value in state["extra"].items():

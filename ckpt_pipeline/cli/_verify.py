@@ -28,11 +28,11 @@ from .._format.steps import readable_commit
 from .._restore.read import LoadedShard, read_shard
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..storage import Storage
-from ._ls import _copies_by_dir
-from ._output import _human_bytes, _print_json, _Progress
-from ._status import EXIT_FAILED, EXIT_OK, _UsageError
+from ._ls import copies_by_dir
+from ._output import Progress, human_bytes, print_json
+from ._status import EXIT_FAILED, EXIT_OK, UsageError
 
-__all__ = ("_cmd_verify",)
+__all__ = ("cmd_verify",)
 
 _VERIFY_THREADS = 4
 _PROGRESS_MIN_BYTES = 64 * 1024 * 1024
@@ -69,7 +69,7 @@ async def _read_shard(storage: Storage, status: StepStatus, rank: int,
                                       progress=progress)
 
 
-def _verify_step(storage: Storage, status: StepStatus, rank: int, *,
+def verify_step(storage: Storage, status: StepStatus, rank: int, *,
                  explicit: bool, bar_stream: TextIO | None) -> _Verified:
     """Read and check every byte of one step's shard (the rank's own, or the copy of another
     rank's that ``status.files`` names), then its state tree and TrainState."""
@@ -99,7 +99,7 @@ def _verify_step(storage: Storage, status: StepStatus, rank: int, *,
     total = sum(end - start for start, end, _ in status.header.checks())
     show = bar_stream if total > _PROGRESS_MIN_BYTES else None
     label = f"step {status.step}" + (f" copy of {source}" if copy else "")
-    progress = _Progress(total, label, show)
+    progress = Progress(total, label, show)
     started = time.perf_counter()
     try:
         shard = anyio.run(_read_shard, storage, status, source, progress)
@@ -142,10 +142,10 @@ def _select(storage: Storage, rank: int, step: int | None,
             if any((parse_rejected_dir(e.name) or parse_rewound_dir(e.name) or (None,))[0]
                    == step for e in storage.list_dir("")):
                 hint = " (only a directory that recovery moved aside holds it)"
-            raise _UsageError(f"step {step} not found under {storage.root}{hint}")
+            raise UsageError(f"step {step} not found under {storage.root}{hint}")
         return match, True
     if not statuses:
-        raise _UsageError(f"no checkpoints under {storage.root}")
+        raise UsageError(f"no checkpoints under {storage.root}")
     if every:
         return statuses, False
     newest = [s for s in statuses if s.valid][:1] or [s for s in statuses if s.complete][:1]
@@ -156,11 +156,11 @@ def _select(storage: Storage, rank: int, step: int | None,
     return newest, False
 
 
-def _cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
+def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     """Verify the steps selected; exit status 1 when one failed."""
     rank: int = args.rank
     targets, explicit = _select(storage, rank, args.step, args.all)
-    held = _copies_by_dir(storage, rank)
+    held = copies_by_dir(storage, rank)
     copies = {s.dir_name: held.get(s.dir_name, []) for s in targets}
     bar_stream = sys.stderr if sys.stderr.isatty() else None
     step_width = max(len("STEP"), *(len(str(s.step)) for s in targets))
@@ -175,7 +175,7 @@ def _cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         read = v.seconds > 0
         rate = f"{v.bytes / v.seconds / 1e9:.2f}" if read and v.result == "ok" else "-"
         cells = [v.step, *([_shard_text(v.source)] if shard_width else []), v.result.upper(),
-                 _human_bytes(v.bytes) if read else "-", f"{v.seconds:.2f}" if read else "-",
+                 human_bytes(v.bytes) if read else "-", f"{v.seconds:.2f}" if read else "-",
                  rate, v.reason or ""]
         print(columns.format(*cells).rstrip(), flush=True)
 
@@ -185,18 +185,18 @@ def _cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         print(columns.format(*heading).rstrip(), flush=True)
     results: list[tuple[_Verified, list[_Verified]]] = []
     for status in targets:
-        v = _verify_step(storage, status, rank, explicit=explicit, bar_stream=bar_stream)
+        v = verify_step(storage, status, rank, explicit=explicit, bar_stream=bar_stream)
         show(v)
         checked: list[_Verified] = []
         for copy in copies[status.dir_name]:
-            checked.append(_verify_step(storage, copy, rank, explicit=explicit,
+            checked.append(verify_step(storage, copy, rank, explicit=explicit,
                                         bar_stream=bar_stream))
             show(checked[-1])
         results.append((v, checked))
     rows = [v for own, held_copies in results for v in (own, *held_copies)]
     failed = sum(v.result == "failed" for v in rows)
     if args.json:
-        _print_json({
+        print_json({
             "root": str(storage.root),
             "rank": rank,
             "results": [{

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
-from ckpt_pipeline.cli._output import _progress_text, _ranks_text
+from ckpt_pipeline.cli._output import _progress_text, ranks_text
 from tests._support.children import child_env
 from tests._support.cli import run_cli as _cli
 
@@ -186,10 +186,10 @@ def test_verify_unknown_step_exits_2(root: Path) -> None:
 
 
 def test_ranks_are_shown_as_ranges_with_the_world_size_when_some_are_missing() -> None:
-    assert _ranks_text([0, 1, 2, 3], 4) == "0-3"
-    assert _ranks_text([0, 2], 4) == "0,2 of 4"
-    assert _ranks_text([0, 1, 2, 5, 6], None) == "0-2,5-6"
-    assert _ranks_text([], None) == "-"
+    assert ranks_text([0, 1, 2, 3], 4) == "0-3"
+    assert ranks_text([0, 2], 4) == "0,2 of 4"
+    assert ranks_text([0, 1, 2, 5, 6], None) == "0-2,5-6"
+    assert ranks_text([], None) == "-"
 
 
 def test_progress_text_shows_bar_percent_and_sizes_in_the_unit_of_the_total() -> None:
