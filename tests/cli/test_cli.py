@@ -200,11 +200,11 @@ def test_progress_text_shows_bar_percent_and_sizes_in_the_unit_of_the_total() ->
 
 def test_progress_bar_on_a_closed_terminal_never_stops_verification() -> None:
 
-    from ckpt_pipeline.cli._output import _Progress
+    from ckpt_pipeline.cli._output import Progress
 
     stream = io.StringIO()
     stream.close()  # writes raise ValueError, as a closed pipe raises OSError
-    bar = _Progress(100, "step 1", stream)
+    bar = Progress(100, "step 1", stream)
     bar(50)
     bar(50)
     bar.close()
