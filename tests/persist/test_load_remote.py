@@ -63,6 +63,7 @@ def _flat_loaded(tree: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # 2.5 s; loading by URL stays in the fast suite through show/export
 @pytest.mark.timeout(120)
 def test_load_by_url_reads_a_persisted_step_after_the_local_root_is_gone(
         tmp_path: Path, tier: tuple[str, dict[str, Any] | None], temp_dir: Path) -> None:

@@ -53,7 +53,10 @@ def _calls_of_one_save(root: Path) -> dict[str, int]:
         return storage.calls()
 
 
-@pytest.mark.parametrize("code", [pytest.param(errno.ENOSPC, marks=pytest.mark.slow), errno.EIO])
+# Both codes are slow (2-3 s each, a save per I/O call): the fast suite keeps the single-fault
+# tests of FaultyStorage; CI runs -m slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 def test_a_fault_at_every_io_call_of_a_save_loses_nothing(tmp_path: Path, code: int) -> None:
     calls = _calls_of_one_save(tmp_path)
     assert calls["pwrite"] >= 4 and calls["fsync"] >= 3
