@@ -6,13 +6,8 @@
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests -rs > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"
-python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_gpu.py \
-  tests/restore/test_aliasing.py tests/restore/test_restore_atomic.py tests/save/test_dtypes.py \
-  tests/pipeline/test_save_restore.py tests/pipeline/test_wait_failures.py -rs \
-  > "$OUT/cuda_set.log" 2>&1
-echo "cuda set exit $?" >> "$OUT/cuda_set.log"
+# shellcheck source=benchmarks/gpu_tests.sh
+. "$(dirname "$0")/gpu_tests.sh"
 (cd benchmarks && python3 bench_training.py --variants ckpt_pipeline,ckpt_pipeline_staged \
   --budget-s "${BUDGET_S:-300}" --hard-limit-s "${HARD_LIMIT_S:-360}" \
   --out "$OUT/training_gpu_issue22.json") > "$OUT/bench.log" 2>&1

@@ -11,13 +11,8 @@ set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 MODE="${MODE:-after}"
 if [ "$MODE" = after ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests -rs > "$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"
-  python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_gpu.py \
-    tests/restore/test_aliasing.py tests/restore/test_restore_atomic.py tests/save/test_dtypes.py \
-    tests/pipeline/test_save_restore.py tests/pipeline/test_wait_failures.py -rs \
-    > "$OUT/cuda_set.log" 2>&1
-  echo "cuda set exit $?" >> "$OUT/cuda_set.log"
+  # shellcheck source=benchmarks/gpu_tests.sh
+  . "$(dirname "$0")/gpu_tests.sh"
 fi
 (cd benchmarks && python3 bench_training.py --variants ckpt_pipeline,ckpt_pipeline_staged \
   --budget-s "${BUDGET_S:-300}" --hard-limit-s "${HARD_LIMIT_S:-360}" ${STEPS:+--steps "$STEPS"} \

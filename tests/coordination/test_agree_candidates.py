@@ -15,21 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
-from ckpt_pipeline._format.documents import encode_message
 from ckpt_pipeline.coordination._agree import Candidates, agree_candidates
-
-
-class _Answers:
-    """Rank 0's coordinator in a job whose other ranks answer ``others``."""
-
-    def __init__(self, others: Sequence[dict[str, Any]]) -> None:
-        self.rank = 0
-        self.world_size = 1 + len(others)
-        self.others = others
-
-    async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
-                         ) -> list[bytes]:
-        return [payload, *(encode_message(m) for m in self.others)]
+from tests._support.coordinators import Answers
 
 
 def _message(valid: dict[int, str], copies: Sequence[tuple[int, int, str]] = (),
@@ -45,7 +32,7 @@ def _agree(ranks: Sequence[dict[str, Any]], persisted: Sequence[tuple[int, str, 
 
     async def run() -> Candidates:
         return await agree_candidates(
-            _Answers(ranks[1:]), {s: (sid, ws) for s, sid, ws in mine["valid"]},
+            Answers(ranks[1:]), {s: (sid, ws) for s, sid, ws in mine["valid"]},
             held_any=True, copies=[tuple(c) for c in mine["copies"]], persisted=persisted)
 
     return anyio.run(run)

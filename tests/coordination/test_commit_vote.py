@@ -22,26 +22,16 @@ from ckpt_pipeline._tiers.persistent.reports import PersistReport, UploadReport
 from ckpt_pipeline._tiers.replica.vote import CopiesAcked, CopiesSettled
 from ckpt_pipeline.coordination._agree import Ballot, Tally, VotePart, gather_vote
 from ckpt_pipeline.errors import CoordinationError
+from tests._support.coordinators import Answers
 
 STEP, SAVE = 7, "run-7"
 
 
-class _Answers:
-    """Rank 0's coordinator in a job whose other ranks answer ``others``."""
-
-    def __init__(self, others: Sequence[dict[str, Any]]) -> None:
-        self.rank = 0
-        self.world_size = 1 + len(others)
-        self.others = others
-
-    async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
-                         ) -> list[bytes]:
-        return [payload, *(encode_message(m) for m in self.others)]
 
 
 def _vote(others: Sequence[dict[str, Any]], ballots: dict[str, Ballot[Any]]) -> Tally:
     async def run() -> Tally:
-        return await gather_vote(_Answers(others), STEP, SAVE, None, what="commit",
+        return await gather_vote(Answers(others), STEP, SAVE, None, what="commit",
                                  ballots=ballots)
 
     return anyio.run(run)
