@@ -13,7 +13,7 @@ import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, TypedDict
 
 from ._config_groups import PersistentConfig, ReplicationConfig, Retention, retention_of
@@ -58,27 +58,24 @@ class DeprecatedOptions(TypedDict, total=False):
 
 _IGNORED = ("rank", "world_size")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_VALID = ("keep_last", "retention", "buffer_slots", "host_buffer_bytes", "when_busy",
-          "device_staging", "snapshot_mode", "capture_rng", "restore_rng", "chunk_bytes",
-          "io_threads", "direct_io", "queue_depth", "coordination_timeout_s",
-          "max_failures_in_row", "strict", "replication", "persistent")
 
 
 def resolve_options(given: Mapping[str, Any], deprecated: Mapping[str, Any],
                     replication: ReplicationConfig, persistent: PersistentConfig | None, *,
-                    keep: Retention | None = None) -> dict[str, Any]:
+                    valid: Collection[str], keep: Retention | None = None) -> dict[str, Any]:
     """The ``retention``, ``replication`` and ``persistent`` a config holds.
 
     ``given``: what was passed of ``keep_last``, ``retention``, ``replication`` and
     ``persistent`` (None: not given, except ``persistent=None``, no tier); ``deprecated``: the
     other keywords, old spellings (anything else fails, naming the valid options);
     ``replication``, ``persistent``, ``keep``: what an old spelling updates (the defaults, or
-    the config being merged into).
+    the config being merged into); ``valid``: the options there are (``PipelineOptions``),
+    named when one is misspelled.
     """
     unknown = set(deprecated).difference(REPLICATION_ALIASES, PERSISTENT_ALIASES, _IGNORED)
     if unknown:
         raise ConfigError(f"unknown option(s) {sorted(unknown)}",
-                          hint=f"valid options: {sorted(_VALID)}")
+                          hint=f"valid options: {sorted(valid)}")
     for name in _IGNORED:
         if name in deprecated:
             _warn(f"{name}= is ignored (it always was): a rank's place in the job comes from "

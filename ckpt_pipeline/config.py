@@ -123,7 +123,8 @@ class PipelineConfig:
         """Keyword options only; ``deprecated``: the flat spellings of earlier releases."""
         given = resolve_options(
             {"keep_last": keep_last, "retention": retention, "replication": replication,
-             "persistent": persistent}, deprecated, ReplicationConfig(), None)
+             "persistent": persistent}, deprecated, ReplicationConfig(), None,
+            valid=_OPTION_NAMES)
         values = dict(
             buffer_slots=buffer_slots, host_buffer_bytes=host_buffer_bytes,
             when_busy=when_busy, device_staging=device_staging, snapshot_mode=snapshot_mode,
@@ -174,7 +175,8 @@ class PipelineConfig:
         given = resolve_options({k: v for k, v in options.items() if k in names},
                                 {k: v for k, v in options.items()
                                  if k not in names and k not in fields},
-                                self.replication, self.persistent, keep=self.retention)
+                                self.replication, self.persistent, valid=_OPTION_NAMES,
+                                keep=self.retention)
         changes = {k: v for k, v in options.items() if k in fields}
         current = {name: getattr(self, name) for name in self.__dataclass_fields__}
         return PipelineConfig(**{**current, **changes, **given})
@@ -246,3 +248,7 @@ class PipelineOptions(TypedDict, total=False):
     strict: bool
     replication: ReplicationConfig | None
     persistent: PersistentConfig | str | None
+
+
+_OPTION_NAMES = tuple(PipelineOptions.__annotations__)
+"""The valid keyword options, named when one is misspelled."""
