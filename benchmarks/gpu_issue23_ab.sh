@@ -4,14 +4,17 @@
 # before/after runs of gpu_issue23_run.sh landed on different machines and disagreed by more
 # than this benchmark's noise). Before the call, here:
 #   rm -rf .ab_old && mkdir .ab_old && git archive 6ab4663 ckpt_pipeline benchmarks | tar -x -C .ab_old
-# and carry .ab_old (with .whl). Results under $OUT: ab_{old,new}_{1,2}.json and a table.
+# and carry .ab_old (with .whl). Results under $OUT: ab_{side}_{round}.json and a table.
+# One round (both sides, about 6 min) fits one device call: run it twice back to back, on the
+# same warm machine, with ORDER="old new" ROUND=1 and then ORDER="new old" ROUND=2.
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"
 STEPS="${STEPS:-600}"
 here="$PWD"
-for round in 1 2; do
-  for side in old new; do
+ORDER="${ORDER:-old new}"
+for round in ${ROUND:-1}; do
+  for side in $ORDER; do
     tree="$here"; [ "$side" = old ] && tree="$here/.ab_old"
     (cd "$tree/benchmarks" && PYTHONPATH="/tmp/site:$tree" python3 bench_training.py \
       --variants ckpt_pipeline --steps "$STEPS" --write-repeats 1 --read-repeats 1 \
@@ -23,6 +26,8 @@ done
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
+print(open(out / "gpu.txt").read().strip(), "| host", __import__("socket").gethostname(),
+      "| boot", open("/proc/sys/kernel/random/boot_id").read().strip())
 print("side round  x_none  blocking_ms_med  durable_s_med  restore_s")
 for f in sorted(out.glob("ab_*_*.json")):
     d = json.loads(f.read_text()); v = d["variants"]["ckpt_pipeline"]; s = d["summary"]
