@@ -6,6 +6,7 @@ from . import events as _events
 from ._pipeline.blocking import CheckpointPipeline as CheckpointPipeline
 from ._pipeline.lifecycle import AsyncCheckpointPipeline as AsyncCheckpointPipeline
 from .config import BusyPolicy as BusyPolicy
+from .config import MemoryConfig as MemoryConfig
 from .config import PersistentConfig as PersistentConfig
 from .config import PipelineConfig as PipelineConfig
 from .config import ReplicationConfig as ReplicationConfig
@@ -109,6 +110,7 @@ __all__ = (
     "LoadedCheckpoint",
     "LocalCoordinator",
     "LocalStorage",
+    "MemoryConfig",
     "MetricPolicy",
     "PersistFailed",
     "PersistPruned",

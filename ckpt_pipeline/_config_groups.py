@@ -14,7 +14,7 @@ from typing import Any, Literal
 from .errors import ConfigError
 from .retention import KeepAny, KeepLast, MetricPolicy, RetentionPolicy
 
-__all__ = ("BusyPolicy", "FailurePolicy", "PersistentConfig", "ReplicationConfig", "RestoreOptions",
+__all__ = ("BusyPolicy", "FailurePolicy", "MemoryConfig", "PersistentConfig", "ReplicationConfig", "RestoreOptions",
            "Retention", "SnapshotMode", "SnapshotOptions", "WriteOptions", "positive_int",
            "positive_seconds", "retention_metrics", "retention_of")
 
@@ -132,6 +132,57 @@ class PersistentConfig:
                                         "dead")):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False", hint=hint)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    """The memory tier (docs/memory.md): the host buffers are files in shared memory, and
+    they are the checkpoint. It survives a crash of the training process, not a reboot.
+
+    - ``path``: a directory on a memory file system of this node, one per job (for example
+      ``/dev/shm/<job>``); each rank keeps its files under it.
+    - ``slots``: shared-memory buffers per rank, each as large as the state (its shard). A
+      save commits to memory once its copies are done and every rank's shard is sealed there.
+      At least ``keep + 2``: the newest memory step is never written into, and one buffer may
+      be read by a write-through to disk while the next save fills another.
+    - ``keep``: memory steps kept (the newest N); older ones give their buffers back.
+    - ``disk_every``: write every K-th memory commit through to the disk root as well (a
+      normal checkpoint: copies and the persistent tier see only these). A write-through due
+      while the previous one still runs on some rank is skipped (``WriteThroughSkipped``).
+    - ``slot_bytes``: the size of each buffer when known in advance: the files are created
+      and registered at open, off the training thread, and their room is checked there.
+      None: at the first save.
+    - ``keep_files``: leave the memory files in place at a clean close (after the newest step
+      was written through). A crash always leaves them, for the restart.
+    """
+
+    path: str
+    slots: int = 3
+    keep: int = 1
+    disk_every: int = 4
+    slot_bytes: int | None = None
+    keep_files: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path.strip():
+            raise ConfigError(f"memory={self.path!r} must be a directory in shared memory",
+                              hint="for example memory='/dev/shm/my-job'")
+        positive_int("keep", self.keep, "for example keep=1")
+        positive_int("slots", self.slots, f"use at least keep + 2 = {self.keep + 2}")
+        if self.slots < self.keep + 2:
+            raise ConfigError(
+                f"slots={self.slots} is too few for keep={self.keep}: the newest memory step "
+                "is never overwritten and a write-through to disk holds one more buffer",
+                hint=f"use slots={self.keep + 2}, or a smaller keep")
+        positive_int("disk_every", self.disk_every, "for example disk_every=4")
+        size = self.slot_bytes
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                 or size < 4096 or size % 4096):
+            raise ConfigError(f"slot_bytes={size!r} is invalid",
+                              hint="use None, or a multiple of 4096 at least as large as the "
+                                   "state of one rank")
+        if not isinstance(self.keep_files, bool):
+            raise ConfigError("keep_files must be True or False")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from ._config_groups import (
     positive_seconds,
     retention_metrics,
 )
+from ._config_groups import MemoryConfig as MemoryConfig
 from ._config_groups import PersistentConfig as PersistentConfig
 from ._config_groups import ReplicationConfig as ReplicationConfig
 from ._config_groups import SnapshotMode as SnapshotMode
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
     from ._config_aliases import DeprecatedOptions
 
-__all__ = ("BusyPolicy", "PersistentConfig", "PipelineConfig", "PipelineOptions",
+__all__ = ("BusyPolicy", "MemoryConfig", "PersistentConfig", "PipelineConfig", "PipelineOptions",
            "ReplicationConfig", "SnapshotMode")
 
 _MiB = 1024 * 1024
@@ -89,6 +90,11 @@ class PipelineConfig:
     - ``replication``: copies on other nodes, a :class:`ReplicationConfig` (default: none).
     - ``persistent``: the persistent tier, a :class:`PersistentConfig`, or its URL alone
       (``persistent="s3://bucket/run"``); None: no persistent tier.
+    - ``memory``: the memory tier, a :class:`MemoryConfig`, or its directory alone
+      (``memory="/dev/shm/my-job"``): saves commit to shared memory, and every
+      ``disk_every``-th is written through to the root. None: every save goes to the root.
+      Its buffers take the place of the host buffer pool (``buffer_slots`` is not used);
+      ``host_buffer_bytes`` cannot be combined with it.
     """
 
     retention: Retention
@@ -108,6 +114,7 @@ class PipelineConfig:
     strict: bool
     replication: ReplicationConfig
     persistent: PersistentConfig | None
+    memory: MemoryConfig | None
 
     def __init__(self, *, keep_last: int | None = None,
                  retention: RetentionPolicy | Sequence[RetentionPolicy] | None = None,
@@ -119,6 +126,7 @@ class PipelineConfig:
                  coordination_timeout_s: float = 300.0, max_failures_in_row: int = 3,
                  strict: bool = False, replication: ReplicationConfig | None = None,
                  persistent: PersistentConfig | str | None = None,
+                 memory: MemoryConfig | str | None = None,
                  **deprecated: Unpack[DeprecatedOptions]) -> None:
         """Keyword options only; ``deprecated``: the flat spellings of earlier releases."""
         given = resolve_options(
@@ -131,7 +139,8 @@ class PipelineConfig:
             capture_rng=capture_rng, restore_rng=restore_rng, chunk_bytes=chunk_bytes,
             io_threads=io_threads, direct_io=direct_io, queue_depth=queue_depth,
             coordination_timeout_s=coordination_timeout_s,
-            max_failures_in_row=max_failures_in_row, strict=strict, **given)
+            max_failures_in_row=max_failures_in_row, strict=strict,
+            memory=MemoryConfig(memory) if isinstance(memory, str) else memory, **given)
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._check()
@@ -214,6 +223,14 @@ class PipelineConfig:
                           "for example 300 (seconds)")
         positive_int("max_failures_in_row", self.max_failures_in_row,
                       "for example max_failures_in_row=3")
+        if self.memory is not None:
+            if not isinstance(self.memory, MemoryConfig):
+                raise ConfigError(f"memory={self.memory!r} is not a MemoryConfig",
+                                  hint="for example memory='/dev/shm/my-job'")
+            if cap is not None:
+                raise ConfigError("host_buffer_bytes cannot be combined with the memory tier: "
+                                  "its buffers hold the whole state",
+                                  hint="use host_buffer_bytes=None, or memory=None")
         if not isinstance(self.replication, ReplicationConfig):
             raise ConfigError(f"replication={self.replication!r} is not a ReplicationConfig",
                               hint="for example replication=ReplicationConfig(copies=1)")
@@ -248,6 +265,7 @@ class PipelineOptions(TypedDict, total=False):
     strict: bool
     replication: ReplicationConfig | None
     persistent: PersistentConfig | str | None
+    memory: MemoryConfig | str | None
 
 
 _OPTION_NAMES = tuple(PipelineOptions.__annotations__)

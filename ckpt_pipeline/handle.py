@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from .train_state import TrainState
 
@@ -14,7 +14,9 @@ __all__ = ("CommitInfo", "RejectedStep", "RestoreResult", "SaveHandle")
 
 @dataclass(frozen=True, slots=True)
 class CommitInfo:
-    """A committed save: durable and restorable."""
+    """A committed save: restorable. ``tier`` says where it was committed: ``"disk"`` (the
+    node's root: durable), or ``"memory"`` (the memory tier: restorable after a crash of the
+    process, not of the node; ``SaveHandle.durable`` waits for the disk)."""
 
     step: int
     rank: int
@@ -28,6 +30,7 @@ class CommitInfo:
     missing_replicas: tuple[tuple[int, int], ...] = ()
     """(source rank, holder rank) of every copy of the step, on any rank, that could not be
     made: the step committed with less redundancy than asked for. Empty when whole."""
+    tier: Literal["disk", "memory"] = "disk"
 
     @property
     def degraded(self) -> bool:
@@ -92,11 +95,13 @@ class SaveHandle:
 
     def __init__(self, step: int, save_id: str,
                  outcome: concurrent.futures.Future[CommitInfo],
-                 snapshot: _CallerRelease | None = None) -> None:
+                 snapshot: _CallerRelease | None = None,
+                 durable: concurrent.futures.Future[CommitInfo | None] | None = None) -> None:
         self.step = step
         self.save_id = save_id
         self._snapshot = snapshot
         self._future = outcome
+        self._durable = durable
 
     def wait_snapshot(self, *, block_cpu: bool = False) -> None:
         """Order the caller's CUDA streams after this save's copies; check nothing was mutated.
@@ -122,8 +127,25 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
 
+    def durable(self, timeout: float | None = None) -> CommitInfo | None:
+        """Wait until the save is durable on disk, or known not to become so.
+
+        Without the memory tier this is ``result()``. With it: the CommitInfo of the step
+        committed on disk (a write-through), or None when this save was committed in memory
+        only (not due, or skipped while the disk was busy); raises the save's error, or the
+        write-through's (the step then stays committed in memory).
+        """
+        if self._durable is None:
+            return self.result(timeout)
+        try:
+            return self._durable.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"save of step {self.step} not durable after {timeout} s") \
+                from None
+
     def __repr__(self) -> str:
         state = "pending"
         if self._future.done():
-            state = "failed" if self._future.exception() else "committed"
+            state = ("failed" if self._future.exception() else "committed"
+                     if self._future.result().tier == "disk" else "committed in memory")
         return f"SaveHandle(step={self.step}, {state})"

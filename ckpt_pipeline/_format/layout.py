@@ -13,7 +13,7 @@ an aligned piece of the buffer is an aligned piece of the file.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -22,7 +22,8 @@ from .header import StorageRecord
 from .limits import ALIGN
 from .shard import PREAMBLE_SIZE
 
-__all__ = ("EMPTY_LAYOUT", "LARGE_STORAGE", "DataLayout", "StoredItem", "plan_layout", "span_source")
+__all__ = ("EMPTY_LAYOUT", "LARGE_STORAGE", "DataLayout", "StoredItem", "padded_to", "plan_layout",
+           "span_source")
 
 LARGE_STORAGE = 1 << 20
 """Storages at least this large start at an ``ALIGN``-aligned offset (at most 0.4% padding)."""
@@ -76,6 +77,16 @@ class DataLayout:
 
 EMPTY_LAYOUT = DataLayout((), (), (), (), PREAMBLE_SIZE, ())
 """The layout of a save without tensors (and of a save that failed before it had one)."""
+
+
+def padded_to(layout: DataLayout, end: int) -> DataLayout:
+    """``layout`` with its data region extended to ``end`` by a zeroed gap (the memory tier:
+    a shard whose region fills its buffer, so that its header lies beyond the mapping)."""
+    if end < layout.data_end:
+        raise ValueError(f"cannot pad a data region of {layout.data_end} bytes to {end}")
+    if end == layout.data_end:
+        return layout
+    return replace(layout, data_end=end, gaps=(*layout.gaps, (layout.data_end, end)))
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

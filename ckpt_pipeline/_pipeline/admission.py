@@ -17,7 +17,7 @@ from typing import Any
 
 from .._config_groups import SnapshotOptions
 from .._format.documents import encode_tree
-from .._format.layout import DataLayout, plan_layout
+from .._format.layout import DataLayout, padded_to, plan_layout
 from .._format.limits import DTYPE_NAMES
 from .._gc import gc_paused
 from .._save.buffers import DeviceStaging, HostPool, Slot
@@ -26,8 +26,16 @@ from .._save.control import HandleControl
 from .._save.copy import item_sources, take_snapshot
 from .._save.copy_streamed import begin_streamed_snapshot
 from .._save.job import SaveJob
+from .._save.shm_pool import MemoryPool, MemorySlot
 from .._tree import FlatState, flatten_state
-from ..errors import ForkedProcessError, PoolBusyError, StateError, StepOrderError
+from ..errors import (
+    CheckpointError,
+    ForkedProcessError,
+    PoolBusyError,
+    StateError,
+    StepOrderError,
+    StorageError,
+)
 from ..events import Event, SaveRequested, SaveSkipped
 from ..train_state import RNGState, TrainState
 from .ledger import Ledger
@@ -53,7 +61,7 @@ class Admission:
     """The training-thread part of ``save()`` and ``wait_snapshot()`` (see module docstring)."""
 
     def __init__(self, options: SnapshotOptions, rank: int, world_size: int, root: str,
-                 ledger: Ledger, pool: HostPool, staging: DeviceStaging | None,
+                 ledger: Ledger, pool: HostPool | MemoryPool, staging: DeviceStaging | None,
                  emit: Callable[[Event], None]) -> None:
         self.options = options
         self.rank = rank
@@ -65,6 +73,9 @@ class Admission:
         self._emit = emit
         self.run_id = ""
         self.pid = os.getpid()
+        self._refused: dict[int, CheckpointError] = {}
+        """{step: why no buffer could be made for it} (the memory tier's room), until the
+        save is failed with it."""
 
     def check_process(self) -> None:
         """Refuse use from a forked child: the pipeline's thread and loop stayed in its parent."""
@@ -132,7 +143,13 @@ class Admission:
         wait = block and self.options.when_busy == "block"
         size = self.options.host_buffer_bytes if plan.streamed else plan.layout.buffer_bytes
         assert size is not None
-        return self.pool.acquire(max(size, 1), pinned=plan.pinned, block=wait)
+        try:
+            return self.pool.acquire(max(size, 1), pinned=plan.pinned, block=wait)
+        except StorageError as exc:  # no room for a memory buffer: this save fails
+            exc.step = plan.step
+            exc.rank = self.rank
+            self._refused[plan.step] = exc
+            return None
 
     def start(self, plan: SavePlan, slot: Slot | None) -> SaveJob:
         """Claim the step, start the copies, build the job. Without a slot: skipped.
@@ -153,6 +170,8 @@ class Admission:
         step, flat = plan.step, plan.flat
         self.ledger.claim(step)  # another thread may have saved it, or a restore begun
         layout = plan.layout
+        if isinstance(slot, MemorySlot):  # the data region fills the buffer: it is the shard
+            layout = padded_to(layout, slot.buffer.numel())
         sources = item_sources(flat.tensors, layout)
         offsets = [item.offset for item in layout.items]
         if plan.streamed:
@@ -185,9 +204,12 @@ class Admission:
         save_id = f"{self.run_id}-{step}"
         control = HandleControl(step, save_id)
         reason = "every host buffer is busy with an earlier save"
-        error = PoolBusyError(f"save skipped: {reason}", step=step, rank=self.rank,
-                              hint="save less often, or use buffer_slots=2 or "
-                                   "when_busy='block'")
+        error: CheckpointError = PoolBusyError(
+            f"save skipped: {reason}", step=step, rank=self.rank,
+            hint="save less often, or use buffer_slots=2 or when_busy='block'")
+        refused = self._refused.pop(step, None)
+        if refused is not None:
+            reason, error = refused.message, refused
         control.fail(error)
         self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
         return SaveJob.placeholder(step, self.rank, self.world_size, save_id, control,

@@ -28,6 +28,7 @@ from .._restore.recovery import AppliedState, Loaded, Recovery
 from .._restore.rollback import undone_on_error
 from .._save.buffers import DeviceStaging, HostPool
 from .._save.job import SaveJob
+from .._save.shm_pool import MemoryPool
 from .._threads import in_thread
 from .._tiers.persistent.promote import Promoter
 from .._tiers.persistent.urls import is_url
@@ -46,6 +47,7 @@ from ..train_state import TrainState
 from .admission import Admission
 from .emitter import Emitter, Subscriber
 from .ledger import Ledger
+from .memory_stage import MemoryStage
 from .opening import OpenSequence, persist_at_close
 from .runner import StageRunner
 from .stages import Stages
@@ -65,6 +67,33 @@ class PipelineState(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
+
+
+def memory_channel(coordinator: Coordinator) -> Coordinator:
+    """A control channel of its own for the memory tier's commits, beside ``coordinator``'s
+    (a write-through's votes and the next memory commit's run at the same time): a second
+    gloo group for a DistributedCoordinator (made here, on every rank at the same point), the
+    coordinator itself for a single process, ``coordinator.channel("memory")`` for one of
+    your own."""
+    if isinstance(coordinator, LocalCoordinator):
+        return coordinator
+    if isinstance(coordinator, DistributedCoordinator):
+        return DistributedCoordinator(timeout_s=coordinator.timeout_s)
+    channel = getattr(coordinator, "channel", None)
+    if channel is None:
+        raise ConfigError(
+            f"the memory tier needs a second control channel, and {type(coordinator).__name__} "
+            "has no channel(name) method", hint="give the coordinator a channel(name) method "
+            "returning an independent coordinator of the same ranks, or use memory=None")
+    made = channel("memory")
+    assert isinstance(made, Coordinator)
+    return made
+
+
+def _cuda_device() -> int | None:
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def default_coordinator(config: PipelineConfig) -> Coordinator:
@@ -103,21 +132,29 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         self.emitter = Emitter()
         config, root_path, emit = self.config, str(self.storage.root), self.emitter.emit
         self.ledger = Ledger(config.failures, self.rank, root_path)
-        self._pool = HostPool(config.buffer_slots)
+        self._pool: HostPool | MemoryPool = HostPool(config.buffer_slots)
+        self._limiter = anyio.CapacityLimiter(config.io_threads)
+        self.timeline = Timeline()
+        self.memory: MemoryStage | None = None
+        """The memory tier (``memory=``), None without one."""
+        if config.memory is not None:
+            self._pool = MemoryPool(config.memory.path, self.rank, config.memory.slots)
+            self.memory = MemoryStage(
+                config.memory, LocalStorage(config.memory.path), self._pool,
+                memory_channel(self.coordinator), config.write, self.ledger, emit,
+                self._limiter, self.timeline, world_size=world_size)
         self._staging = DeviceStaging() if config.device_staging else None
         self.admission = Admission(config.snapshot, self.rank, world_size, root_path,
                                    self.ledger, self._pool, self._staging, emit)
-        self._limiter = anyio.CapacityLimiter(config.io_threads)
         self.replication = Replication(self.storage, config.replication, emit, rank=self.rank,
                                        world_size=world_size)
         self.promoter = (None if config.persistent is None
                          else Promoter(self.storage, config.persistent, emit, rank=self.rank,
                                        world_size=world_size, io_threads=config.io_threads))
-        self.timeline = Timeline()
         self.runner = StageRunner(
             Stages(config.write, config.retention_policy, self.storage, self.coordinator,
                    self.ledger, self._pool, emit, self._limiter, self.replication,
-                   self.promoter, self.timeline),
+                   self.promoter, self.timeline, self.memory),
             self.ledger, emit, config.queue_depth)
         self._recovery = Recovery(self.storage, self.coordinator, config.restore, emit,
                                   self.replication, self.promoter, self.timeline)
@@ -141,6 +178,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                                   self.replication, self.promoter, self.timeline).run()
         raised: BaseException | None = None
         try:
+            if self.memory is not None:
+                await self.memory.open(_cuda_device())
             async with self.runner.running():
                 self.state = PipelineState.OPEN
                 try:
@@ -166,6 +205,9 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             if self.promoter is not None:
                 self.promoter.close()
             self.replication.close()
+            if self.memory is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.memory.close()
             self._pool.close()
             if self._staging is not None:
                 self._staging.close()

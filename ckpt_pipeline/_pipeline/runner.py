@@ -104,12 +104,13 @@ class StageRunner:
     async def _start_stages(self, tg: TaskGroup, receive: MemoryObjectReceiveStream[SaveJob]
                             ) -> None:
         work: dict[SaveStage, _Work] = {
-            "copy": self.stages.copy, "write_data": self.stages.write_data,
-            "seal": self.stages.seal, "commit": self.stages.commit,
-            "retain": self.stages.retain,
+            "copy": self.stages.copy, "memory": self.stages.memory,
+            "write_data": self.stages.write_data, "seal": self.stages.seal,
+            "commit": self.stages.commit, "retain": self.stages.retain,
         }
-        for index, name in enumerate(STAGES):
-            last = index == len(STAGES) - 1
+        names = [n for n in STAGES if n != "memory" or self.stages.memory_tier is not None]
+        for index, name in enumerate(names):
+            last = index == len(names) - 1
             next_send, next_receive = (None, None) if last else (
                 anyio.create_memory_object_stream[SaveJob](self._depth))
             await tg.start(self._shielded, name, receive, next_send,
@@ -149,12 +150,15 @@ class StageRunner:
     async def _consume(self, name: SaveStage, receive: MemoryObjectReceiveStream[SaveJob],
                        send: MemoryObjectSendStream[SaveJob] | None, work: _Work, *,
                        task_status: TaskStatus[None]) -> None:
-        """Take jobs in order; a failed job skips to ``commit`` and leaves there."""
-        deciding = name == "commit"
+        """Take jobs in order; a failed job skips to the next stage that votes (``commit``,
+        or ``memory`` for a memory save not yet committed there) and leaves there. A job
+        the stage is done with (``leaves``) goes no further."""
         async with receive:
             task_status.started()
             try:
                 async for job in receive:
+                    deciding = name == "commit" or (name == "memory"
+                                                    and not job.memory_committed)
                     if job.error is None or deciding:
                         try:
                             await work(job)
@@ -170,8 +174,14 @@ class StageRunner:
                         if deciding:
                             await self._fail(job)
                             continue
+                    if job.leaves:
+                        continue
                     if send is not None:
                         await send.send(job)
+                tier = self.stages.memory_tier
+                flushed = None if name != "memory" or tier is None else tier.flush()
+                if flushed is not None and send is not None:  # at close: the newest to disk
+                    await send.send(flushed)
             finally:
                 if send is not None:
                     await send.aclose()
@@ -235,6 +245,9 @@ class StageRunner:
     async def _fail(self, job: SaveJob) -> None:
         """Remove what the failed save left on disk, then fail its handle."""
         assert job.error is not None
+        if job.memory_committed and not job.committed:  # its write-through to disk failed
+            await self._fail_write_through(job)
+            return
         if job.committed:  # a committed step is never removed by a later failure
             log.error("ckpt.pipeline.bug", step=job.step, rank=self.rank,
                       stage=job.failed_stage, error=str(job.error))
@@ -244,8 +257,33 @@ class StageRunner:
         with anyio.CancelScope(shield=True):
             try:
                 await in_thread(self.stages.limiter, job.files.remove, self.storage)
+                await self.stages.undo_memory(job)
             finally:
                 self.abandon(job, job.error, job.failed_stage)
+
+    async def _fail_write_through(self, job: SaveJob) -> None:
+        """A memory save's write-through failed: its disk files go, the step stays committed
+        in memory; the failure is reported and counted as any failed save's."""
+        error, stage = job.error, job.failed_stage
+        assert error is not None and stage is not None
+        with anyio.CancelScope(shield=True):
+            try:
+                await in_thread(self.stages.limiter, job.files.remove, self.storage)
+            finally:
+                job.error = None
+                self.ledger.failed(error, job.step)
+                self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id,
+                                      stage=stage, error=str(error)))
+                warn_unless_shown(
+                    f"ckpt_pipeline: the write-through to disk of step {job.step} failed on "
+                    f"rank {self.rank} (stage {stage}, root {self.storage.root}): {error}. The "
+                    f"step stays committed in memory. {self.ledger.policy_note()}.",
+                    CheckpointWarning)
+                job.control.fail_durable(error)
+                tier = self.stages.memory_tier
+                if tier is not None:
+                    tier.written_through(job)
+                self.ledger.settle(job.control)
 
     def abandon(self, job: SaveJob, error: CheckpointError, stage: FailedAt = "submit") -> None:
         """Fail the job's handle (once) and take it out of the pipeline."""

@@ -35,6 +35,7 @@ from .._save.commit import commit
 from .._save.job import SaveJob
 from .._save.retain import Pruned, PruneFailed, prune, prune_rewound
 from .._save.seal import seal
+from .._save.shm_pool import MemoryPool
 from .._save.write_data import write_data
 from .._threads import in_thread
 from .._tiers.base import CommitParticipant
@@ -59,6 +60,7 @@ from ..handle import CommitInfo
 from ..retention import RetentionPolicy
 from ..storage import Storage
 from .ledger import Ledger
+from .memory_stage import MemoryStage
 
 __all__ = ("STAGES", "Stages")
 
@@ -69,10 +71,11 @@ class Stages:
     """The five stages' work for one pipeline (see the module docstring)."""
 
     def __init__(self, options: WriteOptions, retention: RetentionPolicy, storage: Storage,
-                 coordinator: Coordinator, ledger: Ledger, pool: HostPool,
+                 coordinator: Coordinator, ledger: Ledger, pool: HostPool | MemoryPool,
                  emit: Callable[[Event], None], limiter: anyio.CapacityLimiter,
                  replication: Replication | None = None,
-                 promoter: Promoter | None = None, timeline: Timeline | None = None) -> None:
+                 promoter: Promoter | None = None, timeline: Timeline | None = None,
+                 memory: MemoryStage | None = None) -> None:
         self.options = options
         self.retention = retention
         self.retention_metrics = retention_metrics(retention)
@@ -87,6 +90,8 @@ class Stages:
         self.promoter = promoter
         self.timeline = timeline if timeline is not None else Timeline()
         """What each commit record names as its parent and timeline (moved on by commits)."""
+        self.memory_tier = memory
+        """The memory tier (``memory=``): its stage runs between copy and write_data."""
 
     def _uploads_paused(self) -> contextlib.AbstractContextManager[None]:
         """The persistent tier's uploads wait while this save writes (see ``Promoter``)."""
@@ -95,13 +100,33 @@ class Stages:
         return self.promoter.writing()
 
     def release_slot(self, job: SaveJob) -> None:
-        """Give the job's host buffer (and any device staging it holds) back."""
+        """Give the job's host buffer (and any device staging it holds) back.
+
+        A memory save's buffer is the step in memory: once committed there, the memory tier
+        keeps it (a write-through only unpins it here); before, it goes back once its files
+        in memory are undone (``undo_memory``)."""
         if job.snapshot is not None:
             job.snapshot.enqueued.set()  # a streamed copy that never ran: wait_snapshot returns
             job.snapshot.discard_host_copies()  # staging buffers of a save that failed
+        if job.memory_committed:
+            if job.slot is not None and isinstance(self.pool, MemoryPool):
+                self.pool.unpin_disk(job.slot)
+            return
+        if job.memory_files is not None:  # sealed in memory, not committed: undo first
+            return
         if job.slot is not None:
             self.pool.release(job.slot)
             job.slot = None
+
+    async def undo_memory(self, job: SaveJob) -> None:
+        """A failed memory save: take its files out of the memory root, free its buffer."""
+        if self.memory_tier is not None:
+            await self.memory_tier.undo(job)
+        self.release_slot(job)
+
+    async def memory(self, job: SaveJob) -> None:
+        assert self.memory_tier is not None
+        await self.memory_tier.run(job)
 
     async def copy(self, job: SaveJob) -> None:
         started = time.perf_counter()
@@ -226,6 +251,9 @@ class Stages:
             await self._record_prunes(pruned, failed)
             rewound = await self._prune_rewound(job)
         finally:
+            if self.memory_tier is not None and job.memory_committed:
+                self.memory_tier.written_through(job)
+                await self.memory_tier.retain()
             self.ledger.settle(job.control)
         for done in [*pruned, *rewound]:
             self._emit(CheckpointPruned(step=done.step, rank=self.rank, path=done.path,

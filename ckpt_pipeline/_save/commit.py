@@ -20,7 +20,9 @@ import anyio
 from .._crash import crash_point
 from .._format.documents import CommitRecord, encode_commit
 from .._format.names import commit_name
+from .._format.publish import PendingFiles
 from .._format.timeline import Lineage
+from .._threads import in_thread
 from .._tiers.base import CommitParticipant, Recorded, Vote
 from ..coordination import Coordinator
 from ..coordination._agree import Ballot, VotePart, gather_vote
@@ -28,7 +30,6 @@ from ..errors import CheckpointError, SaveError
 from ..storage import Storage
 from .job import SaveJob
 from .metrics import RetentionMetrics
-from .seal import publish_small
 
 __all__ = ("commit",)
 
@@ -36,7 +37,8 @@ __all__ = ("commit",)
 async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                  limiter: anyio.CapacityLimiter,
                  participants: Sequence[CommitParticipant[Any, Any]] = (),
-                 metrics: Sequence[str] = (), lineage: Lineage | None = None) -> None:
+                 metrics: Sequence[str] = (), lineage: Lineage | None = None,
+                 files: PendingFiles | None = None) -> None:
     """Vote with the other ranks; write this rank's commit record if every rank succeeded.
 
     A job that failed earlier still votes (with its error), so the other ranks learn of it and
@@ -48,8 +50,10 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
     ``participants``: the tiers' (see the module docstring). ``metrics``: the
     ``TrainState.extra`` keys to record (``RetentionMetrics``); rank 0 checks them before it
     votes. ``lineage``: what the commit records (this rank's and the copies') name as the
-    step's parent and timeline, the same on every rank (``_lineage.Timeline``).
+    step's parent and timeline, the same on every rank (``_lineage.Timeline``). ``files``:
+    the file set the record joins (default ``job.files``; the memory tier's in its root).
     """
+    target = job.files if files is None else files
     with anyio.CancelScope(shield=True):
         retention = RetentionMetrics(job, metrics, storage)
         everyone: tuple[CommitParticipant[Any, Any], ...] = (retention, *participants)
@@ -73,7 +77,7 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
         if refused is not None:
             raise refused
         if first.failures:
-            raise _failed(job, storage, first.failures, "failed this save ({detail}); no rank "
+            raise _failed(job, storage, target, first.failures, "failed this save ({detail}); no rank "
                           "committed it")
         crash_point("commit.voted")
         written: CheckpointError | None = None
@@ -82,7 +86,8 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
             recorded = retention.recorded()
             record = encode_commit(CommitRecord(job.step, job.rank, job.world_size,
                                                 job.save_id, time.time(), recorded, lineage))
-            await publish_small(job, storage, commit_name(job.rank), record, limiter=limiter)
+            await in_thread(limiter, target.publish_small, storage, commit_name(job.rank),
+                            record)
         except CheckpointError as exc:
             written = exc
         else:
@@ -102,16 +107,16 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
         if written is not None:
             raise written
         if second.failures:
-            raise _failed(job, storage, second.failures, "could not write their commit record "
+            raise _failed(job, storage, target, second.failures, "could not write their commit record "
                           "({detail}); the step is not complete on every rank")
 
 
-def _failed(job: SaveJob, storage: Storage, failures: Mapping[int, str], what: str
-            ) -> SaveError:
+def _failed(job: SaveJob, storage: Storage, files: PendingFiles, failures: Mapping[int, str],
+            what: str) -> SaveError:
     """The error of a vote that some rank(s) failed: ``what`` says how (``{detail}``: every
     failed rank's error)."""
     detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
     return SaveError(f"rank(s) {sorted(failures)} " + what.format(detail=detail),
                      step=job.step, rank=job.rank,
-                     path=os.path.join(storage.root, job.files.dir_name),
+                     path=os.path.join(storage.root, files.dir_name),
                      hint="the previous checkpoint is intact", ranks=tuple(sorted(failures)))

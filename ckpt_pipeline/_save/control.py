@@ -27,9 +27,10 @@ class HandleControl:
 
     def __init__(self, step: int, save_id: str, snapshot: Snapshot | None = None) -> None:
         self._outcome: concurrent.futures.Future[CommitInfo] = concurrent.futures.Future()
+        self._durable: concurrent.futures.Future[CommitInfo | None] = concurrent.futures.Future()
         self._lock = threading.Lock()
         self._settled = threading.Event()
-        self.handle = SaveHandle(step, save_id, self._outcome, snapshot)
+        self.handle = SaveHandle(step, save_id, self._outcome, snapshot, self._durable)
         """What ``save()`` returns to the caller."""
 
     @property
@@ -37,19 +38,38 @@ class HandleControl:
         return self.handle.step
 
     def resolve(self, info: CommitInfo) -> None:
-        """The save committed (a second outcome is ignored: the first one stands)."""
+        """The save committed (a second outcome is ignored: the first one stands). Committed
+        on disk, it is durable too; committed in memory, ``resolve_durable`` follows."""
         with self._lock:
             if not self._outcome.done():
                 self._outcome.set_result(info)
+            if info.tier == "disk" and not self._durable.done():
+                self._durable.set_result(info)
+
+    def resolve_durable(self, info: CommitInfo | None) -> None:
+        """A memory save's outcome on disk: committed there (``info``), or not written to
+        disk (None: not due, skipped). Ignored once it has one."""
+        with self._lock:
+            if not self._durable.done():
+                self._durable.set_result(info)
 
     def fail(self, error: CheckpointError) -> None:
-        """The save failed (ignored if it already has an outcome)."""
+        """The save failed (ignored if it already has an outcome): on disk too."""
         with self._lock:
             if not self._outcome.done():
                 self._outcome.set_exception(error)
+            if not self._durable.done():
+                self._durable.set_exception(error)
+
+    def fail_durable(self, error: CheckpointError) -> None:
+        """A memory save's write-through to disk failed (it stays committed in memory)."""
+        with self._lock:
+            if not self._durable.done():
+                self._durable.set_exception(error)
 
     def settle(self) -> None:
         """The save has left the pipeline: committed and retained, or failed and removed."""
+        self.resolve_durable(None)  # a memory save that left without a disk outcome
         self._settled.set()
 
     @property

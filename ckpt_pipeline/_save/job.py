@@ -67,6 +67,13 @@ class SaveJob:
     written: DataWritten | None = None
     sealed: Sealed | None = None
     committed: bool = False
+    # the memory tier's part (``memory=``): its files in the memory root, whether the memory
+    # commit carried, whether the step is also written through to disk (every rank agreed)
+    memory_files: PendingFiles | None = None
+    memory_committed: bool = False
+    write_through: bool = False
+    leaves: bool = False
+    """Set by a stage when the job goes no further (a memory save not written through)."""
     # set by the first stage that fails; the job still reaches commit to take part in the vote
     error: CheckpointError | None = None
     failed_stage: SaveStage | None = None

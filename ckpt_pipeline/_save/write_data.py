@@ -29,7 +29,7 @@ from .copy import Snapshot
 from .copy_streamed import copy_piece
 from .job import DataWritten, SaveJob
 
-__all__ = ("checksum_chunk", "required_bytes", "write_data")
+__all__ = ("checksum_chunk", "hash_data", "required_bytes", "write_data")
 
 
 def checksum_chunk(data_end: int, chunk_bytes: int, threads: int) -> int:
@@ -106,7 +106,35 @@ async def write_data(job: SaveJob, storage: Storage, *, chunk_bytes: int, thread
     if direct is not None:
         await in_thread(limiter, storage.close, direct)
     crash_point("write_data.done")
-    header = await in_thread(limiter, functools.partial(
+    return DataWritten(await _encode_header(job, chunk, sums, limiter), copied)
+
+
+async def hash_data(job: SaveJob, *, chunk_bytes: int, threads: int,
+                    limiter: anyio.CapacityLimiter) -> DataWritten:
+    """``write_data`` for the memory tier: the data region stays where the snapshot copied
+    it (the buffer is the shard); each checksum chunk is hashed as its copies land, by
+    several threads, then the header is encoded."""
+    layout = job.data
+    chunk = checksum_chunk(layout.data_end, chunk_bytes, threads)
+    assert job.slot is not None and job.snapshot is not None
+    chunks = [(a, b, k) for k, (a, b) in enumerate(region_chunks(PREAMBLE_SIZE,
+                                                                 layout.data_end, chunk))]
+    sums = [0] * len(chunks)
+    hasher = _Hasher(job.slot.buffer, sums, job.snapshot.copied,
+                     [item.offset for item in layout.items])
+    snap = job.snapshot
+    copied: float | None = None
+    if snap.has_device_copies:
+        copied = await _overlapped(snap, hasher, chunks, threads, limiter)
+    else:
+        await run_groups(hasher.run, split_balanced(chunks, threads), limiter)
+    return DataWritten(await _encode_header(job, chunk, sums, limiter), copied)
+
+
+async def _encode_header(job: SaveJob, chunk: int, sums: list[int],
+                         limiter: anyio.CapacityLimiter) -> bytes:
+    layout = job.data
+    return await in_thread(limiter, functools.partial(
         encode_header_fields, step=job.step, rank=job.rank, world_size=job.world_size,
         save_id=job.save_id, created_unix=time.time(), chunk_bytes=chunk,
         data_offset=PREAMBLE_SIZE, data_length=layout.data_length, checksums=sums,
@@ -118,7 +146,6 @@ async def write_data(job: SaveJob, storage: Storage, *, chunk_bytes: int, thread
                 job.paths, job.dtypes, job.shapes, layout.tensor_stride, layout.tensor_item,
                 layout.tensor_offset, job.layouts)),
         tensor_count=len(job.paths), tree=job.tree, train_state=job.train_state))
-    return DataWritten(header, copied)
 
 
 Chunk = tuple[int, int, int]  # (start, end) file offsets of a checksum chunk, its index
@@ -199,6 +226,22 @@ class _ChunkWriter:
         for chunk in group:
             self.wait_copied(chunk[0], chunk[1])
             self.chunk(chunk, chunk[0])
+
+
+class _Hasher(_ChunkWriter):
+    """A chunk writer that only hashes: the bytes stay in the buffer (the memory tier)."""
+
+    def __init__(self, buffer: torch.Tensor, sums: list[int],
+                 copied: dict[int, torch.cuda.Event], item_offsets: list[int]) -> None:
+        self.copied = copied
+        self.buffer = buffer
+        self.sums = sums
+        self.item_offsets = item_offsets
+        self.push = None
+
+    def chunk(self, chunk: Chunk, at: int) -> None:
+        start, end, k = chunk
+        self.sums[k] = checksum(byte_view(self.buffer, at, at + end - start))
 
 
 async def _overlapped(snap: Snapshot, writer: _ChunkWriter, chunks: list[Chunk], threads: int,

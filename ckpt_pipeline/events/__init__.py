@@ -11,6 +11,9 @@ from __future__ import annotations
 import warnings
 
 from ._base import Event as Event
+from ._memory import MemoryCommitted as MemoryCommitted
+from ._memory import MemoryPruned as MemoryPruned
+from ._memory import WriteThroughSkipped as WriteThroughSkipped
 from ._persistent import PersistentAvailable as PersistentAvailable
 from ._persistent import PersistentTakenOver as PersistentTakenOver
 from ._persistent import PersistentUnavailable as PersistentUnavailable
@@ -52,6 +55,8 @@ __all__ = (
     "Event",
     "FailedAt",
     "ForeignFilesSetAside",
+    "MemoryCommitted",
+    "MemoryPruned",
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",
@@ -76,6 +81,7 @@ __all__ = (
     "SnapshotTaken",
     "StepPersisted",
     "TemporariesScrubbed",
+    "WriteThroughSkipped",
 )
 
 RENAMED = {"ShardSerialized": "ShardDataWritten", "ShardWritten": "ShardSealed"}

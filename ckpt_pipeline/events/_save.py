@@ -21,8 +21,9 @@ __all__ = (
     "SnapshotTaken",
 )
 
-SaveStage = Literal["copy", "write_data", "seal", "commit", "retain"]
-"""The stages of a save, in order: the one name of each in functions, crash labels, events and
+SaveStage = Literal["copy", "memory", "write_data", "seal", "commit", "retain"]
+"""The stages of a save, in order (``memory``: only with the memory tier, which commits there
+and sends on only the saves it writes through to disk): the one name of each in functions, crash labels, events and
 log lines (``write_data.done``, ``ShardDataWritten``, ``ckpt.write_data.done``)."""
 
 FailedAt = Literal[SaveStage, "submit", "close"]

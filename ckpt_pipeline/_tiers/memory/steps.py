@@ -1,0 +1,133 @@
+"""The memory tier's files: a checkpoint root in shared memory, laid out as the disk root.
+
+A rank's shard of a memory step is the buffer its save was copied into: the data region is the
+mapped part of the buffer's file, the header goes after it, and the file is renamed from the
+rank's slot directory into the step's directory (``seal_shard``); the manifest and the commit
+record are the disk root's. Dropping a step (``drop_files``) removes its commit record first,
+then gives the buffer its free name back. A crash leaves committed steps whole and buffers
+being filled under their slot names, which the next open clears (``clear_slots``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+
+import msgpack
+
+from ..._format.filesets import FileSet
+from ..._format.names import step_dir_name
+from ..._format.publish import publish_file
+from ..._format.shard import encode_preamble
+from ..._format.steps import committed_steps, read_small
+from ..._format.tidy import tidy_step_dir
+from ...errors import CheckpointError, StorageError
+from ...storage import Storage
+
+__all__ = ("Topology", "clear_slots", "drop_files", "memory_steps", "read_topology",
+           "seal_shard", "write_topology")
+
+
+def seal_shard(storage: Storage, fd: int, slot_rel: str, step: int, rank: int,
+               header: bytes, data_end: int) -> tuple[str, int, bytes]:
+    """Finish the shard in buffer ``fd`` (data in place up to ``data_end``): header after the
+    data, preamble first, file cut to the shard's size, renamed into the step's directory.
+    Returns (its new name in the root, the shard's size, the preamble). Worker thread."""
+    storage.pwrite(fd, memoryview(header), data_end)
+    preamble = encode_preamble(data_end, header)
+    storage.pwrite(fd, memoryview(preamble), 0)
+    size = data_end + len(header)
+    storage.truncate(fd, size)  # only the header's tail: the mapping ends at data_end
+    dir_name = step_dir_name(step)
+    storage.make_dir(dir_name)
+    rel = os.path.join(dir_name, FileSet(rank).shard)
+    storage.move(slot_rel, rel)
+    return rel, size, preamble
+
+
+def drop_files(storage: Storage, dir_name: str, rank: int, home: str | None) -> None:
+    """Remove ``rank``'s files of a memory step, commit record first; its shard goes back to
+    ``home`` (the free name of the live buffer it is) or, of an earlier run, is deleted.
+    Worker thread."""
+    files = FileSet(rank)
+    storage.unlink(os.path.join(dir_name, files.commit))
+    storage.unlink(os.path.join(dir_name, files.manifest))
+    shard = os.path.join(dir_name, files.shard)
+    if home is None:
+        storage.unlink(shard)
+    else:
+        storage.move(shard, home)
+    with contextlib.suppress(StorageError):
+        tidy_step_dir(storage, dir_name)
+
+
+def memory_steps(storage: Storage, rank: int) -> dict[int, str]:
+    """{step: directory} of the memory steps with ``rank``'s commit record."""
+    return committed_steps(storage, rank)
+
+
+def clear_slots(storage: Storage, slot_dir: str) -> list[str]:
+    """Remove what a rank's slot directory holds (buffers free or being filled at a crash:
+    never a committed step). Returns the names removed. Worker thread."""
+    storage.make_dir("slots")
+    storage.make_dir(slot_dir)
+    removed = []
+    for entry in storage.list_dir(slot_dir):
+        if not entry.is_dir:
+            storage.unlink(os.path.join(slot_dir, entry.name))
+            removed.append(entry.name)
+    return removed
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Where a rank ran when it wrote its memory steps: a memory restore elsewhere is
+    refused (the steps are another process's view of another placement)."""
+
+    host: str
+    boot_id: str
+    world_size: int
+    device: int | None
+
+    @classmethod
+    def here(cls, world_size: int, device: int | None) -> Topology:
+        boot = ""
+        with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id",
+                                                encoding="ascii") as f:
+            boot = f.read().strip()
+        return cls(socket.gethostname(), boot, world_size, device)
+
+    def differs(self, other: Topology) -> str | None:
+        """What changed from ``other`` to this one, or None."""
+        for name in ("host", "boot_id", "world_size", "device"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name} was {theirs!r}, is {mine!r}"
+        return None
+
+
+def _topology_name(rank: int) -> str:
+    return f"topology-rank-{rank}.msgpack"
+
+
+def write_topology(storage: Storage, rank: int, topology: Topology) -> None:
+    """Record (replacing) where this rank runs. Worker thread."""
+    name = _topology_name(rank)
+    data = msgpack.packb({"host": topology.host, "boot_id": topology.boot_id,
+                          "world_size": topology.world_size, "device": topology.device})
+    storage.unlink(name)
+    publish_file(storage, "", name, data)
+
+
+def read_topology(storage: Storage, rank: int) -> Topology | None:
+    """Where this rank ran when it last opened the tier (None: not recorded, or unreadable).
+    Worker thread."""
+    try:
+        raw = msgpack.unpackb(read_small(storage, _topology_name(rank)), raw=False)
+        device = raw.get("device")
+        return Topology(str(raw["host"]), str(raw["boot_id"]), int(raw["world_size"]),
+                        None if device is None else int(device))
+    except (CheckpointError, KeyError, TypeError, ValueError, msgpack.UnpackException):
+        return None
