@@ -71,6 +71,9 @@ class RestoreResult:
     """{rank: save ids} of the ranks whose files of the step were of other saves (another
     run's root came back): set aside, never loaded (``ForeignFilesSetAside``); their shard
     came from a copy or the persistent tier."""
+    from_memory: tuple[int, ...] = ()
+    """The ranks whose shard was read from the memory tier (``memory=``); the others read
+    theirs from disk, a copy or the persistent tier."""
     resending: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     """{holder rank: source ranks} of the copies of the restored step that their holders
     lacked (a replaced node, files set aside): each source sends its copy again in the

@@ -180,6 +180,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         try:
             if self.memory is not None:
                 await self.memory.open(_cuda_device())
+                self._recovery.use_memory(self.memory.storage)
             async with self.runner.running():
                 self.state = PipelineState.OPEN
                 try:
@@ -207,7 +208,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             self.replication.close()
             if self.memory is not None:
                 with anyio.CancelScope(shield=True):
-                    await self.memory.close()
+                    await self.memory.close(self.storage)
             self._pool.close()
             if self._staging is not None:
                 self._staging.close()
@@ -368,6 +369,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         try:
             result = await self._recovery.finish(loaded, apply_error, self._limiter)
             restored = loaded.step
+            if self.memory is not None:
+                await self.memory.after_restore(loaded.step)
         finally:
             self.ledger.end_restore(restored)
         return result

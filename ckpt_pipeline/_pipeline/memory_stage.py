@@ -27,6 +27,7 @@ from .._format.documents import Manifest, encode_manifest
 from .._format.names import manifest_name, step_dir_name
 from .._format.publish import PendingFiles
 from .._format.region import checksum
+from .._format.steps import committed_steps
 from .._format.tidy import scrub, tidy_step_dir
 from .._lineage import Timeline
 from .._logging import log
@@ -41,6 +42,7 @@ from .._tiers.memory.steps import (
     clear_slots,
     drop_files,
     memory_steps,
+    read_topology,
     seal_shard,
     write_topology,
 )
@@ -94,11 +96,27 @@ class MemoryStage:
         await in_thread(limiter, storage.ensure_root)
         await in_thread(limiter, clear_slots, storage, slot_dir(self.rank))
         await in_thread(limiter, scrub, storage, self.rank)
-        await in_thread(limiter, write_topology, storage, self.rank,
-                        Topology.here(self.world_size, device))
+        await in_thread(limiter, self._check_topology, Topology.here(self.world_size, device))
         if self.config.slot_bytes is not None:
             await in_thread(limiter, lambda: self.pool.reserve(
                 self.config.slot_bytes or 0, register=device is not None))
+
+    def _check_topology(self, here: Topology) -> None:
+        """Drop this rank's memory steps when it ran elsewhere when it wrote them (another
+        host, boot, world size or GPU: a memory restore then is refused, recovery goes to
+        disk), then record where it runs now. Worker thread."""
+        steps = memory_steps(self.storage, self.rank)
+        recorded = read_topology(self.storage, self.rank)
+        changed = None if not steps else (
+            "no topology recorded" if recorded is None else here.differs(recorded))
+        if changed is not None:
+            log.warning("ckpt.memory.topology_changed", rank=self.rank,
+                        path=str(self.storage.root), change=changed, steps=sorted(steps),
+                        hint="these memory steps are dropped, not restored; recovery uses "
+                             "the disk")
+            for dir_name in steps.values():
+                drop_files(self.storage, dir_name, self.rank, None)
+        write_topology(self.storage, self.rank, here)
 
     def flush(self) -> SaveJob | None:
         """At close: the newest memory step, to be written through when it is not on disk
@@ -113,20 +131,23 @@ class MemoryStage:
         self.writing += 1
         return job
 
-    async def close(self) -> None:
+    async def close(self, disk: Storage) -> None:
         """After the stages: unmap the buffers; remove this rank's memory files when the
-        newest memory step is on disk (else keep them: it is restorable only from memory)."""
+        newest memory step is committed on disk (``disk``) too, else keep them: it is
+        restorable only from memory (a step restored from memory and not saved since, or a
+        write-through that failed)."""
         self.pool.close()
         if self.config.keep_files:
             return
-        if not self.newest_durable:
-            log.warning("ckpt.memory.kept_at_close", rank=self.rank,
-                        step=None if self.newest is None else self.newest.step,
-                        path=str(self.storage.root),
-                        hint="the newest memory step is not on disk; its files stay for the "
-                             "next run to restore")
-            return
         try:
+            newest = await in_thread(self.limiter, _newest_memory_only, self.storage, disk,
+                                     self.rank)
+            if newest is not None:
+                log.warning("ckpt.memory.kept_at_close", rank=self.rank, step=newest,
+                            path=str(self.storage.root),
+                            hint="the newest memory step is not on disk; its files stay for "
+                                 "the next run to restore")
+                return
             await in_thread(self.limiter, _remove_rank_files, self.storage, self.rank)
         except Exception as exc:
             log.warning("ckpt.memory.cleanup_failed", rank=self.rank,
@@ -231,6 +252,27 @@ class MemoryStage:
         if job is self.newest and job.committed:
             self.newest_durable = True
 
+    async def after_restore(self, step: int) -> None:
+        """A restore loaded ``step``: this rank's newer memory steps are of an abandoned
+        history; they go (as the disk's are moved aside)."""
+        async with self._retaining:
+            steps = await in_thread(self.limiter, memory_steps, self.storage, self.rank)
+            for newer, dir_name in sorted(steps.items()):
+                if newer <= step:
+                    continue
+                job = self.held.pop(newer, None)
+                slot = None if job is None else job.slot
+                home = slot.home if isinstance(slot, MemorySlot) else None
+                await in_thread(self.limiter, drop_files, self.storage, dir_name, self.rank,
+                                home)
+                if slot is not None and home is not None:
+                    self.pool.moved(slot, home)
+                    self.pool.unkeep(slot)
+                    self.pool.unpin_disk(slot)
+            if self.newest is not None and self.newest.step > step:
+                self.newest = None
+                self.newest_durable = True
+
     async def retain(self) -> None:
         """Keep the newest ``keep`` memory steps (of any run) and those a write-through still
         reads; drop the others, giving this run's buffers back."""
@@ -282,6 +324,15 @@ def _free(storage: Storage) -> int:
         return free_bytes(str(storage.root))
     except OSError:
         return -1
+
+
+def _newest_memory_only(memory: Storage, disk: Storage, rank: int) -> int | None:
+    """The newest memory step of ``rank`` when the disk root lacks its commit record."""
+    steps = memory_steps(memory, rank)
+    if not steps:
+        return None
+    newest = max(steps)
+    return None if newest in committed_steps(disk, rank) else newest
 
 
 def _remove_rank_files(storage: Storage, rank: int) -> None:

@@ -64,6 +64,13 @@ class Agreed:
     """(step, directory) of every step this rank's scan saw."""
     rejected: list[RejectedStep]
     """The steps rejected so far (by the scan; the loop adds the candidates that fail)."""
+    memory: dict[int, StepStatus]
+    """{step: this rank's valid files of it in the memory tier} of the current timeline."""
+
+    def in_memory(self, step: int, save_id: str) -> StepStatus | None:
+        """This rank's memory files of ``step`` when they are of save ``save_id``."""
+        status = self.memory.get(step)
+        return status if status is not None and status.save_id == save_id else None
 
     def own(self, step: int, save_id: str) -> StepStatus | None:
         """This rank's own valid files of ``step`` when they are of save ``save_id``."""
@@ -87,12 +94,15 @@ class Agreement:
         self._persisted: dict[int, StepRecord] = {}
         self._tier_listed = False
         """Whether this restore's listing of the persistent tier succeeded."""
+        self.memory_storage: Storage | None = None
+        """The memory tier's root (``Recovery.use_memory``), None without one."""
 
     async def agree(self, limiter: anyio.CapacityLimiter, wanted: int | None) -> Agreed:
         """Scan, agree on the timeline and the candidates (with ``wanted``: that step only,
         or RestoreError naming the steps that could be restored)."""
         statuses = await in_thread(limiter, scan, self.storage, self.rank)
         copies = await in_thread(limiter, scan_replicas, self.storage, self.rank)
+        in_memory = await self._scan_memory(limiter)
         rejected: list[RejectedStep] = []
         for seen in statuses:
             if seen.complete and not seen.valid:
@@ -102,7 +112,7 @@ class Agreement:
                 _log.warning("ckpt.recovery.copy_invalid", step=copy.step, rank=self.rank,
                              source=copy.source, path=copy.path, reason=copy.reason)
         self._persisted = await self._list_persisted(limiter)
-        view = await self._agree_timeline(statuses, copies, limiter)
+        view = await self._agree_timeline([*statuses, *in_memory], copies, limiter)
         held_dirs = {(s.step, s.dir_name): view.abandons(s.step, s.lineage)
                      for s in [*statuses, *copies] if s.valid}
         scanned = frozenset((st.step, st.dir_name) for st in statuses)
@@ -110,13 +120,16 @@ class Agreement:
         self._persisted = {step: r for step, r in self._persisted.items()
                            if not view.abandons(step, r.lineage)}
         valid = {s.step: s for s in statuses if s.valid}
+        memory = {s.step: s for s in self._current(view, in_memory) if s.valid}
+        voted = {step: (s.save_id or "", s.world_size or 0)
+                 for step, s in {**valid, **memory}.items()}
         held = [(c.step, c.files.source, c.save_id or "", c.world_size or 0)
                 for c in copies if c.valid and c.files is not None]
         persisted = [(r.step, r.save_id, r.world_size) for r in self._persisted.values()]
         agreed = await agree_candidates(
-            self.coordinator, {step: (s.save_id or "", s.world_size or 0)
-                               for step, s in valid.items()},
-            held_any=any(s.complete for s in statuses) or bool(held) or bool(persisted),
+            self.coordinator, voted,
+            held_any=(any(s.complete for s in statuses) or bool(held) or bool(persisted)
+                      or bool(memory)),
             copies=held, persisted=persisted)
         self._check_world_size(agreed)
         candidates = agreed.steps
@@ -131,7 +144,7 @@ class Agreement:
                     hint="pick one of those steps (ckpt-pipeline ls ROOT)")
         return Agreed(candidates=agreed, steps=candidates, valid=valid, copies=copies,
                       persisted=self._persisted, view=view, held_dirs=held_dirs,
-                      scanned=scanned, rejected=rejected)
+                      scanned=scanned, rejected=rejected, memory=memory)
 
     async def first_loaded(self, agreed: Agreed, load: CandidateLoad[_L]
                            ) -> tuple[_L, list[Any], frozenset[int]] | None:
@@ -215,6 +228,24 @@ class Agreement:
             return ""
         return (f"step {newest}: the shard of rank(s) {lacking} (no own file, no copy on "
                 "any rank, not in the persistent tier)")
+
+    async def _scan_memory(self, limiter: anyio.CapacityLimiter) -> list[StepStatus]:
+        """This rank's steps in the memory tier ([] without one; those written where this
+        rank ran elsewhere were dropped at open: ``MemoryStage.open``)."""
+        storage = self.memory_storage
+        if storage is None:
+            return []
+        try:
+            found = await in_thread(limiter, scan, storage, self.rank)
+        except CheckpointError as exc:
+            _log.warning("ckpt.recovery.memory_unreadable", rank=self.rank,
+                         path=str(storage.root), error=exc.message)
+            return []
+        for seen in found:
+            if seen.complete and not seen.valid:
+                _log.warning("ckpt.recovery.memory_step_invalid", step=seen.step,
+                             rank=self.rank, path=seen.path, reason=seen.reason)
+        return found
 
     async def _list_persisted(self, limiter: anyio.CapacityLimiter) -> dict[int, StepRecord]:
         """The steps complete in the persistent tier ({} without one, or when it cannot be

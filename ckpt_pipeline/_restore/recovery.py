@@ -66,6 +66,12 @@ class Recovery:
                                    self.timeline)
         self.sourcing = Sourcing(storage, config, self.rank, emit, replication, promoter)
 
+    def use_memory(self, storage: Storage) -> None:
+        """Consider the memory tier's steps (``storage``: its root) too, read first where it
+        holds them."""
+        self.agreement.memory_storage = storage
+        self.sourcing.memory_storage = storage
+
     async def load_latest(self, state: Mapping[str, Any],
                           limiter: anyio.CapacityLimiter, *, step: int | None = None,
                           restore_rng: bool | None = None) -> Loaded | None:
@@ -92,6 +98,8 @@ class Recovery:
         loaded.downloaded = tuple(r for r, e in enumerate(extras)
                                   if isinstance(e, dict) and e.get("downloaded") is True)
         loaded.foreign_by_rank = _foreign_by_rank(extras)
+        loaded.from_memory = tuple(r for r, e in enumerate(extras)
+                                   if isinstance(e, dict) and e.get("memory") is True)
         loaded.held_copies = {src: hs for (s, src), hs in agreed.candidates.holders.items()
                               if s == loaded.step}
         loaded.restore_rng = (self.config.restore_rng if restore_rng is None
@@ -161,7 +169,7 @@ class Recovery:
                              fetched=dict(loaded.fetched or {}),
                              downloaded=loaded.downloaded,
                              foreign=dict(loaded.foreign_by_rank or {}),
-                             resending=resending)
+                             from_memory=loaded.from_memory, resending=resending)
 
     async def _clear_lacking_copies(self, loaded: Loaded, limiter: anyio.CapacityLimiter
                                     ) -> dict[int, tuple[int, ...]]:

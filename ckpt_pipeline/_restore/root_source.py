@@ -28,7 +28,7 @@ class RootFiles:
 
     def __init__(self, storage: Storage, files: FileSet, step: int, dir_name: str,
                  limiter: anyio.CapacityLimiter, *, names: Collection[str] | None = None,
-                 status: StepStatus | None = None) -> None:
+                 status: StepStatus | None = None, memory: bool = False) -> None:
         self.storage = storage
         self.files = files
         self.step = step
@@ -36,13 +36,19 @@ class RootFiles:
         self.limiter = limiter
         self.names = names
         self.status = status
+        self.memory = memory
+        """The files are the memory tier's (``storage`` is its root)."""
 
     @property
     def kind(self) -> SourceKind:
+        if self.memory:
+            return "memory"
         return "own" if self.files.holder is None else "copy"
 
     @property
     def action(self) -> str:
+        if self.memory:
+            return "reading its shard in the memory tier"
         if self.files.holder is None:
             return "reading its own files"
         return f"reading the copy held by rank {self.files.holder}"
@@ -55,7 +61,8 @@ class RootFiles:
         if not status.valid or status.header is None:  # the reason names a copy's holder
             raise CheckpointIntegrityError(str(status.reason), step=self.step,
                                            rank=self.files.source, path=status.path)
-        return LocatedShard(status, self.kind, holder=self.files.holder)
+        return LocatedShard(status, self.kind, holder=self.files.holder,
+                            storage=self.storage if self.memory else None)
 
     async def close(self, error: BaseException | None) -> None:
         return None

@@ -79,6 +79,8 @@ class Loaded:
     load vote)."""
     downloaded: tuple[int, ...] = ()
     """The ranks whose shard came from the persistent tier."""
+    from_memory: tuple[int, ...] = ()
+    """The ranks whose shard came from the memory tier."""
     foreign_by_rank: dict[int, tuple[str, ...]] | None = None
     """{rank: save ids} of every rank's files of the step of other saves, set aside."""
     held_copies: dict[int, tuple[int, ...]] | None = None
@@ -104,6 +106,8 @@ class Sourcing:
         self.replication = replication
         self.promoter = promoter
         self._emit = emit
+        self.memory_storage: Storage | None = None
+        """The memory tier's root (``memory=``), read first where it holds the step."""
         self.fetched_dirs: frozenset[tuple[int, str]] = frozenset()
         """(step, directory) of the steps this restore fetched or downloaded into the root
         (reset by each restore)."""
@@ -123,7 +127,7 @@ class Sourcing:
             foreign = await self._set_aside_foreign(step, save_id, agreed.valid.get(step),
                                                     agreed.copies, limiter)
             loaded, shard = await self._load_step(
-                step, save_id, agreed.own(step, save_id),
+                step, save_id, agreed.own(step, save_id), agreed.in_memory(step, save_id),
                 agreed.candidates.holders.get((step, self.rank), ()), agreed.persisted, state,
                 started, agreed.rejected, agreed.candidates, limiter)
             loaded.scanned = agreed.scanned
@@ -135,10 +139,11 @@ class Sourcing:
         return loaded, error, {
             "fetched": shard.holder if shard is not None and shard.kind == "copy" else None,
             "downloaded": shard is not None and shard.kind == "persistent",
+            "memory": shard is not None and shard.kind == "memory",
             "foreign": list(foreign)}
 
     async def _load_step(self, step: int, save_id: str, status: StepStatus | None,
-                         holders: tuple[int, ...], persisted: Mapping[int, StepRecord],
+                         memory: StepStatus | None, holders: tuple[int, ...], persisted: Mapping[int, StepRecord],
                          state: Mapping[str, Any], started: float,
                          rejected: list[RejectedStep], agreed: Candidates,
                          limiter: anyio.CapacityLimiter) -> tuple[Loaded, LocatedShard]:
@@ -147,7 +152,7 @@ class Sourcing:
         record = persisted.get(step)
         if record is not None and record.save_id != save_id:
             record = None
-        sources = self.sources(step, save_id, status, holders, record, limiter)
+        sources = self.sources(step, save_id, status, holders, record, limiter, memory)
         if not sources.sources:
             raise CheckpointIntegrityError("this rank holds no matching save, no rank holds a "
                                            "copy of its shard, and the persistent tier does "
@@ -161,12 +166,17 @@ class Sourcing:
 
     def sources(self, step: int, save_id: str, status: StepStatus | None,
                 holders: tuple[int, ...], record: StepRecord | None,
-                limiter: anyio.CapacityLimiter) -> ShardSources:
-        """The places this rank's shard of ``step`` is read from, nearest first: its own
-        files (``status``, when they are of the save), a copy fetched from one of
+                limiter: anyio.CapacityLimiter, memory: StepStatus | None = None
+                ) -> ShardSources:
+        """The places this rank's shard of ``step`` is read from, nearest first: the memory
+        tier (``memory``), its own files (``status``, when they are of the save), a copy
+        fetched from one of
         ``holders``, the persistent tier (``record``). A fetch or a download moves the rank's
         own files of the step aside first, and lands under its own names."""
         places: list[ShardSource] = []
+        if memory is not None and self.memory_storage is not None:
+            places.append(RootFiles(self.memory_storage, FileSet(self.rank), step,
+                                    memory.dir_name, limiter, status=memory, memory=True))
         if status is not None:
             places.append(RootFiles(self.storage, FileSet(self.rank), step,
                                     status.dir_name, limiter, status=status))
@@ -194,6 +204,9 @@ class Sourcing:
                          error=reason)
         elif following is None:
             return
+        elif kind == "memory":
+            _log.warning("ckpt.recovery.memory_shard_bad", step=step, rank=self.rank,
+                         reason=reason, action=following.action)
         elif kind == "own":
             _log.warning("ckpt.recovery.own_shard_bad", step=step, rank=self.rank,
                          path="" if status is None else status.path, reason=reason,
@@ -284,7 +297,7 @@ class Sourcing:
         prefetch.start()
         try:
             read = await read_shard(
-                self.storage, status, self.rank, devices=devices,
+                shard.storage or self.storage, status, self.rank, devices=devices,
                 threads=self.config.io_threads, limiter=limiter,
                 shard_file=shard.shard_file, arrived=shard.arrived)
         finally:

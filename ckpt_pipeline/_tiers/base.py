@@ -16,6 +16,7 @@ from .._format.scan import StepStatus
 from .._format.timeline import Lineage
 from ..coordination._agree import VotePart
 from ..errors import CheckpointError, CheckpointIntegrityError, StorageError
+from ..storage import Storage
 
 __all__ = ("CommitParticipant", "LocatedShard", "Recorded", "ShardSource", "ShardSources",
            "SourceFailure", "SourceKind", "Vote", "VotePart", "no_part")
@@ -110,9 +111,9 @@ def no_part(message: Any) -> VotePart:
 
 # -- shard sources ---------------------------------------------------------------------------
 
-SourceKind = Literal["own", "copy", "persistent"]
-"""Which kind of place a shard was read from: the rank's own files, a copy another rank holds
-(in this root, or fetched from its holder), the persistent tier."""
+SourceKind = Literal["memory", "own", "copy", "persistent"]
+"""Which kind of place a shard was read from: the memory tier, the rank's own files, a copy
+another rank holds (in this root, or fetched from its holder), the persistent tier."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,8 @@ class LocatedShard:
     holder: int | None = None
     shard_file: str | None = None
     arrived: Callable[[int, int], None] | None = None
+    storage: Storage | None = None
+    """Where the shard's files are, when not the root's storage (the memory tier's)."""
 
 
 class ShardSource(Protocol):
