@@ -39,6 +39,8 @@ from .events import CheckpointRestored as CheckpointRestored
 from .events import CheckpointRewound as CheckpointRewound
 from .events import Event as Event
 from .events import ForeignFilesSetAside as ForeignFilesSetAside
+from .events import MemoryCommitted as MemoryCommitted
+from .events import MemoryPruned as MemoryPruned
 from .events import PersistentAvailable as PersistentAvailable
 from .events import PersistentTakenOver as PersistentTakenOver
 from .events import PersistentUnavailable as PersistentUnavailable
@@ -62,6 +64,7 @@ from .events import ShardUploaded as ShardUploaded
 from .events import SnapshotTaken as SnapshotTaken
 from .events import StepPersisted as StepPersisted
 from .events import TemporariesScrubbed as TemporariesScrubbed
+from .events import WriteThroughSkipped as WriteThroughSkipped
 from .handle import CommitInfo as CommitInfo
 from .handle import RejectedStep as RejectedStep
 from .handle import RestoreResult as RestoreResult
@@ -110,7 +113,9 @@ __all__ = (
     "LoadedCheckpoint",
     "LocalCoordinator",
     "LocalStorage",
+    "MemoryCommitted",
     "MemoryConfig",
+    "MemoryPruned",
     "MetricPolicy",
     "PersistFailed",
     "PersistPruned",
@@ -159,6 +164,7 @@ __all__ = (
     "TemporariesScrubbed",
     "TrainState",
     "UnsafeRootError",
+    "WriteThroughSkipped",
     "__version__",
     "enable_logging",
     "load",

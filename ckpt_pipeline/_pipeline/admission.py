@@ -36,7 +36,7 @@ from ..errors import (
     StepOrderError,
     StorageError,
 )
-from ..events import Event, SaveRequested, SaveSkipped
+from ..events import Event, SaveFailed, SaveRequested, SaveSkipped
 from ..train_state import RNGState, TrainState
 from .ledger import Ledger
 
@@ -208,10 +208,14 @@ class Admission:
             f"save skipped: {reason}", step=step, rank=self.rank,
             hint="save less often, or use buffer_slots=2 or when_busy='block'")
         refused = self._refused.pop(step, None)
-        if refused is not None:
-            reason, error = refused.message, refused
-        control.fail(error)
-        self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
+        control.fail(refused or error)
+        if refused is None:
+            self._emit(SaveSkipped(step=step, rank=self.rank, reason=reason))
+        else:  # no buffer could be made: a failed save, counted as one
+            error = refused
+            self.ledger.failed(refused, step)
+            self._emit(SaveFailed(step=step, rank=self.rank, save_id=save_id, stage="copy",
+                                  error=str(refused)))
         return SaveJob.placeholder(step, self.rank, self.world_size, save_id, control,
                                    error, "copy")
 
