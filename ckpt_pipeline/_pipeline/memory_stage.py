@@ -33,7 +33,7 @@ from .._lineage import Timeline
 from .._logging import log
 from .._save.commit import commit
 from .._save.job import SaveJob, Sealed
-from .._save.shm_pool import MemoryPool, MemorySlot, slot_dir
+from .._save.shm_pool import MemoryPool, MemorySlot
 from .._save.write_data import hash_data
 from .._threads import in_thread
 from .._tiers.memory.shm import free_bytes
@@ -43,12 +43,15 @@ from .._tiers.memory.steps import (
     drop_files,
     memory_steps,
     read_topology,
+    remove_rank_files,
     seal_shard,
+    slot_dir,
+    try_lock,
     write_topology,
 )
 from .._tiers.memory.vote import WriteThroughVote
 from ..coordination import Coordinator
-from ..errors import CheckpointError, SaveError, StorageError
+from ..errors import CheckpointError, RootInUseError, SaveError, StorageError
 from ..events import Event, MemoryCommitted, MemoryPruned, SnapshotTaken, WriteThroughSkipped
 from ..handle import CommitInfo
 from ..storage import Storage
@@ -86,6 +89,7 @@ class MemoryStage:
         self.newest_durable = True
         """Whether the newest memory step is committed on disk too (or there is none)."""
         self._retaining = anyio.Lock()
+        self._lock: int | None = None
 
     # -- open and close --------------------------------------------------------------------
 
@@ -94,6 +98,13 @@ class MemoryStage:
         this rank runs, and make the buffers now when their size is given."""
         storage, limiter = self.storage, self.limiter
         await in_thread(limiter, storage.ensure_root)
+        self._lock = await in_thread(limiter, try_lock, storage, self.rank)
+        if self._lock is None:
+            raise RootInUseError(
+                f"rank {self.rank}'s files in the memory tier {storage.root} are in use by "
+                "another open pipeline", rank=self.rank, path=str(storage.root),
+                hint="give each job a memory directory of its own (memory='/dev/shm/<job>'), "
+                     "or close the other pipeline")
         await in_thread(limiter, clear_slots, storage, slot_dir(self.rank))
         await in_thread(limiter, scrub, storage, self.rank)
         await in_thread(limiter, self._check_topology, Topology.here(self.world_size, device))
@@ -137,6 +148,14 @@ class MemoryStage:
         restorable only from memory (a step restored from memory and not saved since, or a
         write-through that failed)."""
         self.pool.close()
+        try:
+            await self._clean_up(disk)
+        finally:
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
+
+    async def _clean_up(self, disk: Storage) -> None:
         if self.config.keep_files:
             return
         try:
@@ -148,7 +167,9 @@ class MemoryStage:
                             hint="the newest memory step is not on disk; its files stay for "
                                  "the next run to restore")
                 return
-            await in_thread(self.limiter, _remove_rank_files, self.storage, self.rank)
+            await in_thread(self.limiter, remove_rank_files, self.storage, self.rank)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.storage.root)  # the last rank of the job to close
         except Exception as exc:
             log.warning("ckpt.memory.cleanup_failed", rank=self.rank,
                         error=f"{type(exc).__name__}: {exc}", path=str(self.storage.root))
@@ -333,16 +354,3 @@ def _newest_memory_only(memory: Storage, disk: Storage, rank: int) -> int | None
         return None
     newest = max(steps)
     return None if newest in committed_steps(disk, rank) else newest
-
-
-def _remove_rank_files(storage: Storage, rank: int) -> None:
-    """Every memory file of ``rank`` (steps, buffers, topology); the root too once empty."""
-    for dir_name in memory_steps(storage, rank).values():
-        drop_files(storage, dir_name, rank, None)
-    clear_slots(storage, slot_dir(rank))
-    for rel in (slot_dir(rank), "slots"):
-        with contextlib.suppress(StorageError):
-            storage.rmdir(rel)
-    storage.unlink(f"topology-rank-{rank}.msgpack")
-    with contextlib.suppress(StorageError, OSError):
-        os.rmdir(storage.root)

@@ -22,15 +22,11 @@ import torch
 from .._format.region import align_up
 from .._logging import log
 from .._tiers.memory.shm import ShmBuffer, free_bytes, room_error
+from .._tiers.memory.steps import slot_dir
 from ..errors import PipelineClosedError
 from .buffers import Slot
 
 __all__ = ("MemoryPool", "MemorySlot", "slot_dir")
-
-
-def slot_dir(rank: int) -> str:
-    """Where a rank's free and filling buffers live, relative to the memory root."""
-    return os.path.join("slots", f"rank-{rank}")
 
 
 @dataclass(slots=True)

@@ -4,8 +4,8 @@ them.
 ``ls`` takes a cheap look (names, sizes, commit records, manifests, shard headers); ``verify``
 reads every byte of tensor data and checks it against its checksum, as a restore would;
 ``show`` prints a step's tensors and TrainState from its header; ``export`` writes a step's
-tensors as safetensors or torch files. All only read the root: nothing under it is created,
-changed or removed. Given a URL (a persistent tier, ``_remote``), they list its steps, and
+tensors as safetensors or torch files. These only read the root: nothing under it is created,
+changed or removed. ``clean`` is the exception: it removes a job's memory tier files. Given a URL (a persistent tier, ``_remote``), they list its steps, and
 download, verify, show or export its complete steps through a temporary directory.
 
 This module is the entry point (``main``, the console script ``ckpt_pipeline.cli:main``) and
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from .._tiers.persistent.urls import is_url
 from ..errors import CheckpointError
 from ..storage import LocalStorage, Storage
+from ._clean import cmd_clean
 from ._export import cmd_export
 from ._ls import cmd_ls
 from ._remote import cmd_ls_remote, cmd_verify_remote
@@ -113,6 +114,20 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace existing files")
     export.set_defaults(handler=cmd_export)
 
+    clean = commands.add_parser(
+        "clean", help="remove a job's memory tier files (memory=)",
+        description="Remove the memory steps and shared-memory buffers under DIR, a memory "
+                    "tier's directory (MemoryConfig(path=)), of every rank or of --rank R. "
+                    "A rank whose pipeline is still open is left as it is (exit status 1). "
+                    "Memory steps that are not on disk are lost: this is for a job that is "
+                    "done, or that will restart from disk.")
+    clean.add_argument("root", metavar="DIR", help="the memory tier's directory")
+    clean.add_argument("--rank", type=_nonneg_int, default=None, metavar="R",
+                       help="only rank R's files")
+    clean.add_argument("--json", action="store_true", help="print JSON for scripts")
+    clean.add_argument("--option", action="append", help=argparse.SUPPRESS)
+    clean.set_defaults(handler=cmd_clean)
+
     for sub in (show, export):
         sub.add_argument("--rank", type=_nonneg_int, default=None, metavar="R",
                          help="the files of rank R (default 0)" if sub is show else
@@ -158,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             return remote(args.root, args)
         if args.option:
             raise UsageError("--option applies to a URL only")
-        if args.rank is None:
+        if args.rank is None and handler is not cmd_clean:
             args.rank = 0
         return handler(_open_root(args.root), args)
     except UsageError as exc:

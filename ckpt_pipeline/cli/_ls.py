@@ -34,6 +34,8 @@ from .._format.scan import StepStatus, scan, scan_replicas
 from .._format.steps import readable_commit
 from .._format.timeline import Lineage, abandoned
 from .._lineage import local_marks
+from .._tiers.memory.shm import free_bytes
+from .._tiers.memory.steps import is_memory_root, memory_ranks, usage_bytes
 from ..storage import Storage
 from ..train_state import TrainState
 from ._output import human_age, human_bytes, print_json, ranks_text, rounded, table_lines
@@ -245,10 +247,12 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     rank: int = args.rank
     rows = _list_steps(storage, rank)
     now = time.time()
+    memory = _memory_usage(storage)
     if args.json:
         print_json({
             "root": str(storage.root),
             "rank": rank,
+            "memory_tier": memory,
             "steps": [{
                 "step": r.step,
                 "dir": r.dir_name,
@@ -281,6 +285,8 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         return EXIT_OK
     if not rows:
         print(f"no checkpoints under {storage.root}")
+        if memory is not None:
+            print(f"memory tier: {human_bytes(memory['bytes_in_use'])} in use")
         return EXIT_OK
     headers = ["STEP", "STATUS", "SIZE", "AGE", "RANKS", "SAVE ID"]
     table = [[str(r.step), r.status, human_bytes(r.bytes), human_age(r.age_seconds(now)),
@@ -300,7 +306,19 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
             cells.append(reason)
     for line in table_lines(headers, table, right={0, 2, 3}):
         print(line)
+    if memory is not None:
+        print(f"memory tier: {human_bytes(memory['bytes_in_use'])} in use (steps and buffers "
+              f"of ranks {memory['ranks']}), {human_bytes(memory['free_bytes'])} free on its "
+              "file system")
     return EXIT_OK
+
+
+def _memory_usage(storage: Storage) -> dict[str, Any] | None:
+    """What a memory tier's directory holds (None for a disk root)."""
+    if not is_memory_root(storage):
+        return None
+    return {"bytes_in_use": usage_bytes(storage), "free_bytes": free_bytes(str(storage.root)),
+            "ranks": memory_ranks(storage)}
 
 
 def _reason_text(row: _Listing) -> str:

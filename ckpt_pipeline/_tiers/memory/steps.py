@@ -11,6 +11,7 @@ being filled under their slot names, which the next open clears (``clear_slots``
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 from dataclasses import dataclass
@@ -26,8 +27,78 @@ from ..._format.tidy import tidy_step_dir
 from ...errors import CheckpointError, StorageError
 from ...storage import Storage
 
-__all__ = ("Topology", "clear_slots", "drop_files", "memory_steps", "read_topology",
-           "seal_shard", "write_topology")
+__all__ = ("Topology", "clear_slots", "drop_files", "is_memory_root", "lock_name",
+           "memory_ranks", "memory_steps", "read_topology", "remove_rank_files", "seal_shard",
+           "slot_dir", "try_lock", "usage_bytes", "write_topology")
+
+
+def slot_dir(rank: int) -> str:
+    """Where a rank's free and filling buffers live, relative to the memory root."""
+    return os.path.join("slots", f"rank-{rank}")
+
+
+def lock_name(rank: int) -> str:
+    return f".lock-memory-rank-{rank}"
+
+
+def try_lock(storage: Storage, rank: int) -> int | None:
+    """Take ``rank``'s lock of the memory root (held while its pipeline is open: two jobs on
+    one directory, or a ``clean`` of a running one, are refused); its descriptor, or None when
+    another process holds it. Closing the descriptor releases it."""
+    fd = os.open(os.path.join(storage.root, lock_name(rank)),
+                 os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def is_memory_root(storage: Storage) -> bool:
+    """Whether the directory is a memory tier's (it has buffers or topology records)."""
+    names = {e.name for e in storage.list_dir("")}
+    return "slots" in names or any(n.startswith("topology-rank-") for n in names)
+
+
+def memory_ranks(storage: Storage) -> list[int]:
+    """The ranks with files in a memory root (by their topology records and buffers)."""
+    ranks = set()
+    for entry in storage.list_dir(""):
+        if entry.name.startswith("topology-rank-") and entry.name.endswith(".msgpack"):
+            with contextlib.suppress(ValueError):
+                ranks.add(int(entry.name[len("topology-rank-"):-len(".msgpack")]))
+    with contextlib.suppress(StorageError):
+        for entry in storage.list_dir("slots"):
+            if entry.name.startswith("rank-"):
+                with contextlib.suppress(ValueError):
+                    ranks.add(int(entry.name[len("rank-"):]))
+    return sorted(ranks)
+
+
+def usage_bytes(storage: Storage) -> int:
+    """Bytes of every file under a memory root (shards and buffers, all ranks)."""
+    total = 0
+    for top, _dirs, files in os.walk(storage.root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(top, name)).st_blocks * 512
+    return total
+
+
+def remove_rank_files(storage: Storage, rank: int) -> int:
+    """Every memory file of ``rank`` (steps, buffers, topology, lock); the bytes they held.
+    The caller holds the rank's lock. Worker thread."""
+    before = usage_bytes(storage)
+    for dir_name in memory_steps(storage, rank).values():
+        drop_files(storage, dir_name, rank, None)
+    clear_slots(storage, slot_dir(rank))
+    for rel in (slot_dir(rank), "slots"):
+        with contextlib.suppress(StorageError):
+            storage.rmdir(rel)
+    storage.unlink(f"topology-rank-{rank}.msgpack")
+    storage.unlink(lock_name(rank))
+    return max(0, before - usage_bytes(storage))
 
 
 def seal_shard(storage: Storage, fd: int, slot_rel: str, step: int, rank: int,
