@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,7 @@ from .admission import Admission
 from .emitter import Emitter, Subscriber
 from .ledger import Ledger
 from .memory_stage import MemoryStage
-from .opening import OpenSequence, persist_at_close
+from .opening import OpenSequence, newest_buffer_size, persist_at_close
 from .runner import StageRunner
 from .stages import Stages
 
@@ -181,6 +182,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             if self.memory is not None:
                 await self.memory.open(_cuda_device())
                 self._recovery.use_memory(self.memory.storage)
+            await self._prepare_pool()
             async with self.runner.running():
                 self.state = PipelineState.OPEN
                 try:
@@ -216,6 +218,29 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             self.state = PipelineState.CLOSED
         assert raised is not None
         raise raised  # the block's own exception, after the close failed
+
+    async def _prepare_pool(self) -> None:
+        """Make the host buffers in a background thread when their size is known (the newest
+        step of this rank, in the root or the memory tier; ``slot_bytes`` made them at open),
+        so that the first save of a restarted job does not wait on the training thread while
+        gigabytes are pinned or registered."""
+        if self.memory is not None and self.memory.config.slot_bytes is not None:
+            return
+        roots = [self.storage] + ([] if self.memory is None else [self.memory.storage])
+        found = await in_thread(self._limiter, newest_buffer_size, roots, self.rank)
+        if found is None:
+            return
+        size, cuda = found
+        pool = self._pool
+
+        def reserve() -> None:
+            try:
+                pool.reserve(size, register=cuda)
+            except Exception as exc:  # the first save makes them, as without a size
+                log.warning("ckpt.pool.reserve_failed", rank=self.rank, bytes=size,
+                            error=f"{type(exc).__name__}: {exc}")
+
+        threading.Thread(target=reserve, name="ckpt-pool-reserve", daemon=True).start()
 
     # ------------------------------------------------------------------ saving
 

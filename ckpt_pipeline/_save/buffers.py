@@ -76,6 +76,16 @@ class HostPool:
                 if not self._cond.wait(timeout):
                     return None
 
+    def reserve(self, nbytes: int, *, register: bool) -> None:
+        """Make every slot at ``nbytes`` now (at open, in a background thread, when the size
+        is known: a restart saves the state of the step it restored), unless they are as
+        large already or a save holds one. A save that asks meanwhile waits for it."""
+        with self._cond:
+            if (not self._closed and len(self._free) == len(self._buffers)
+                    and self._slot_bytes < nbytes):
+                self._allocate(max(nbytes, ALIGN), register)
+            self._cond.notify_all()
+
     def release(self, slot: Slot) -> None:
         with self._cond:
             if slot.generation == self._generation and slot.index not in self._free:
