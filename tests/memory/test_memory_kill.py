@@ -298,8 +298,14 @@ CRASHES = {
 }
 
 
+SLOW_CRASHES = {"commit.voted:3", "seal.shard_published:2", "write_data.done:2"}
+"""Run with -m slow only: each is a neighbour of a crash point of the fast run."""
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("crash_at", sorted(CRASHES))
+@pytest.mark.parametrize("crash_at", [
+    pytest.param(label, marks=[pytest.mark.slow] if label in SLOW_CRASHES else [])
+    for label in sorted(CRASHES)])
 def test_restore_after_a_crash_point_skips_the_unfinished_step(
     tmp_path: Path, memory_dir: Path, crash_at: str,
 ) -> None:
@@ -326,3 +332,36 @@ def test_restore_after_a_crash_point_skips_the_unfinished_step(
         # the write-through never finished: step 4 is restored from memory, and the disk's
         # unfinished step was scrubbed, not chosen
         assert got.from_memory == (0,) and not got.on_disk
+
+
+@pytest.mark.timeout(120)
+def test_a_job_restarted_after_a_crash_point_closes_with_its_newest_step_on_disk(
+    tmp_path: Path, memory_dir: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    crashed = _Child(0, root, memory_dir, tmp_path, "--sequential", "--last", str(LAST_STEP),
+                     env={"CKPT_PIPELINE_CRASH_AT": "commit.voted:4"})
+    restarted = _Child(1, root, memory_dir, tmp_path, "--last", str(LAST_STEP))
+    try:
+        crashed.go()
+        assert crashed.process.wait(timeout=LINE_DEADLINE_S) == -signal.SIGKILL, \
+            crashed.output()
+        restarted.go()
+        assert restarted.process.wait(timeout=LINE_DEADLINE_S) == 0, restarted.output()
+    finally:
+        crashed.discard()
+        restarted.discard()
+    # it resumed from the memory step the crash left, and saved the rest
+    assert restarted.resumed() == 2, restarted.output()
+    assert restarted.acked() == list(range(3, LAST_STEP + 1)), restarted.output()
+    # the clean close wrote the newest step through and removed the memory files
+    assert _committed(root, LAST_STEP)
+    left = [str(p) for p in memory_dir.rglob("*") if not p.is_dir()] \
+        if memory_dir.exists() else []
+    assert left == [], left
+    state = child.make_state()
+    with cp.CheckpointPipeline(root, keep_last=child.KEEP_LAST, restore_rng=False) as pipe:
+        restored = pipe.restore_latest(state)
+    assert restored is not None and restored.step == LAST_STEP
+    assert restored.from_memory == ()
+    assert child.mismatches(state, LAST_STEP) == []

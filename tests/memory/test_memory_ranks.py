@@ -1,0 +1,201 @@
+"""Several gloo ranks with the memory tier: a job killed after saves that are only in memory is
+restored from memory by every rank, and when one rank's memory shard of the newest step is
+corrupt, every rank falls back together to the same older step, exactly.
+
+Each launch runs one ``tests/children/memory_rank_worker.py`` per rank with the environment that
+``torchrun`` would set, on a fresh port. The ranks share one disk root and one memory directory
+(one per job, in /dev/shm). A save job (killed with SIGKILL once every rank saved every step)
+is shared by the tests of a world size; each test restores from its own copy of both roots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._support.children import child_script, load_script, spawn_child
+
+WORKER_SCRIPT = child_script("memory_rank_worker.py")
+worker = load_script(WORKER_SCRIPT)
+
+LAUNCH_DEADLINE_S = 90.0
+WORKER_MAX_S = 75.0
+"""A worker dumps its stacks and exits by then, so that a hang shows where it waits."""
+NEWEST = worker.SAVE_STEPS[-1]
+OLDER_IN_MEMORY = worker.SAVE_STEPS[-worker.KEEP]
+CORRUPT_RANK = 1
+WORLD_SIZES = [2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _shm_dir(name: str) -> Path:
+    path = Path("/dev/shm") / f"ckpt-test-{name}-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def launch(phase: str, root: Path, memory: Path, world_size: int, logs: Path
+           ) -> dict[int, dict[str, Any]]:
+    """Run one job of ``world_size`` ranks to its end; every rank's JSON output. A save job
+    must end with every rank SIGKILLed, a restore job with every rank exiting 0."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(world_size)}
+    outs = [logs / f"{phase}-rank-{r}.json" for r in range(world_size)]
+    log_files = [logs / f"{phase}-rank-{r}.log" for r in range(world_size)]
+    processes: list[subprocess.Popen[bytes]] = []
+    started = time.monotonic()
+    try:
+        for rank in range(world_size):
+            processes.append(spawn_child(
+                WORKER_SCRIPT, phase, "--root", root, "--memory", memory, "--out", outs[rank],
+                "--max-seconds", WORKER_MAX_S, stdout=log_files[rank],
+                stderr=subprocess.STDOUT, env={**env, "RANK": str(rank)}))
+        codes = []
+        for process in processes:
+            left = max(0.0, started + LAUNCH_DEADLINE_S - time.monotonic())
+            codes.append(process.wait(left))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{phase} job still running after {LAUNCH_DEADLINE_S:g} s\n"
+                    + _describe(log_files))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    expected = -signal.SIGKILL if phase == "save" else 0
+    assert codes == [expected] * world_size, _describe(log_files)
+    results = {r: json.loads(out.read_text()) for r, out in enumerate(outs) if out.exists()}
+    assert sorted(results) == list(range(world_size)), _describe(log_files)
+    for rank, out in results.items():
+        assert "error" not in out, (rank, out["error"])
+    return {rank: out["result"] for rank, out in results.items()}
+
+
+def _describe(log_files: list[Path]) -> str:
+    return "\n".join(f"--- {p.name}:\n{p.read_text(errors='replace')[-4000:]}"
+                     for p in log_files if p.exists())
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}-ranks")
+def saved_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[tuple[int, Path, Path]]:
+    """(world size, disk root, memory dir) of a job killed after saving ``SAVE_STEPS``, only
+    the first written through to disk (do not change them: copy them)."""
+    world_size: int = request.param
+    base = tmp_path_factory.mktemp(f"saved-by-{world_size}")
+    memory = _shm_dir(f"saved-{base.name}")
+    try:
+        saves = launch("save", base / "root", memory, world_size, base / "logs")
+        for rank, out in saves.items():
+            got = [(s["step"], s["tier"], s["durable"]) for s in out["saves"]]
+            want = [(step, "memory", "disk" if step == worker.SAVE_STEPS[0] else None)
+                    for step in worker.SAVE_STEPS]
+            assert got == want, (rank, got)
+        yield world_size, base / "root", memory
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+
+
+@pytest.fixture
+def job_copy(saved_job: tuple[int, Path, Path], tmp_path: Path
+             ) -> Iterator[tuple[int, Path, Path]]:
+    """This test's copy of the saved job's disk root and memory directory."""
+    world_size, root, memory = saved_job
+    mine = _shm_dir(tmp_path.name)
+    try:
+        shutil.copytree(root, tmp_path / "root")
+        shutil.copytree(memory, mine)
+        yield world_size, tmp_path / "root", mine
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+
+
+def _committed_steps(base: Path, rank: int) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1])
+                  for p in base.glob(f"step-*/rank-{rank:05d}.commit"))
+
+
+def assert_restored(results: dict[int, dict[str, Any]], step: int, *,
+                    from_memory: bool) -> None:
+    """Every rank restored ``step`` (from memory, or else from disk), with exactly what it
+    saved there."""
+    world_size = len(results)
+    for rank, out in sorted(results.items()):
+        assert out["step"] == step, (rank, out)
+        assert out["mismatches"] == [], (rank, out["mismatches"])
+        assert out["from_memory"] == (list(range(world_size)) if from_memory else []), (
+            rank, out)
+        assert out["train_state"] == {
+            "step": step, "consumed_train_samples": step * worker.SAMPLES_PER_STEP,
+            "extra": {"tag": f"s{step}"}}, rank
+
+
+def flip_data_bytes(shard: Path) -> None:
+    """Invert 16 bytes in the middle of the shard's data region (between its 64-byte preamble
+    and its header, whose offset the preamble holds)."""
+    with shard.open("r+b") as f:
+        preamble = f.read(64)
+        header_offset = struct.unpack_from("<8sHHIQ", preamble)[4]
+        assert header_offset > 64 + 4096, header_offset
+        at = (64 + header_offset) // 2
+        f.seek(at)
+        raw = f.read(16)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in raw))
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_restores_the_newest_step_from_memory_after_the_job_is_killed(
+    job_copy: tuple[int, Path, Path], tmp_path: Path,
+) -> None:
+    world_size, root, memory = job_copy
+    for rank in range(world_size):
+        assert _committed_steps(root, rank) == [worker.SAVE_STEPS[0]], rank
+        assert _committed_steps(memory, rank) == [OLDER_IN_MEMORY, NEWEST], rank
+    assert_restored(launch("restore", root, memory, world_size, tmp_path / "logs"), NEWEST,
+                    from_memory=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_corrupt_memory_shard_makes_every_rank_fall_back_to_the_same_older_step(
+    job_copy: tuple[int, Path, Path], tmp_path: Path,
+) -> None:
+    world_size, root, memory = job_copy
+    flip_data_bytes(memory / f"step-{NEWEST:010d}" / f"rank-{CORRUPT_RANK:05d}.shard")
+    results = launch("restore", root, memory, world_size, tmp_path / "logs")
+    # the newest step complete and valid on every rank: the older memory step
+    assert_restored(results, OLDER_IN_MEMORY, from_memory=True)
+    rejected = {rank: [r["step"] for r in out["rejected"]] for rank, out in results.items()}
+    assert NEWEST in rejected[CORRUPT_RANK], rejected
+
+
+@pytest.mark.timeout(300)
+def test_corrupt_memory_shards_of_every_memory_step_make_every_rank_fall_back_to_disk(
+    job_copy: tuple[int, Path, Path], tmp_path: Path,
+) -> None:
+    world_size, root, memory = job_copy
+    for step in (OLDER_IN_MEMORY, NEWEST):
+        flip_data_bytes(memory / f"step-{step:010d}" / f"rank-{CORRUPT_RANK:05d}.shard")
+    results = launch("restore", root, memory, world_size, tmp_path / "logs")
+    # the newest step complete and valid on every rank: the one written through to disk
+    assert_restored(results, worker.SAVE_STEPS[0], from_memory=False)
+    rejected = {rank: [r["step"] for r in out["rejected"]] for rank, out in results.items()}
+    assert {OLDER_IN_MEMORY, NEWEST} <= set(rejected[CORRUPT_RANK]), rejected
