@@ -12,7 +12,12 @@ ranks of the job. Then:
 - ``save``: saves ``SAVE_STEPS``, waiting for each handle's result and ``durable()`` (only the
   first is written through: the newer steps are in memory only), writes OUT, waits for every
   rank (a barrier) and SIGKILLs itself: the job dies without closing its pipelines;
+- ``resume``: restores the newest step S, then as ``save`` with steps S+1 .. S+RESUME_SAVES
+  (the first written through);
 - ``restore``: restores into a state of zeros, writes OUT and closes cleanly.
+
+A save prints ``acked STEP`` once its ``durable()`` returned. A test that arms a crash point
+(``CKPT_PIPELINE_CRASH_AT``) in one rank's environment kills the others once that rank died.
 
 OUT is JSON: per save the tier of its commit and whether it became durable; per restore the
 step, ``from_memory``, ``valid_by_rank``, the rejected steps, the TrainState and which values
@@ -45,6 +50,7 @@ SAVE_STEPS = (1, 2, 3, 4)
 KEEP = 2
 SLOTS = KEEP + 2
 DISK_EVERY = 100
+RESUME_SAVES = 2
 SAMPLES_PER_STEP = 32
 RESULT_TIMEOUT_S = 60.0
 W_NUMEL = 64 * 1024  # 256 KiB of float32 per rank
@@ -98,14 +104,22 @@ def run_save(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     saves = []
     pipe = _pipeline(args)
     pipe.__enter__()  # never left: the job is killed with its pipeline open
-    for step in SAVE_STEPS:
+    steps: Sequence[int] = SAVE_STEPS
+    out: dict[str, Any] = {"saves": saves}
+    if args.phase == "resume":
+        restored = pipe.restore_latest(state)
+        assert restored is not None
+        out["resumed"] = restored.step
+        steps = [restored.step + 1 + i for i in range(RESUME_SAVES)]
+    for step in steps:
         set_step(state, step, rank)
         handle = pipe.save(step, state, train_state(step))
         info = handle.result(RESULT_TIMEOUT_S)
         durable = handle.durable(RESULT_TIMEOUT_S)
         saves.append({"step": step, "tier": info.tier,
                       "durable": None if durable is None else durable.tier})
-    return {"saves": saves}
+        print(f"acked {step}", flush=True)
+    return out
 
 
 def run_restore(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -129,7 +143,7 @@ def run_restore(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("phase", choices=("save", "restore"))
+    parser.add_argument("phase", choices=("save", "resume", "restore"))
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--memory", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -149,12 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out: dict[str, Any] = {"rank": rank, "world_size": world_size, "phase": args.phase}
     try:
-        out["result"] = (run_save if args.phase == "save" else run_restore)(args, rank)
+        out["result"] = (run_restore if args.phase == "restore" else run_save)(args, rank)
     except Exception as exc:
         out["error"] = {"type": type(exc).__name__, "message": str(exc),
                         "traceback": "".join(traceback.format_exception(exc))}
     _write_json(args.out, out)
-    if args.phase == "save" and "error" not in out:
+    if args.phase != "restore" and "error" not in out:
         dist.barrier()  # every rank saved every step: now the job dies, pipelines open
         os.kill(os.getpid(), signal.SIGKILL)
     dist.destroy_process_group()

@@ -365,3 +365,30 @@ def test_a_job_restarted_after_a_crash_point_closes_with_its_newest_step_on_disk
     assert restored is not None and restored.step == LAST_STEP
     assert restored.from_memory == ()
     assert child.mismatches(state, LAST_STEP) == []
+
+
+CLOSE_CRASHES = {
+    # with --last 2: step 1 (memory, disk), step 2 (memory); the close writes step 2 through
+    "write_data.done:2": False,          # the close's write-through: data in a temporary
+    "commit.record_published:4": True,   # step 2 committed on disk, memory files not removed
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("crash_at", sorted(CLOSE_CRASHES))
+def test_a_crash_while_closing_keeps_the_newest_step_restorable(
+    tmp_path: Path, memory_dir: Path, crash_at: str,
+) -> None:
+    root = tmp_path / "ckpt"
+    proc = _Child(0, root, memory_dir, tmp_path, "--sequential", "--last", "2",
+                  env={"CKPT_PIPELINE_CRASH_AT": crash_at})
+    try:
+        proc.go()
+        code = proc.process.wait(timeout=LINE_DEADLINE_S)
+    finally:
+        proc.discard()
+    assert code == -signal.SIGKILL, f"the crash point did not fire ({code}):\n{proc.output()}"
+    assert proc.acked() == [1, 2], proc.output()
+    got = restore_and_check(root, memory_dir, 2, f"after {crash_at} at close")
+    assert got.step == 2 and got.from_memory == (0,)
+    assert got.on_disk == CLOSE_CRASHES[crash_at]

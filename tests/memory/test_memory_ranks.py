@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_pipeline.testing import CRASH_ENV
 from tests._support.children import child_script, load_script, spawn_child
 
 WORKER_SCRIPT = child_script("memory_rank_worker.py")
@@ -51,10 +52,13 @@ def _shm_dir(name: str) -> Path:
     return path
 
 
-def launch(phase: str, root: Path, memory: Path, world_size: int, logs: Path
-           ) -> dict[int, dict[str, Any]]:
+def launch(phase: str, root: Path, memory: Path, world_size: int, logs: Path, *,
+           crash: tuple[int, str] | None = None) -> dict[int, dict[str, Any]]:
     """Run one job of ``world_size`` ranks to its end; every rank's JSON output. A save job
-    must end with every rank SIGKILLed, a restore job with every rank exiting 0."""
+    (or a resume job) must end with every rank SIGKILLed, a restore job with every rank
+    exiting 0. ``crash``:
+    (rank, crash point) armed in that rank; once it died the others are killed, and nothing
+    is returned."""
     logs.mkdir(parents=True, exist_ok=True)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(world_size)}
@@ -64,10 +68,16 @@ def launch(phase: str, root: Path, memory: Path, world_size: int, logs: Path
     started = time.monotonic()
     try:
         for rank in range(world_size):
+            armed = {CRASH_ENV: crash[1]} if crash is not None and crash[0] == rank else {}
             processes.append(spawn_child(
                 WORKER_SCRIPT, phase, "--root", root, "--memory", memory, "--out", outs[rank],
                 "--max-seconds", WORKER_MAX_S, stdout=log_files[rank],
-                stderr=subprocess.STDOUT, env={**env, "RANK": str(rank)}))
+                stderr=subprocess.STDOUT, env={**env, "RANK": str(rank), **armed}))
+        if crash is not None:
+            code = processes[crash[0]].wait(LAUNCH_DEADLINE_S)
+            assert code == -signal.SIGKILL, _describe(log_files)
+            for process in processes:
+                process.kill()  # the job dies with its rank
         codes = []
         for process in processes:
             left = max(0.0, started + LAUNCH_DEADLINE_S - time.monotonic())
@@ -80,8 +90,10 @@ def launch(phase: str, root: Path, memory: Path, world_size: int, logs: Path
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    expected = -signal.SIGKILL if phase == "save" else 0
+    expected = 0 if phase == "restore" else -signal.SIGKILL
     assert codes == [expected] * world_size, _describe(log_files)
+    if crash is not None:
+        return {}
     results = {r: json.loads(out.read_text()) for r, out in enumerate(outs) if out.exists()}
     assert sorted(results) == list(range(world_size)), _describe(log_files)
     for rank, out in results.items():
@@ -199,3 +211,54 @@ def test_corrupt_memory_shards_of_every_memory_step_make_every_rank_fall_back_to
     assert_restored(results, worker.SAVE_STEPS[0], from_memory=False)
     rejected = {rank: [r["step"] for r in out["rejected"]] for rank, out in results.items()}
     assert {OLDER_IN_MEMORY, NEWEST} <= set(rejected[CORRUPT_RANK]), rejected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_job_that_fell_back_from_a_corrupt_memory_step_saves_over_it_and_restores_that(
+    job_copy: tuple[int, Path, Path], tmp_path: Path,
+) -> None:
+    world_size, root, memory = job_copy
+    flip_data_bytes(memory / f"step-{NEWEST:010d}" / f"rank-{CORRUPT_RANK:05d}.shard")
+    resumed = launch("resume", root, memory, world_size, tmp_path / "resume")
+    # the corrupt step was dropped at the restore, and saved again by the resumed job
+    steps = [OLDER_IN_MEMORY + 1 + i for i in range(worker.RESUME_SAVES)]
+    for rank, out in resumed.items():
+        assert out["resumed"] == OLDER_IN_MEMORY, (rank, out)
+        assert [s["step"] for s in out["saves"]] == steps, (rank, out)
+    for rank in range(world_size):
+        assert _committed_steps(memory, rank) == steps[-worker.KEEP:], rank
+    assert_restored(launch("restore", root, memory, world_size, tmp_path / "restore"),
+                    steps[-1], from_memory=True)
+
+
+# With durable() awaited after each save, a rank's commits come in this order: step 1 in
+# memory, step 1 on disk, then steps 2, 3, 4 in memory.
+RANK_CRASHES = [
+    pytest.param("commit.voted:4", id="voted"),  # every rank voted for step 3, no record
+    pytest.param("commit.record_published:4", id="record_published", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("crash_at", RANK_CRASHES)
+def test_a_rank_killed_in_a_memory_commit_makes_every_rank_restore_the_same_step(
+    tmp_path: Path, crash_at: str,
+) -> None:
+    world_size, root, memory = 2, tmp_path / "root", _shm_dir(tmp_path.name)
+    try:
+        launch("save", root, memory, world_size, tmp_path / "save", crash=(CORRUPT_RANK,
+                                                                           crash_at))
+        log = (tmp_path / "save" / f"save-rank-{CORRUPT_RANK}.log").read_text()
+        acked = [int(line.split()[1]) for line in log.splitlines() if line.startswith("acked")]
+        assert acked == [1, 2], log
+        results = launch("restore", root, memory, world_size, tmp_path / "restore")
+        steps = {out["step"] for out in results.values()}
+        assert len(steps) == 1, results
+        step = steps.pop()
+        # step 3 counts only where every rank's record is durable; the crash point before the
+        # record (voted) leaves it on no rank or on the others only: never chosen
+        assert step in ((2,) if crash_at.startswith("commit.voted") else (2, 3)), results
+        assert_restored(results, step, from_memory=True)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
