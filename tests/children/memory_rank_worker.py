@@ -12,8 +12,9 @@ ranks of the job. Then:
 - ``save``: saves ``SAVE_STEPS``, waiting for each handle's result and ``durable()`` (only the
   first is written through: the newer steps are in memory only), writes OUT, waits for every
   rank (a barrier) and SIGKILLs itself: the job dies without closing its pipelines;
-- ``resume``: restores the newest step S, then as ``save`` with steps S+1 .. S+RESUME_SAVES
-  (the first written through);
+- ``resume``: restores the newest step S (prints ``resumed S COUNT MISMATCHES``; S is 0 when
+  there is none), then as ``save`` with steps S+1 .. S+N (``--saves N``, default
+  ``RESUME_SAVES``; 0: until killed), the first written through;
 - ``restore``: restores into a state of zeros, writes OUT and closes cleanly.
 
 A save prints ``acked STEP`` once its ``durable()`` returned. A test that arms a crash point
@@ -31,13 +32,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
+import itertools
 import json
 import logging
 import os
 import signal
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,16 +103,21 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def run_save(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     state = make_state()
-    saves = []
+    saves: list[dict[str, Any]] = []
     pipe = _pipeline(args)
     pipe.__enter__()  # never left: the job is killed with its pipeline open
-    steps: Sequence[int] = SAVE_STEPS
+    steps: Iterable[int] = SAVE_STEPS
     out: dict[str, Any] = {"saves": saves}
     if args.phase == "resume":
         restored = pipe.restore_latest(state)
-        assert restored is not None
-        out["resumed"] = restored.step
-        steps = [restored.step + 1 + i for i in range(RESUME_SAVES)]
+        resumed = 0 if restored is None else restored.step
+        bad = [] if restored is None else mismatches(state, resumed, rank)
+        if restored is not None and restored.train_state.step != resumed:
+            bad.append(f"TrainState step {restored.train_state.step}")
+        out["resumed"] = resumed
+        print(f"resumed {resumed} {len(bad)} {bad}", flush=True)
+        steps = itertools.count(resumed + 1) if args.saves == 0 else \
+            range(resumed + 1, resumed + 1 + args.saves)
     for step in steps:
         set_step(state, step, rank)
         handle = pipe.save(step, state, train_state(step))
@@ -147,6 +154,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--memory", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--saves", type=int, default=RESUME_SAVES,
+                        help="resume: steps to save (0: until killed)")
     parser.add_argument("--coordination-timeout", type=float, default=30.0)
     parser.add_argument("--max-seconds", type=float, default=100.0,
                         help="dump every thread's stack and exit 1 if still running by then")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,12 +54,13 @@ def _shm_dir(name: str) -> Path:
 
 
 def launch(phase: str, root: Path, memory: Path, world_size: int, logs: Path, *,
-           crash: tuple[int, str] | None = None) -> dict[int, dict[str, Any]]:
+           crash: tuple[int, str] | None = None, saves: int | None = None
+           ) -> dict[int, dict[str, Any]]:
     """Run one job of ``world_size`` ranks to its end; every rank's JSON output. A save job
     (or a resume job) must end with every rank SIGKILLed, a restore job with every rank
     exiting 0. ``crash``:
     (rank, crash point) armed in that rank; once it died the others are killed, and nothing
-    is returned."""
+    is returned. ``saves``: of a resume job."""
     logs.mkdir(parents=True, exist_ok=True)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(world_size)}
@@ -71,7 +73,8 @@ def launch(phase: str, root: Path, memory: Path, world_size: int, logs: Path, *,
             armed = {CRASH_ENV: crash[1]} if crash is not None and crash[0] == rank else {}
             processes.append(spawn_child(
                 WORKER_SCRIPT, phase, "--root", root, "--memory", memory, "--out", outs[rank],
-                "--max-seconds", WORKER_MAX_S, stdout=log_files[rank],
+                "--max-seconds", WORKER_MAX_S, *([] if saves is None else ["--saves", saves]),
+                stdout=log_files[rank],
                 stderr=subprocess.STDOUT, env={**env, "RANK": str(rank), **armed}))
         if crash is not None:
             code = processes[crash[0]].wait(LAUNCH_DEADLINE_S)
@@ -230,6 +233,97 @@ def test_a_job_that_fell_back_from_a_corrupt_memory_step_saves_over_it_and_resto
         assert _committed_steps(memory, rank) == steps[-worker.KEEP:], rank
     assert_restored(launch("restore", root, memory, world_size, tmp_path / "restore"),
                     steps[-1], from_memory=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_corrupt_memory_shard_of_a_step_also_on_disk_is_read_from_disk(
+    job_copy: tuple[int, Path, Path], tmp_path: Path,
+) -> None:
+    world_size, root, memory = job_copy
+    resumed = launch("resume", root, memory, world_size, tmp_path / "resume", saves=1)
+    newest = NEWEST + 1  # the resumed job's first save: written through, so on disk too
+    for rank, out in resumed.items():
+        assert [(s["step"], s["durable"]) for s in out["saves"]] == [(newest, "disk")], rank
+    flip_data_bytes(memory / f"step-{newest:010d}" / f"rank-{CORRUPT_RANK:05d}.shard")
+    results = launch("restore", root, memory, world_size, tmp_path / "restore")
+    for rank, out in sorted(results.items()):
+        assert out["step"] == newest, (rank, out)
+        assert out["mismatches"] == [], (rank, out["mismatches"])
+        assert out["from_memory"] == [r for r in range(world_size) if r != CORRUPT_RANK], (
+            rank, out)
+
+
+JOB_KILLS = 16
+JOB_SEED = 77
+MAX_JOB_ACKS = 6
+MAX_JOB_KILL_DELAY_S = 0.03
+
+
+def _log_lines(path: Path) -> list[list[str]]:
+    if not path.exists():
+        return []
+    return [line.split() for line in path.read_text(errors="replace").splitlines(True)
+            if line.endswith("\n") and line.split()[:1] in (["resumed"], ["acked"])]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_job_killed_at_random_moments_resumes_on_every_rank_from_an_acknowledged_step(
+    tmp_path: Path,
+) -> None:
+    """Every rank of a job that saves until killed is SIGKILLed at a random moment, again and
+    again; each new job restores a step no older than any rank acknowledged, the same on every
+    rank, exactly."""
+    world_size, root, memory = 2, tmp_path / "root", _shm_dir(tmp_path.name)
+    rng = random.Random(JOB_SEED)
+    floor, previous = 0, 0
+    try:
+        for kill in range(JOB_KILLS):
+            logs = tmp_path / f"job-{kill}"
+            logs.mkdir()
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                   "WORLD_SIZE": str(world_size)}
+            log_files = [logs / f"rank-{r}.log" for r in range(world_size)]
+            processes = [spawn_child(
+                WORKER_SCRIPT, "resume", "--saves", 0, "--root", root, "--memory", memory,
+                "--out", logs / f"rank-{r}.json", "--max-seconds", WORKER_MAX_S,
+                stdout=log_files[r], stderr=subprocess.STDOUT,
+                env={**env, "RANK": str(r)}) for r in range(world_size)]
+            acks, delay = rng.randint(0, MAX_JOB_ACKS), rng.uniform(0, MAX_JOB_KILL_DELAY_S)
+            where = f"job {kill} ({acks} acks, {delay:.3f} s; logs {logs})"
+            try:
+                deadline = time.monotonic() + LAUNCH_DEADLINE_S
+                while True:
+                    lines = [_log_lines(p) for p in log_files]
+                    if all(lines) and sum(w == "acked" for w, *_ in lines[0]) >= acks:
+                        break
+                    assert all(p.poll() is None for p in processes), \
+                        f"{where}: a rank exited\n{_describe(log_files)}"
+                    assert time.monotonic() < deadline, f"{where}: stuck\n{_describe(log_files)}"
+                    time.sleep(0.002)
+                time.sleep(delay)
+            finally:
+                for process in processes:
+                    process.kill()
+                for process in processes:
+                    process.wait()
+            lines = [_log_lines(p) for p in log_files]
+            resumed = {int(rank_lines[0][1]) for rank_lines in lines}
+            assert len(resumed) == 1, f"{where}: ranks resumed {resumed}"
+            step = resumed.pop()
+            for rank, rank_lines in enumerate(lines):
+                assert rank_lines[0][2] == "0", f"{where}: rank {rank}: {rank_lines[0]}"
+            assert step >= floor and step >= previous, (
+                f"{where}: resumed {step}, acknowledged {floor}, previous restore {previous}")
+            previous = step
+            floor = max([floor, step, *(int(s) for rank_lines in lines
+                                         for w, s, *_ in rank_lines if w == "acked")])
+        results = launch("restore", root, memory, world_size, tmp_path / "last")
+        step = results[0]["step"]
+        assert step >= floor, (step, floor)
+        assert_restored(results, step, from_memory=True)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
 
 
 # With durable() awaited after each save, a rank's commits come in this order: step 1 in
