@@ -138,9 +138,17 @@ class _Child:
 
 # ---------------------------------------------------------------- checks after a kill
 
-def _layout_problems(root: Path, memory: Path) -> list[str]:
+def _slot_files(memory: Path) -> set[str]:
+    """The buffers under the memory root's slot directories (free, or being filled)."""
+    slots = memory / "slots"
+    return {str(p.relative_to(memory)) for p in slots.rglob("*") if not p.is_dir()} \
+        if slots.is_dir() else set()
+
+
+def _layout_problems(root: Path, memory: Path, crashed: set[str]) -> list[str]:
     """Anything in either root that is not a committed set, a lock, or the memory tier's own
-    bookkeeping (its empty slot directory and topology record)."""
+    bookkeeping (its topology record, and the new pipeline's buffers: none of ``crashed``,
+    the killed run's buffers, may be left)."""
     problems = []
     for base, is_memory in ((root, False), (memory, True)):
         if not base.exists():
@@ -152,8 +160,7 @@ def _layout_problems(root: Path, memory: Path) -> list[str]:
             if is_memory and entry.name == "topology-rank-0.msgpack":
                 continue
             if is_memory and entry.name == "slots":
-                left = [str(p.relative_to(base)) for p in Path(entry.path).rglob("*")
-                        if not p.is_dir()]
+                left = sorted(_slot_files(base) & crashed)
                 if left:
                     problems.append(f"memory slots hold {left}")
                 continue
@@ -185,8 +192,9 @@ def restore_and_check(root: Path, memory: Path, floor: int, where: str) -> Resto
     state = child.make_state()
     pipe = cp.CheckpointPipeline(root, memory=child.memory_config(str(memory), keep_files=True),
                                  keep_last=child.KEEP_LAST, restore_rng=False)
+    crashed = _slot_files(memory)
     with pipe:
-        problems = _layout_problems(root, memory)
+        problems = _layout_problems(root, memory, crashed)
         restored = pipe.restore_latest(state)
     assert not problems, f"{where}: left after the start-up: {problems}"
     if restored is None:
