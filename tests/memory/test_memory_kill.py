@@ -31,6 +31,11 @@ import pytest
 import ckpt_pipeline as cp
 from tests._support.children import child_script, load_script, spawn_child
 
+# Child processes each: the whole module runs with the slow suites (in CI, after the
+# fast suite), the tier's in-process tests and one crash restore in tests/memory/test_memory_tier.py
+# run in the fast one.
+pytestmark = pytest.mark.slow
+
 CHILD_SCRIPT = child_script("memory_child.py")
 child = load_script(CHILD_SCRIPT)
 

@@ -28,6 +28,11 @@ import pytest
 from ckpt_pipeline.testing import CRASH_ENV
 from tests._support.children import child_script, load_script, spawn_child
 
+# Child processes each: the whole module runs with the slow suites (in CI, after the
+# fast suite), the tier's in-process tests and one crash restore in tests/memory/test_memory_tier.py
+# run in the fast one.
+pytestmark = pytest.mark.slow
+
 WORKER_SCRIPT = child_script("memory_rank_worker.py")
 worker = load_script(WORKER_SCRIPT)
 

@@ -130,6 +130,7 @@ def test_a_crash_restores_the_newest_memory_step(tmp_path: Path, shm_dir: Path) 
     assert (shm_dir / "step-0000000005" / "rank-00000.commit").is_file()
 
 
+@pytest.mark.slow
 def test_shared_memory_wiped_falls_back_to_disk(tmp_path: Path, shm_dir: Path) -> None:
     done = _run_child(_CRASHING_CHILD, tmp_path / "root", shm_dir, 5)
     assert done.returncode == 0, done.stderr
