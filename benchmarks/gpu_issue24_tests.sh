@@ -12,5 +12,5 @@ echo "shm check exit $?" >> "$OUT/shm_check.log"
 . "$(dirname "$0")/gpu_tests.sh"
 rm -rf /dev/shm/ckpt-gpu-test-* /dev/shm/ckpt-test-* 2>/dev/null
 cat "$OUT/gpu.txt" "$OUT/shm_check.log"
-tail -3 "$OUT/gpu_tests.log" "$OUT/cuda_set.log"
+tail -n 3 "$OUT/gpu_tests.log" "$OUT/cuda_set.log"
 grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" "$OUT/cuda_set.log" | head -20
