@@ -197,7 +197,8 @@ class NvrxLocal(Variant):
             wait_for_sentinels([proc.sentinel])
             record["written_s"] = time.perf_counter() - started
             record["durable_s"] = record["written_s"]
-            record["exitcode"] = proc.exitcode
+
+        record["_process"] = process  # its exit code is read once NVRx has joined it
 
         thread = threading.Thread(target=watch, name="bench-nvrx-watch", daemon=True)
         thread.start()
@@ -212,6 +213,9 @@ class NvrxLocal(Variant):
             thread.join(timeout=60)
         for record in [*self.saves, self.extra.get("first_save", {})]:
             record.pop("_t0", None)
+            process = record.pop("_process", None)
+            if process is not None:
+                record["exitcode"] = process.exitcode
         files = sorted(p.name for p in (self.root / SESSION_ID).rglob("*") if p.is_file()) \
             if (self.root / SESSION_ID).exists() else []
         self.extra["files_at_end"] = files

@@ -350,8 +350,8 @@ def format_table(report: dict[str, Any]) -> str:
                     lines.append(f"{interval:>6} {name:<22} {r['error'][:60]}")
                     continue
 
-                def f(v: Any, fmt: str, scale: float = 1.0) -> str:
-                    return "-" if v is None else format(v * scale, fmt)
+                def f(v: Any, fmt: str, scale: float | None = None) -> str:
+                    return "-" if v is None else format(v if scale is None else v * scale, fmt)
 
                 lines.append(
                     f"{interval:>6} {name:<22} {f(r['total_s'], '8.2f')} "
@@ -661,6 +661,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--device cuda but CUDA is not available")
     if not cuda and not args.small and args.hidden * args.layers > 8192:
         p.error("no CUDA here: the default workload is for a GPU; use --small")
+    # What the variants of _training_variants read besides the above: the library's defaults.
+    for key, value in (("io_threads", None), ("buffer_slots", None), ("pipeline_chunk_mb", None),
+                       ("pipeline_coordinator", "local"), ("streamed_buffer_mb", 1024),
+                       ("dcp_shared_memory", False)):
+        setattr(args, key, value)
     args.autocast = cuda if args.autocast is None else args.autocast
     args.fused = cuda if args.fused is None else args.fused
     if args.child:
