@@ -183,22 +183,25 @@ class NvrxLocal(Variant):
 
     def _watch(self, record: dict[str, Any]) -> None:
         """Record when the forked writer of this save exits (``written_s``), from a thread that
-        waits on the process's sentinel (it neither joins nor reaps: NVRx does that)."""
+        waits on the process's sentinel (it neither joins nor reaps: NVRx does that).
+
+        Only the process's ``Popen`` is held (its pid, sentinel and exit code): the ``Process``
+        object holds the save's arguments, and with them its host copy of the state."""
         calls = getattr(self.queue, "async_calls", None)
         process = None
         if calls:
             process = getattr(getattr(calls[-1], "async_caller", None), "process", None)
-        if process is None or getattr(process, "sentinel", None) is None:
+        popen = getattr(process, "_popen", None)
+        if popen is None or getattr(popen, "sentinel", None) is None:
             record["written_s"] = None
             return
         started = record["_t0"]
+        record["_popen"] = popen  # its exit code is read once NVRx has joined the process
 
-        def watch(proc: Any = process) -> None:  # holds the Process: its sentinel stays open
-            wait_for_sentinels([proc.sentinel])
+        def watch(sentinel: int = popen.sentinel) -> None:
+            wait_for_sentinels([sentinel])
             record["written_s"] = time.perf_counter() - started
             record["durable_s"] = record["written_s"]
-
-        record["_process"] = process  # its exit code is read once NVRx has joined it
 
         thread = threading.Thread(target=watch, name="bench-nvrx-watch", daemon=True)
         thread.start()
@@ -213,9 +216,9 @@ class NvrxLocal(Variant):
             thread.join(timeout=60)
         for record in [*self.saves, self.extra.get("first_save", {})]:
             record.pop("_t0", None)
-            process = record.pop("_process", None)
-            if process is not None:
-                record["exitcode"] = process.exitcode
+            popen = record.pop("_popen", None)
+            if popen is not None:
+                record["exitcode"] = popen.returncode
         files = sorted(p.name for p in (self.root / SESSION_ID).rglob("*") if p.is_file()) \
             if (self.root / SESSION_ID).exists() else []
         self.extra["files_at_end"] = files
