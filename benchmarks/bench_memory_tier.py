@@ -331,7 +331,7 @@ def run_sweep(args: argparse.Namespace, device: torch.device, cp: Any, workdir: 
         print(json.dumps(sweep.report, indent=2, default=str))
     else:
         print(format_table(sweep.report))
-    fatal = [k for k in sweep.report["errors"] if not k.endswith("nvrx_local")
+    fatal = [k for k in sweep.report["errors"] if not k.split(".")[0].endswith("nvrx_local")
              and not k.startswith("init_process_group")
              and not (args.allow_missing_tier and k.split(".")[0].endswith("_memory"))]
     return 1 if fatal else 0
