@@ -144,23 +144,12 @@ def tier_counts(variant: Variant, cp: Any) -> dict[str, Any]:
     if "memory" not in variant.overrides:
         out["durable_disk"] = ok
         return out
-    out["committed_memory"] = ok
-    if hasattr(cp, "WriteThroughSkipped"):
-        out["write_throughs_skipped"] = counts.get("WriteThroughSkipped", 0)
-    through = {getattr(e, "step", None) for e in events
-               if "WriteThrough" in _event_name(e) or "WrittenThrough" in _event_name(e)
-               if not _event_name(e).endswith(("Skipped", "Failed", "Started", "Requested"))}
-    if through:
-        out["durable_disk"] = len(through)
-        return out
-    # Else a disk commit may be a CheckpointCommitted that says where it is.
-    for attr in ("tier", "where", "location"):
-        tagged = [e for e in events if _event_name(e) == "CheckpointCommitted"
-                  and hasattr(e, attr)]
-        if tagged:
-            out["durable_disk"] = len({e.step for e in tagged
-                                       if str(getattr(e, attr)).lower() in ("disk", "root")})
-            return out
+    # The memory tier: MemoryCommitted per memory commit, CheckpointCommitted per step
+    # committed on disk (a write-through), WriteThroughSkipped per skipped one.
+    out["committed_memory"] = counts.get("MemoryCommitted", 0)
+    out["durable_disk"] = len({e.step for e in events
+                               if _event_name(e) == "CheckpointCommitted"})
+    out["write_throughs_skipped"] = counts.get("WriteThroughSkipped", 0)
     return out
 
 

@@ -3,6 +3,7 @@
 #   PART=1  the gpu-marked tests of tests/memory (when that folder exists), the sweep at save
 #           intervals 5 and 10, then the restore after SIGKILL  -> $OUT/memory_tier_part1.json
 #   PART=2  the sweep at intervals 20 and 100                   -> $OUT/memory_tier_part2.json
+#   PART=3  the sweep at intervals 20 and 100, then the restore (no tests) -> memory_tier_part3.json
 #   PART=all (the default) all of it in one call               -> $OUT/memory_tier.json
 #           (about 8 minutes on an H200 by the estimate in bench_memory_tier.py; what would start
 #           past the budget is skipped and recorded, so use the two parts when it is tight)
@@ -18,10 +19,11 @@ PART="${PART:-all}"
 case "$PART" in
   1) INTERVALS=5,10; RESTORE=1; TESTS=1; JSON="$OUT/memory_tier_part1.json" ;;
   2) INTERVALS=20,100; RESTORE=0; TESTS=0; JSON="$OUT/memory_tier_part2.json" ;;
+  3) INTERVALS=20,100; RESTORE=1; TESTS=0; JSON="$OUT/memory_tier_part3.json" ;;
   all) INTERVALS=5,10,20,100; RESTORE=1; TESTS=1; JSON="$OUT/memory_tier.json" ;;
   *) echo "PART must be 1, 2 or all (got $PART)" >&2; exit 2 ;;
 esac
-LIMIT=585  # seconds of this call we may use
+LIMIT="${LIMIT:-585}"  # seconds of this call we may use
 python3 -c "import nvidia_resiliency_ext.checkpointing.local" > "$OUT/nvrx_import.log" 2>&1 \
   && echo "nvrx importable" >> "$OUT/nvrx_import.log"
 if [ "$TESTS" = 1 ] && [ -d tests/memory ]; then
