@@ -63,6 +63,7 @@ VARIANTS = (
     "dcp_async_save",
     "dcp_async_save_pinned",
     "ckpt_pipeline_memory",
+    "ckpt_pipeline_memory_sized",
     "nvrx_local",
 )
 
@@ -525,6 +526,13 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
         shm = memory_tier_path(root)
         return CkptPipeline(work, root, args, cp, memory=memory_config(cp, shm),
                             _remove_after=(shm,))
+    if name == "ckpt_pipeline_memory_sized":  # the same, its buffers made at open (slot_bytes)
+        shm = memory_tier_path(root)
+        params = sum(p.numel() * p.element_size() for p in work.model.parameters())
+        size = (3 * params + (16 << 20)) // 4096 * 4096  # weights, AdamW's two moments, margin
+        return CkptPipeline(work, root, args, cp,
+                            memory=memory_config(cp, shm, slot_bytes=size),
+                            _remove_after=(shm,))
     if name == "nvrx_local":  # NVIDIA resiliency extension's local checkpoints (lazy import)
         from _nvrx_variant import NvrxLocal
 
@@ -538,7 +546,7 @@ def memory_tier_path(root: Path) -> Path:
 
 
 def memory_config(cp: Any, path: Path, *, slots: int = 3, keep: int = 1,
-                  disk_every: int = 4) -> Any:
+                  disk_every: int = 4, slot_bytes: int | None = None) -> Any:
     """``cp.MemoryConfig(...)`` (issue 24), or a RuntimeError when this ckpt_pipeline lacks it."""
     config = getattr(cp, "MemoryConfig", None)
     if config is None:
@@ -546,7 +554,8 @@ def memory_config(cp: Any, path: Path, *, slots: int = 3, keep: int = 1,
             "ckpt_pipeline_memory needs the memory tier (cp.MemoryConfig, issue 24), which this "
             f"ckpt_pipeline ({getattr(cp, '__file__', '?')}) does not have; leave the variant "
             "out of --variants, or run on a tree that has it")
-    return config(path=str(path), slots=slots, keep=keep, disk_every=disk_every)
+    return config(path=str(path), slots=slots, keep=keep, disk_every=disk_every,
+                  slot_bytes=slot_bytes)
 
 
 def run_loop(variant: Variant, *, steps: int, every: int, warmup_steps: int,

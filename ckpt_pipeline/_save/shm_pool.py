@@ -87,6 +87,7 @@ class MemoryPool:
                 if free:
                     index = free[0]
                     self._make(index, size, register)
+                    self._make_rest_later(size, register)
                     continue
                 if not block:
                     return None
@@ -141,6 +142,62 @@ class MemoryPool:
         slot.rel = rel
 
     # -- internals -----------------------------------------------------------------------
+
+    def _make_rest_later(self, size: int, register: bool) -> None:
+        """Make the slots never made yet at ``size``, in a background thread (the first save
+        made its own on the training thread; the next ones then find theirs ready). Under the
+        lock: each is marked "making", so that no save takes it meanwhile."""
+        todo = [i for i, slot in enumerate(self._slots)
+                if slot is None and not self._holds[i]]
+        if not todo:
+            return
+        for index in todo:
+            self._holds[index].add("making")
+
+        def make() -> None:
+            for index in todo:
+                try:
+                    with self._cond:
+                        if self._closed:
+                            return
+                        free = free_bytes(self.root)
+                    if size > free:
+                        raise room_error(self.root, size, free, f"a buffer of {size} bytes",
+                                         rank=self.rank)
+                    self._install(index, self._new_buffer(index, size, register))
+                except Exception as exc:  # a later save makes it, or fails with the reason
+                    log.warning("ckpt.memory.buffer_failed", rank=self.rank, slot=index,
+                                bytes=size, error=f"{type(exc).__name__}: {exc}")
+                finally:
+                    self._drop_index(index, "making")
+
+        threading.Thread(target=make, name="ckpt-memory-buffers", daemon=True).start()
+
+    def _new_buffer(self, index: int, size: int, register: bool) -> MemorySlot:
+        with self._cond:
+            self._made += 1
+            home = os.path.join(slot_dir(self.rank), f"{self._prefix}-{index}-{self._made}")
+        shm = ShmBuffer(os.path.join(self.root, home), size, register=register)
+        assert shm.tensor is not None
+        return MemorySlot(index, shm.tensor, 0, shm, home, home)
+
+    def _install(self, index: int, slot: MemorySlot) -> None:
+        with self._cond:
+            if self._closed or self._slots[index] is not None:
+                assert slot.shm is not None
+                slot.shm.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.root, slot.rel))
+                return
+            self._slots[index] = slot
+        log.info("ckpt.memory.buffer_made", rank=self.rank, slot=index,
+                 bytes=slot.buffer.numel(), registered=slot.shm is not None
+                 and slot.shm.registered)
+
+    def _drop_index(self, index: int, why: str) -> None:
+        with self._cond:
+            self._holds[index].discard(why)
+            self._cond.notify_all()
 
     def _hold(self, slot: Slot, why: str) -> None:
         with self._cond:
