@@ -131,10 +131,23 @@ class MemoryPool:
         if need > free:
             raise room_error(self.root, need, free, f"{len(self._slots)} buffers of {size} "
                              "bytes (MemoryConfig(slots=, slot_bytes=))", rank=self.rank)
-        with self._cond:
-            for index in range(len(self._slots)):
-                if not self._holds[index]:
-                    self._make(index, size, register and torch.cuda.is_available())
+        register = register and torch.cuda.is_available()
+        with self._cond:  # made outside the lock: a save meanwhile waits for its slot only
+            todo = [i for i, slot in enumerate(self._slots) if not self._holds[i] and (
+                slot is None or slot.shm is None or slot.shm.size < size)]
+            for index in todo:
+                self._holds[index].add("making")
+        for index in todo:
+            try:
+                with self._cond:
+                    old, self._slots[index] = self._slots[index], None
+                if old is not None and old.shm is not None:
+                    old.shm.close()
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.root, old.rel))
+                self._install(index, self._new_buffer(index, size, register))
+            finally:
+                self._drop_index(index, "making")
 
     def moved(self, slot: Slot, rel: str) -> None:
         """The slot's file was renamed to ``rel`` (into its step, or back home)."""
