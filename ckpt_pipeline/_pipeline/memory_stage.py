@@ -32,7 +32,7 @@ from .._format.tidy import scrub, tidy_step_dir
 from .._lineage import Timeline
 from .._logging import log
 from .._save.commit import commit
-from .._save.job import SaveJob, Sealed
+from .._save.job import SaveJob, Sealed, stage_error
 from .._save.shm_pool import MemoryPool, MemorySlot
 from .._save.write_data import hash_data
 from .._threads import in_thread
@@ -51,7 +51,7 @@ from .._tiers.memory.steps import (
 )
 from .._tiers.memory.vote import WriteThroughVote
 from ..coordination import Coordinator
-from ..errors import CheckpointError, RootInUseError, SaveError, StorageError
+from ..errors import RootInUseError, StorageError
 from ..events import Event, MemoryCommitted, MemoryPruned, SnapshotTaken, WriteThroughSkipped
 from ..handle import CommitInfo
 from ..storage import Storage
@@ -183,7 +183,7 @@ class MemoryStage:
             try:
                 await self._seal(job)
             except Exception as exc:  # this rank still votes, with its error
-                job.error = as_error(job, exc, str(self.storage.root))
+                job.error = stage_error(job, "memory", exc, str(self.storage.root))
                 job.failed_stage = "memory"
         vote = WriteThroughVote(due=self.commits % self.config.disk_every == 0,
                                 busy=self.writing > 0)
@@ -324,20 +324,6 @@ class MemoryStage:
                     del self.held[step]
                 self._emit(MemoryPruned(step=step, rank=self.rank,
                                         path=os.path.join(str(self.storage.root), dir_name)))
-
-
-def as_error(job: SaveJob, exc: Exception, root: str) -> CheckpointError:
-    """``exc`` as the save's CheckpointError (step and rank filled in)."""
-    if isinstance(exc, CheckpointError):
-        if exc.step is None:
-            exc.step = job.step
-        if exc.rank is None:
-            exc.rank = job.rank
-        return exc
-    error = SaveError(f"memory failed: {type(exc).__name__}: {exc}", step=job.step,
-                      rank=job.rank, path=root)
-    error.__cause__ = exc
-    return error
 
 
 def _free(storage: Storage) -> int:

@@ -29,9 +29,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._crash import crash_point
 from .._format.tidy import scrub
 from .._logging import log, warn_unless_shown
-from .._save.job import SaveJob
+from .._save.job import SaveJob, stage_error
 from .._threads import in_thread
-from ..errors import CheckpointError, CheckpointWarning, PipelineClosedError, SaveError
+from ..errors import CheckpointError, CheckpointWarning, PipelineClosedError
 from ..events import Event, FailedAt, SaveFailed, SaveStage, TemporariesScrubbed
 from .ledger import Ledger
 from .stages import STAGES, Stages
@@ -164,7 +164,8 @@ class StageRunner:
                             await work(job)
                         except Exception as exc:
                             if job.error is None:
-                                job.error = self._as_error(job, name, exc)
+                                job.error = stage_error(job, name, exc,
+                                                        str(self.storage.root))
                                 job.failed_stage = name
                             else:
                                 log.error("ckpt.commit.vote_failed", step=job.step,
@@ -229,18 +230,6 @@ class StageRunner:
             self._feeding = False
 
     # ------------------------------------------------------------------ outcomes
-
-    def _as_error(self, job: SaveJob, stage: SaveStage, exc: Exception) -> CheckpointError:
-        if isinstance(exc, CheckpointError):
-            if exc.step is None:
-                exc.step = job.step
-            if exc.rank is None:
-                exc.rank = self.rank
-            return exc
-        error = SaveError(f"{stage} failed: {type(exc).__name__}: {exc}", step=job.step,
-                          rank=self.rank, path=str(self.storage.root))
-        error.__cause__ = exc
-        return error
 
     async def _fail(self, job: SaveJob) -> None:
         """Remove what the failed save left on disk, then fail its handle."""

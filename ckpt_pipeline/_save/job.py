@@ -9,14 +9,14 @@ from .._format.header import DistLayout
 from .._format.layout import EMPTY_LAYOUT, DataLayout
 from .._format.publish import PendingFiles
 from .._tiers.replica.push import Push
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SaveError
 from ..events import SaveStage
 from ..handle import SaveHandle
 from .buffers import Slot
 from .control import HandleControl
 from .copy import Snapshot
 
-__all__ = ("DataWritten", "SaveJob", "Sealed")
+__all__ = ("DataWritten", "SaveJob", "Sealed", "stage_error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,3 +105,18 @@ class SaveJob:
                    control=control, slot=None, snapshot=None, paths=(), dtypes=(), shapes=(),
                    layouts=(), data=EMPTY_LAYOUT, tree=b"",
                    train_state={}, requested_at=0.0, error=error, failed_stage=stage)
+
+
+def stage_error(job: SaveJob, stage: str, exc: Exception, root: str) -> CheckpointError:
+    """What a stage that raised ``exc`` fails the save with: a CheckpointError with the step
+    and rank filled in, or a SaveError naming the stage and the unexpected exception."""
+    if isinstance(exc, CheckpointError):
+        if exc.step is None:
+            exc.step = job.step
+        if exc.rank is None:
+            exc.rank = job.rank
+        return exc
+    error = SaveError(f"{stage} failed: {type(exc).__name__}: {exc}", step=job.step,
+                      rank=job.rank, path=root)
+    error.__cause__ = exc
+    return error
