@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from ._threads import in_thread
 from .train_state import TrainState
 
 __all__ = ("CommitInfo", "RejectedStep", "RestoreResult", "SaveHandle")
@@ -129,6 +131,20 @@ class SaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
+
+    def __await__(self) -> Generator[object, None, CommitInfo]:
+        """``await handle`` in the async face: ``result()`` without blocking the event loop
+        (cancelling the awaiting task leaves the save as it is)."""
+        return self._awaited().__await__()
+
+    async def _awaited(self) -> CommitInfo:
+        if self._future.done():
+            return self.result(0)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # another event loop library: wait in a worker thread
+            return await in_thread(None, self.result, abandon_on_cancel=True)
+        return await asyncio.shield(asyncio.wrap_future(self._future))
 
     def durable(self, timeout: float | None = None) -> CommitInfo | None:
         """Wait until the save is durable on disk, or known not to become so.

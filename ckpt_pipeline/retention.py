@@ -35,7 +35,7 @@ from typing import Literal, Protocol, runtime_checkable
 from .errors import ConfigError
 
 __all__ = ("KeepAny", "KeepBest", "KeepEvery", "KeepLast", "MetricPolicy", "RetentionPolicy",
-           "StepInfo", "metric_value")
+           "StepInfo", "kept_steps", "metric_value")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +146,24 @@ class KeepBest:
         return frozenset(step for _, _, step in sorted(scored)[:self.count])
 
 
+def kept_steps(result: object, policy: object) -> frozenset[int]:
+    """What a policy's ``keep`` or ``keep_infos`` returned, as a frozenset of steps: a
+    generator or a list is taken whole (once, before any step is tested against it); anything
+    that is not a collection of int steps is an error, and nothing is pruned for it (the retain
+    stage reports it as ``RetentionFailed``)."""
+    try:
+        steps: frozenset[object] = frozenset(result)  # type: ignore[call-overload]
+    except TypeError:
+        raise ConfigError(f"{policy!r} returned {type(result).__name__} from keep(), not the "
+                          "steps to keep", hint="return a set of step numbers") from None
+    ints = frozenset(s for s in steps if isinstance(s, int) and not isinstance(s, bool))
+    if len(ints) != len(steps):
+        odd = [s for s in steps if s not in ints][:3]
+        raise ConfigError(f"{policy!r} returned {odd!r} among the steps to keep, not step "
+                          "numbers", hint="return a set of step numbers (ints)")
+    return ints
+
+
 def metric_value(value: object) -> float | None:
     """A metric as retention ranks it: a finite int or float (not a bool), as a float; None
     for anything else (a step without a usable value is never among the best)."""
@@ -194,7 +212,7 @@ class KeepAny:
         kept: set[int] = set()
         for policy in self.policies:
             if isinstance(policy, MetricPolicy):
-                kept |= policy.keep_infos(infos)
+                kept |= kept_steps(policy.keep_infos(infos), policy)
             else:
-                kept |= policy.keep(steps)
+                kept |= kept_steps(policy.keep(steps), policy)
         return frozenset(kept)

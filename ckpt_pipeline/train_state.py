@@ -7,6 +7,7 @@ is requested, so the checkpoint holds the generators as they were at that step.
 from __future__ import annotations
 
 import math
+import numbers
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -225,7 +226,7 @@ class TrainState:
             "consumed_train_samples": self.consumed_train_samples,
             "skipped_train_samples": self.skipped_train_samples,
             "floating_point_operations_so_far": self.floating_point_operations_so_far,
-            "extra": dict(self.extra),
+            "extra": {k: _plain_number(v) for k, v in self.extra.items()},
             "rng": None if self.rng is None else self.rng.to_plain(),
         }
 
@@ -253,3 +254,18 @@ class TrainState:
             extra=dict(extra),
             rng=None if rng is None else RNGState.from_plain(rng),
         )
+
+
+def _plain_number(value: Any) -> Any:
+    """A number of another type that converts exactly (``numpy.float64``, ``numpy.int64``,
+    a float subclass) as the plain int or float it equals; anything else unchanged (the save's
+    checks name a value ``extra`` cannot hold)."""
+    if type(value) in (int, float, bool) or isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        if number == value or (math.isnan(number) and value != value):
+            return number
+    return value

@@ -163,9 +163,22 @@ class CheckpointPipeline:
         guard = self._sigterm
         return guard is not None and guard.count > 0
 
-    def open(self) -> None:
-        """Start the background thread and the pipeline in it (scrubbing leftovers first)."""
+    def open(self) -> CheckpointPipeline:
+        """Start the background thread and the pipeline in it (scrubbing leftovers first);
+        returns the pipeline, for the form without ``with``: ``pipe = CheckpointPipeline(root)
+        .open()`` ... ``pipe.close()``."""
         self._loop.open()
+        return self
+
+    def _not_usable(self, what: str, step: int | None = None) -> PipelineClosedError:
+        """The error of a call on a pipeline that is not open: never opened, or closed."""
+        if self._loop.thread is None and not self._loop.closed:
+            return PipelineClosedError(
+                f"{what} on a pipeline that was not opened yet", step=step,
+                hint="call open() first (pipe = CheckpointPipeline(root).open()), or use it "
+                     "inside `with CheckpointPipeline(...) as pipe:`")
+        return PipelineClosedError(f"{what} after close()", step=step,
+                                   hint="open a new pipeline")
 
     def close(self, timeout: float | None = None) -> None:
         """Finish every pending save, stop the background thread. Idempotent.
@@ -188,8 +201,7 @@ class CheckpointPipeline:
         self._check_process()
         portal = self._loop.portal
         if self._loop.closed or portal is None:
-            raise PipelineClosedError("the pipeline is closed (or was never opened)",
-                                      hint="use it inside `with CheckpointPipeline(...)`")
+            raise self._not_usable(f"{getattr(fn, '__name__', 'the call')}()")
         return portal.call(fn, *args)
 
     def save(self, step: int, state: Mapping[str, Any],
@@ -205,8 +217,7 @@ class CheckpointPipeline:
         self._check_process()
         portal = self._loop.portal
         if self._loop.closed or portal is None:
-            raise PipelineClosedError("save() after close()", step=step,
-                                      hint="open a new pipeline")
+            raise self._not_usable("save()", step)
         pipe = self._pipe
         pipe.check_open("save()", step)
         plan = pipe.admission.plan(step, state, train_state)

@@ -27,7 +27,7 @@ from .._format.names import parse_rewound_dir
 from .._format.steps import committed_steps, read_commit, step_dirs
 from .._format.tidy import tidy_step_dir
 from ..errors import CheckpointError
-from ..retention import MetricPolicy, RetentionPolicy, StepInfo
+from ..retention import MetricPolicy, RetentionPolicy, StepInfo, kept_steps
 from ..storage import Storage
 
 __all__ = ("PruneFailed", "Pruned", "prune", "prune_rewound", "recorded_metrics")
@@ -114,10 +114,10 @@ def _kept(storage: Storage, rank: int, policy: RetentionPolicy,
     """Ask the policy (see ``ckpt_pipeline.retention`` for the call order)."""
     newest_first = sorted(steps, reverse=True)
     if not isinstance(policy, MetricPolicy):
-        return policy.keep(tuple(newest_first))
-    return policy.keep_infos(tuple(
+        return kept_steps(policy.keep(tuple(newest_first)), policy)
+    return kept_steps(policy.keep_infos(tuple(
         StepInfo(step, recorded_metrics(storage, rank, step, steps[step]))
-        for step in newest_first))
+        for step in newest_first)), policy)
 
 
 def recorded_metrics(storage: Storage, rank: int, step: int,
