@@ -411,7 +411,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     if trained:
         text = f"finished at step {ts.step} after {trained} steps; final loss {loss_text}"
     else:
-        text = f"nothing to train: already at step {ts.step} of {args.steps}; loss {loss_text}"
+        text = (f"nothing to train: resumed from the checkpoint of step {ts.step}, which is "
+                f"already --steps {args.steps}; loss {loss_text}. To train further, run again "
+                f"with a larger --steps (e.g. --steps {args.steps + 100})")
     report("finished", text, step=ts.step, trained_steps=trained, loss=final_loss)
     report_summary(timings, report, device, world_size)
 
