@@ -66,6 +66,7 @@ from .events import StepPersisted as StepPersisted
 from .events import TemporariesScrubbed as TemporariesScrubbed
 from .events import WriteThroughSkipped as WriteThroughSkipped
 from .handle import CommitInfo as CommitInfo
+from .handle import Missing as Missing
 from .handle import RejectedStep as RejectedStep
 from .handle import RestoreResult as RestoreResult
 from .handle import SaveHandle as SaveHandle
@@ -117,6 +118,7 @@ __all__ = (
     "MemoryConfig",
     "MemoryPruned",
     "MetricPolicy",
+    "Missing",
     "PersistFailed",
     "PersistPruned",
     "PersistSkipped",

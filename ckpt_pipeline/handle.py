@@ -11,7 +11,11 @@ from typing import Literal, Protocol
 from ._threads import in_thread
 from .train_state import TrainState
 
-__all__ = ("CommitInfo", "RejectedStep", "RestoreResult", "SaveHandle")
+__all__ = ("CommitInfo", "Missing", "RejectedStep", "RestoreResult", "SaveHandle")
+
+Missing = Literal["refuse", "keep"]
+"""What a restore does with top-level entries of the live state that the step does not hold:
+refuse the restore (the default), or leave them as they are and restore the rest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,12 @@ class RestoreResult:
     """The ranks whose shard was read from the memory tier (``memory=``); the others read
     theirs from disk, a copy or the persistent tier."""
     resending: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    not_restored: tuple[str, ...] = ()
+    """Saved top-level entries that the live state passed to the restore does not have: a
+    subset was restored (also logged at INFO, ``ckpt.recovery.partial``)."""
+    not_in_checkpoint: tuple[str, ...] = ()
+    """Top-level entries of the live state that the step does not hold, left as they were
+    (only with ``missing="keep"``; by default that refuses the restore)."""
     """{holder rank: source ranks} of the copies of the restored step that their holders
     lacked (a replaced node, files set aside): each source sends its copy again in the
     background, after the restore returned (``ReplicaRestored`` or ``ReplicaRestoreFailed``

@@ -26,7 +26,7 @@ from .._restore.rollback import undone_on_error
 from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..errors import ConfigError, PipelineClosedError
-from ..handle import RestoreResult, SaveHandle
+from ..handle import Missing, RestoreResult, SaveHandle
 from ..storage import Storage
 from ..train_state import TrainState
 from .emitter import Subscriber
@@ -255,21 +255,24 @@ class CheckpointPipeline:
         self._call(self._pipe.wait, timeout)
 
     def restore_latest(self, state: MutableMapping[str, Any], *,
-                       restore_rng: bool | None = None) -> RestoreResult | None:
+                       restore_rng: bool | None = None,
+                       missing: Missing = "refuse") -> RestoreResult | None:
         """Load the newest complete, verified checkpoint into ``state`` in place.
 
         A restore that raises leaves ``state`` (and the RNG states) as they were.
         ``restore_rng``: load the saved RNG states too (None: the pipeline's ``restore_rng``).
+        ``missing``: what to do with entries of ``state`` the step lacks (see the async face).
         """
-        return self.restore(state, None, restore_rng=restore_rng)
+        return self.restore(state, None, restore_rng=restore_rng, missing=missing)
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
-                restore_rng: bool | None = None) -> RestoreResult | None:
+                restore_rng: bool | None = None,
+                missing: Missing = "refuse") -> RestoreResult | None:
         """``restore_latest``, or with ``step`` that step and no other (RestoreError when it
         is not held and valid on every rank, or does not load). Steps newer than the restored
         one are moved aside (kept, invisible to later scans): the run goes on from it."""
         loaded = self._call(functools.partial(self._pipe.load_for_restore, state, step,
-                                              restore_rng=restore_rng))
+                                              restore_rng=restore_rng, missing=missing))
         if loaded is None:
             return None
         applied, apply_error = self._pipe.apply_restore(loaded, state)

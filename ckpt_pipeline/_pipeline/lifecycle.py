@@ -42,7 +42,7 @@ from ..errors import (
     PipelineClosedError,
     StepOrderError,
 )
-from ..handle import RestoreResult, SaveHandle
+from ..handle import Missing, RestoreResult, SaveHandle
 from ..storage import LocalStorage, Storage
 from ..train_state import TrainState
 from .admission import Admission
@@ -317,26 +317,32 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
     # ------------------------------------------------------------------ restoring
 
     async def restore_latest(self, state: MutableMapping[str, Any], *,
-                             restore_rng: bool | None = None) -> RestoreResult | None:
+                             restore_rng: bool | None = None,
+                             missing: Missing = "refuse") -> RestoreResult | None:
         """Load the newest step that every rank holds and verifies into ``state`` in place.
 
         A corrupt, truncated or incomplete step is reported (``CheckpointRejected``) and the
         next older one is tried. Returns None when there is nothing to restore; raises
         RestoreError when checkpoints exist but none can be loaded. A restore that raises
         leaves ``state`` (and the RNG states) as they were, on every rank. ``restore_rng``:
-        load the saved RNG states too (None: the pipeline's ``restore_rng``).
+        load the saved RNG states too (None: the pipeline's ``restore_rng``). Saved entries
+        that ``state`` lacks are not restored (``RestoreResult.not_restored``); entries of
+        ``state`` the step lacks refuse the restore, unless ``missing="keep"`` (they keep their
+        values: ``RestoreResult.not_in_checkpoint``).
         """
-        return await self.restore(state, None, restore_rng=restore_rng)
+        return await self.restore(state, None, restore_rng=restore_rng, missing=missing)
 
     async def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
-                      restore_rng: bool | None = None) -> RestoreResult | None:
+                      restore_rng: bool | None = None,
+                      missing: Missing = "refuse") -> RestoreResult | None:
         """``restore_latest``, or with ``step`` that step and no other: RestoreError when it
         is not held and valid on every rank, or does not load (nothing else is tried).
 
         Steps newer than the restored one are moved aside (kept, invisible to later scans),
         as the run goes on from the restored step.
         """
-        loaded = await self.load_for_restore(state, step, restore_rng=restore_rng)
+        loaded = await self.load_for_restore(state, step, restore_rng=restore_rng,
+                                             missing=missing)
         if loaded is None:
             return None
         applied, apply_error = self.apply_restore(loaded, state)
@@ -354,7 +360,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                                       rank=self.rank, hint="open a new pipeline")
 
     async def load_for_restore(self, state: Mapping[str, Any], step: int | None = None, *,
-                               restore_rng: bool | None = None) -> Loaded | None:
+                               restore_rng: bool | None = None,
+                               missing: Missing = "refuse") -> Loaded | None:
         """Begin a restore: wait for the saves in flight, then read the newest good step.
 
         From here until ``finish_restore`` (or until this returns None or raises), saves are
@@ -369,7 +376,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         try:
             await self.runner.wait_pending(None, raise_errors=False)
             loaded = await self._recovery.load_latest(state, self._limiter, step=step,
-                                                      restore_rng=restore_rng)
+                                                      restore_rng=restore_rng,
+                                                      missing=missing)
         except BaseException:
             self.ledger.end_restore()
             raise

@@ -145,8 +145,8 @@ class _Applier:
 
 def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
                 tensors: Sequence[torch.Tensor], *, step: int, rank: int | None = None,
-                rng: RNGState | None = None, copies: BackupCopies | None = None
-                ) -> AppliedState:
+                rng: RNGState | None = None, copies: BackupCopies | None = None,
+                keep_missing: bool = False) -> AppliedState:
     """Load the checkpoint into the live objects in place, and ``rng`` into the global
     generators; on any failure undo every change and raise (StateError for the state,
     RestoreError for the RNG states or a failed rollback). The returned ``AppliedState`` can
@@ -161,6 +161,8 @@ def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
     stage = "state"
     try:
         for name in list(live):
+            if keep_missing and name not in tree:  # new since the save: left as it is
+                continue
             applier.slot(live, name, tree[name], name)
         if rng is not None:
             stage = "rng"

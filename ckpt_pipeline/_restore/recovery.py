@@ -28,9 +28,9 @@ from .._logging import log
 from .._threads import in_thread
 from ..coordination import Coordinator
 from ..coordination._agree import agree_barrier, agree_outcome
-from ..errors import CheckpointError, RestoreError
+from ..errors import CheckpointError, ConfigError, RestoreError
 from ..events import CheckpointRejected, CheckpointRestored, CheckpointRewound, Event
-from ..handle import RejectedStep, RestoreResult
+from ..handle import Missing, RejectedStep, RestoreResult
 from ..storage import Storage
 from .agreement import Agreement
 from .agreement import listing as _listing
@@ -74,7 +74,8 @@ class Recovery:
 
     async def load_latest(self, state: Mapping[str, Any],
                           limiter: anyio.CapacityLimiter, *, step: int | None = None,
-                          restore_rng: bool | None = None) -> Loaded | None:
+                          restore_rng: bool | None = None,
+                          missing: Missing = "refuse") -> Loaded | None:
         """Scan, agree on candidates, and read the newest one that verifies on every rank
         (with ``step``: that step only, or RestoreError).
 
@@ -83,6 +84,10 @@ class Recovery:
         """
         started = time.perf_counter()
         self.sourcing.fetched_dirs = frozenset()
+        if missing not in ("refuse", "keep"):
+            raise ConfigError(f"missing={missing!r} is not a choice",
+                              hint='use "refuse" (the default) or "keep"')
+        self.sourcing.keep_missing = missing == "keep"
         agreed = await self.agreement.agree(limiter, step)
 
         async def load(at: int, save_id: str
@@ -105,6 +110,12 @@ class Recovery:
         loaded.restore_rng = (self.config.restore_rng if restore_rng is None
                               else restore_rng)
         self._note_rewind(loaded, agreed.view, agreed.held_dirs, failed)
+        if loaded.not_restored or loaded.not_in_checkpoint:
+            log.info("ckpt.recovery.partial", step=loaded.step, rank=self.rank,
+                     not_restored=list(loaded.not_restored),
+                     not_in_checkpoint=list(loaded.not_in_checkpoint),
+                     hint="saved entries the live state lacks are not restored; with "
+                          "missing='keep' the live state's new entries keep their values")
         return loaded
 
     def apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> AppliedState:
@@ -114,7 +125,8 @@ class Recovery:
         rng = loaded.train_state.rng if loaded.restore_rng else None
         try:
             return apply_state(state, loaded.tree, loaded.tensors, step=loaded.step,
-                               rank=self.rank, rng=rng, copies=loaded.copies)
+                               rank=self.rank, rng=rng, copies=loaded.copies,
+                               keep_missing=bool(loaded.not_in_checkpoint))
         finally:
             loaded.tensors = []
             loaded.copies = None
@@ -169,7 +181,9 @@ class Recovery:
                              fetched=dict(loaded.fetched or {}),
                              downloaded=loaded.downloaded,
                              foreign=dict(loaded.foreign_by_rank or {}),
-                             from_memory=loaded.from_memory, resending=resending)
+                             from_memory=loaded.from_memory, resending=resending,
+                             not_restored=loaded.not_restored,
+                             not_in_checkpoint=loaded.not_in_checkpoint)
 
     async def _clear_lacking_copies(self, loaded: Loaded, limiter: anyio.CapacityLimiter
                                     ) -> dict[int, tuple[int, ...]]:

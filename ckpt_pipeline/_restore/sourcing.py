@@ -81,6 +81,10 @@ class Loaded:
     """The ranks whose shard came from the persistent tier."""
     from_memory: tuple[int, ...] = ()
     """The ranks whose shard came from the memory tier."""
+    not_restored: tuple[str, ...] = ()
+    """Saved top-level entries the live state does not have (a subset was restored)."""
+    not_in_checkpoint: tuple[str, ...] = ()
+    """Top-level entries of the live state the step lacks, left as they are (missing="keep")."""
     foreign_by_rank: dict[int, tuple[str, ...]] | None = None
     """{rank: save ids} of every rank's files of the step of other saves, set aside."""
     held_copies: dict[int, tuple[int, ...]] | None = None
@@ -106,6 +110,8 @@ class Sourcing:
         self.replication = replication
         self.promoter = promoter
         self._emit = emit
+        self.keep_missing = False
+        """This restore's ``missing="keep"``: the live state's new entries are left alone."""
         self.memory_storage: Storage | None = None
         """The memory tier's root (``memory=``), read first where it holds the step."""
         self.fetched_dirs: frozenset[tuple[int, str]] = frozenset()
@@ -308,12 +314,14 @@ class Sourcing:
                    for t, rec in zip(read.tensors, header.tensors)]
         # Everything that can be checked before touching a live object (a StateError here is
         # fatal on every rank, and nothing is rejected).
-        await in_thread(limiter, functools.partial(validate_state, state, tree, tensors,
-                                                   step=status.step, rank=self.rank))
+        left_out, kept = await in_thread(limiter, functools.partial(
+            validate_state, state, tree, tensors, step=status.step, rank=self.rank,
+            keep_missing=self.keep_missing))
         return Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
                       tensors=tensors, train_state=train_state,
                       bytes=status.shard_size, started=started, rejected=tuple(rejected),
-                      valid_by_rank=dict(agreed.valid_by_rank), copies=copies)
+                      valid_by_rank=dict(agreed.valid_by_rank), copies=copies,
+                      not_restored=left_out, not_in_checkpoint=kept)
 
 
 def _prefetch(copies: BackupCopies, state: Mapping[str, Any], rank: int,

@@ -88,6 +88,10 @@ class _Validator:
         self.rank = rank
         self.targets: list[Target] = []
         """The live tensors copied into, for the aliasing check once all are known."""
+        self.keep_missing = False
+        """Top-level entries of the live state that the checkpoint lacks are left alone."""
+        self.not_restored: tuple[str, ...] = ()
+        self.not_in_checkpoint: tuple[str, ...] = ()
 
     def fail(self, message: str, path: str | None = None, hint: str | None = None
              ) -> NoReturn:
@@ -116,12 +120,17 @@ class _Validator:
                       hint='pass for example {"model": model, "optimizer": optimizer}')
         if not isinstance(tree, dict):
             self.fail("the checkpoint's state is not a map")
+        self.not_restored = tuple(str(k) for k in tree if k not in live)
         missing = [k for k in live if k not in tree]
-        if missing:
+        if missing and not self.keep_missing:
             self.fail(f"the checkpoint holds no {missing}; it has {sorted(map(str, tree))}",
-                      hint="restore into the same state layout that was saved")
+                      hint="restore into the same state layout that was saved, or pass "
+                           "missing='keep' to restore what the checkpoint holds and leave "
+                           "the new entries as they are")
+        self.not_in_checkpoint = tuple(str(k) for k in missing)
         for name, value in live.items():
-            self.walk(value, tree[name], str(name), 1)
+            if name in tree:
+                self.walk(value, tree[name], str(name), 1)
         check_aliasing(self.targets, lambda message, path, hint: self.fail(message, path, hint))
 
     def walk(self, obj: Any, node: Any, path: str, depth: int) -> None:
@@ -338,12 +347,20 @@ class _Validator:
 
 
 def validate_state(live: Any, tree: Any, tensors: Sequence[torch.Tensor], *, step: int,
-                   rank: int | None = None) -> None:
-    """Raise StateError if the checkpoint cannot be loaded into ``live``; touches nothing."""
+                   rank: int | None = None, keep_missing: bool = False
+                   ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Raise StateError if the checkpoint cannot be loaded into ``live``; touches nothing.
+
+    Returns (the saved top-level entries ``live`` does not have: they are not restored, the
+    top-level entries of ``live`` the checkpoint does not have: with ``keep_missing`` they are
+    left as they are, else that is a StateError)."""
+    validator = _Validator(tensors, step, rank)
+    validator.keep_missing = keep_missing
     try:
-        _Validator(tensors, step, rank).top(live, tree)
+        validator.top(live, tree)
     except CheckpointError:
         raise
     except Exception as exc:  # a live object that misbehaves: still a usage error
         raise StateError(f"checking the live state failed: {type(exc).__name__}: {exc}",
                          step=step, rank=rank) from exc
+    return validator.not_restored, validator.not_in_checkpoint

@@ -108,3 +108,42 @@ def test_a_policy_returning_no_steps_fails_retention_and_prunes_nothing(root: Pa
         pipe.wait(30)
     assert _steps(root) == [1, 2, 3]
     assert failed and "not the steps to keep" in failed[0].error
+
+
+def _model_and_ema(seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+
+def test_restoring_a_subset_says_what_was_not_restored(root: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    model, ema = _model_and_ema(1)
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.save(1, {"model": model, "ema": ema}).result(30)
+    fresh, _ = _model_and_ema(2)
+    caplog.set_level("INFO", logger="ckpt_pipeline")
+    with cp.CheckpointPipeline(root) as pipe:
+        result = pipe.restore_latest({"model": fresh})
+    assert result is not None and result.not_restored == ("ema",)
+    assert result.not_in_checkpoint == ()
+    assert torch.equal(fresh.weight, model.weight)
+    assert any("ckpt.recovery.partial" in r.getMessage() and "ema" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_state_that_grew_is_refused_unless_missing_is_keep(root: Path) -> None:
+    model, _ = _model_and_ema(1)
+    with cp.CheckpointPipeline(root) as pipe:
+        pipe.save(1, {"model": model}).result(30)
+    fresh, ema = _model_and_ema(2)
+    ema_before = ema.weight.detach().clone()
+    with cp.CheckpointPipeline(root) as pipe:
+        with pytest.raises(cp.StateError, match="missing='keep'"):
+            pipe.restore_latest({"model": fresh, "ema": ema})
+        assert not torch.equal(fresh.weight, model.weight)  # nothing was applied
+        result = pipe.restore_latest({"model": fresh, "ema": ema}, missing="keep")
+        assert result is not None and result.not_in_checkpoint == ("ema",)
+        with pytest.raises(cp.ConfigError, match="missing='drop'"):
+            pipe.restore_latest({"model": fresh}, missing="drop")  # type: ignore[arg-type]
+    assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(ema.weight, ema_before)  # left as it was
