@@ -63,6 +63,22 @@ class ExportResult:
     suggested_prefix: str | None = None
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an output that cannot be a file before anything is read: a directory (with or
+    without ``force``), or a path under an existing file."""
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a directory; export writes a file",
+                              path=str(out), hint=f"give the file to write, for example "
+                                                  f"{out / 'model.safetensors'}")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(f"cannot write {out}: {parent} is a file, not a "
+                                      "directory", path=str(parent),
+                                      hint="give a path in a directory")
+            return
+
+
 def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
            step: int | None = None, to: Format = "safetensors", only: str | None = None,
            strip_prefix: str | None = None, dtype: torch.dtype | None = None,
@@ -82,6 +98,7 @@ def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
                           "(torch.bfloat16, torch.float16, torch.float32)")
     if to == "safetensors":
         _safetensors()  # fail before reading anything
+    _check_out(Path(out))
     # one rank's own, or every rank's assembled
     loaded = load(root, step, consolidate=True, options=options)
     tree = _subtree(loaded, only)
@@ -116,7 +133,11 @@ def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
                                   hint="pass force=True (--force) to replace it")
     if stale.exists():
         stale.unlink()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {Path(out).parent}: {exc.strerror or exc}",
+                              path=str(Path(out).parent)) from exc
     total = sum(_nbytes(own[name]) for name in own if name not in tied)
     done = 0
     metadata = {"ckpt_pipeline.step": str(loaded.step), "format": "pt"}

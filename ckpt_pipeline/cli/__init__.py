@@ -190,3 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_FAILED
+    except OSError as exc:  # a file the command was pointed at or writes (not a root's)
+        _error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        return EXIT_FAILED
+    except Exception as exc:  # a bug: one line, never a traceback (docs/cli.md)
+        _error(f"internal error: {type(exc).__name__}: {exc} (a bug of ckpt-pipeline: "
+               "please report it with the command line)")
+        return EXIT_FAILED

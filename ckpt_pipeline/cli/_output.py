@@ -9,6 +9,7 @@ terminal that goes away stops the bar, never the command.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -97,7 +98,24 @@ def rounded(value: float | None) -> float | None:
 
 
 def print_json(data: dict[str, Any]) -> None:
-    print(json.dumps(data, indent=2))
+    """``data`` as strict JSON: bytes as ``{"bytes_hex": ...}``, a NaN or infinite float as
+    the string ``"nan"``, ``"inf"`` or ``"-inf"`` (TrainState.extra may hold both), any other
+    value JSON lacks as its ``repr``."""
+    print(json.dumps(_jsonable(data), indent=2, allow_nan=False))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"bytes_hex": bytes(value).hex()}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
 
 
 # --------------------------------------------------------------------------- progress

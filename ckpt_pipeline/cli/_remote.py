@@ -33,14 +33,33 @@ __all__ = ("cmd_ls_remote", "cmd_verify_remote", "parse_options")
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``--option KEY=VALUE`` pairs: the store's settings (``endpoint=...`` for S3)."""
+    """``--option KEY=VALUE`` pairs: the store's settings (``endpoint=...`` for S3); a dotted
+    key sets an entry of a nested group (``client_options.timeout=60s``)."""
     out: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--option {pair!r} is not KEY=VALUE")
-        out[key] = value
+        group, dot, name = key.partition(".")
+        if key in _GROUPS:
+            raise UsageError(f"--option {key}= sets a group of settings: give each one as "
+                             f"--option {key}.NAME=VALUE (for example {key}.timeout=60s)")
+        if not dot:
+            if isinstance(out.get(key), dict):
+                raise UsageError(f"--option {key}= given both as a group and as one value")
+            out[key] = value
+            continue
+        if not group or not name or "." in name:
+            raise UsageError(f"--option {pair!r}: give GROUP.NAME=VALUE, one level deep")
+        nested = out.setdefault(group, {})
+        if not isinstance(nested, dict):
+            raise UsageError(f"--option {group}= given both as one value and as a group")
+        nested[name] = value
     return out
+
+
+_GROUPS = ("client_options",)
+"""The settings that are groups of their own (obstore's S3 ``client_options``)."""
 
 
 def _open(url: str, args: argparse.Namespace) -> Remote:

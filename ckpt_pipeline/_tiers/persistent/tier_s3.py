@@ -94,7 +94,12 @@ class S3Remote(Remote):
         if "retry_config" in settings:
             raise ConfigError(f"the persistent tier {url}: retry_config is the pipeline's",
                               hint="set PersistentConfig(retries=) instead")
-        client = dict(settings.pop("client_options", None) or {})
+        given = settings.pop("client_options", None) or {}
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"the persistent tier {url}: client_options must be a mapping of "
+                              f"settings, not {type(given).__name__}",
+                              hint="for example options={'client_options': {'timeout': '60s'}}")
+        client = dict(given)
         self._endpoint, self._endpoint_from = _endpoint(settings)
         self._check_endpoint(client)
         client.setdefault("connect_timeout", CONNECT_TIMEOUT)
