@@ -21,6 +21,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from .._format.names import parse_rank_file
+from .._format.steps import step_dirs
 from .._tiers.persistent.urls import is_url
 from ..errors import CheckpointError
 from ..storage import LocalStorage, Storage
@@ -45,6 +47,23 @@ def _open_root(root: str) -> LocalStorage:
     if not os.path.isdir(path):
         raise UsageError(f"{path} is not a directory")
     return LocalStorage(path)
+
+
+def _default_rank(storage: Storage) -> int:
+    """The rank to look at without ``--rank``: 0, unless the root holds one other rank's
+    files only (the one-root-per-rank layout: rank 1's own root holds rank 1's files)."""
+    ranks: set[int] = set()
+    try:
+        for dir_name in step_dirs(storage).values():
+            for entry in storage.list_dir(dir_name):
+                parsed = parse_rank_file(entry.name)
+                if parsed is not None:
+                    ranks.add(parsed[0])
+            if len(ranks) > 1 or 0 in ranks:
+                return 0
+    except CheckpointError:
+        return 0
+    return ranks.pop() if len(ranks) == 1 else 0
 
 
 def _nonneg_int(text: str) -> int:
@@ -173,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             return remote(args.root, args)
         if args.option:
             raise UsageError("--option applies to a URL only")
+        storage = _open_root(args.root)
         if args.rank is None and handler is not cmd_clean:
-            args.rank = 0
-        return handler(_open_root(args.root), args)
+            args.rank = _default_rank(storage)
+        return handler(storage, args)
     except UsageError as exc:
         _error(str(exc))
         return EXIT_USAGE
