@@ -109,8 +109,7 @@ def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
                               hint="pick a subtree that holds tensors (ckpt-pipeline show)")
     suggested = None
     if strip_prefix:
-        tensors = {(k[len(strip_prefix):] if k.startswith(strip_prefix) else k): v
-                   for k, v in tensors.items()}
+        tensors = _stripped(tensors, strip_prefix)
     elif all(k.startswith(_COMPILED_PREFIX) for k in tensors):
         suggested = _COMPILED_PREFIX
     if to == "safetensors":
@@ -161,24 +160,53 @@ def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
 
 
 def flatten_tensors(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], list[str]]:
-    """``({dotted name: tensor}, [paths of plain values])`` of a loaded tree."""
+    """``({dotted name: tensor}, [paths of plain values])`` of a loaded tree.
+
+    Two tensors that would get one dotted name (a key with a dot beside a nested map that
+    spells the same path, an int key beside the same digits as a string key) are a
+    CheckpointError naming both: one of them would be lost."""
     tensors: dict[str, torch.Tensor] = {}
+    origins: dict[str, str] = {}
     skipped: list[str] = []
 
-    def walk(node: Any, path: str) -> None:
+    def walk(node: Any, path: str, keys: str) -> None:
         if isinstance(node, torch.Tensor):
+            if path in tensors:
+                raise _collision(path, f"state{origins[path]}", f"state{keys}")
             tensors[path] = node
+            origins[path] = keys
         elif isinstance(node, Mapping):
             for key, value in node.items():
-                walk(value, f"{path}.{key}" if path else str(key))
+                walk(value, f"{path}.{key}" if path else str(key), f"{keys}[{key!r}]")
         elif isinstance(node, (list, tuple)):
             for i, value in enumerate(node):
-                walk(value, f"{path}.{i}" if path else str(i))
+                walk(value, f"{path}.{i}" if path else str(i), f"{keys}[{i}]")
         else:
             skipped.append(path)
 
-    walk(tree, prefix)
+    walk(tree, prefix, "")
     return tensors, skipped
+
+
+def _collision(name: str, first: str, second: str, what: str = "") -> CheckpointError:
+    return CheckpointError(
+        f"two tensors would be exported as {name!r}{what}: {first} and {second}; "
+        "one of them would be lost", hint="export one of them with --only (only=), or drop "
+        "--strip-prefix; the names of the saved state are left as they are")
+
+
+def _stripped(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """``tensors`` with ``prefix`` removed from the names that start with it; two names that
+    become one are a CheckpointError naming both."""
+    out: dict[str, torch.Tensor] = {}
+    was: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        new = name[len(prefix):] if name.startswith(prefix) else name
+        if new in out:
+            raise _collision(new, repr(was[new]), repr(name), f" after --strip-prefix {prefix!r}")
+        out[new] = tensor
+        was[new] = name
+    return out
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -117,3 +117,29 @@ def test_a_root_of_one_other_rank_is_looked_at_as_that_rank(
     assert "rank 1 of 2" in capsys.readouterr().out
     assert main(["ls", str(tmp_path), "--rank", "0", "--json"]) == 0  # asked for: rank 0
     assert json.loads(capsys.readouterr().out)["steps"][0]["status"] != "complete"
+
+
+@pytest.mark.parametrize("state, both", [
+    ({"m": {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}},
+     ("state['m']['a.b']", "state['m']['a']['b']")),
+    ({"opt": {0: torch.ones(1), "0": torch.zeros(1)}}, ("state['opt'][0]", "state['opt']['0']")),
+])
+def test_export_refuses_names_that_collide_naming_both(
+        tmp_path: Path, state: dict[str, object], both: tuple[str, str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with cp.CheckpointPipeline(tmp_path / "root") as pipe:
+        pipe.save(1, state).result(30)
+    assert main(["export", str(tmp_path / "root"), str(tmp_path / "o.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert all(name in err for name in both) and "would be lost" in err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_strip_prefix_that_maps_two_names_onto_one_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with cp.CheckpointPipeline(tmp_path / "root") as pipe:
+        pipe.save(1, {"_orig_mod.w": torch.ones(1), "w": torch.zeros(1)}).result(30)
+    assert main(["export", str(tmp_path / "root"), str(tmp_path / "o.safetensors"),
+                 "--strip-prefix", "_orig_mod."]) == 1
+    err = capsys.readouterr().err
+    assert "'_orig_mod.w' and 'w'" in err and "after --strip-prefix" in err
