@@ -76,6 +76,10 @@ def _report(result: ExportResult, args: argparse.Namespace) -> None:
           f"-> {', '.join(result.files)}")
     for alias, name in sorted(result.tied.items()):
         print(f"  {alias} is tied to {name} (stored once)")
+    if result.tied and args.to == "safetensors":
+        print("  load it with safetensors.torch.load_model(model, file), which ties them "
+              "again; model.load_state_dict(strict=True) would report the tied names as "
+              "missing (or pass strict=False)")
     if result.skipped:
         shown = ", ".join(result.skipped[:5]) + (" ..." if len(result.skipped) > 5 else "")
         print(f"  {len(result.skipped)} plain value(s) left out: {shown}")

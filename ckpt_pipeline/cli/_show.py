@@ -70,11 +70,17 @@ def _show(status: StepStatus, root: str, where: str, rank: int, holder: int | No
     assert status.header is not None
     _tree, train_state = decode_contents(status, rank)
     rows = []
+    views: dict[tuple[Any, ...], str] = {}
     for record in status.header.tensors:
         item = DTYPES[record.dtype].itemsize
         entry: dict[str, Any] = {"path": record.path, "dtype": record.dtype,
                                  "shape": list(record.shape),
                                  "bytes": math.prod(record.shape) * item}
+        view = (record.storage, record.byte_offset, record.shape, record.stride, record.dtype)
+        if view in views:  # the same bytes as a tensor before it: a tied weight, stored once
+            entry["tied_to"] = views[view]
+        else:
+            views[view] = record.path
         if record.dist is not None:
             entry["global_shape"] = list(record.dist.global_shape)
             entry["placements"] = list(record.dist.placements)
@@ -87,21 +93,30 @@ def _show(status: StepStatus, root: str, where: str, rank: int, holder: int | No
                      "world_size": status.world_size, "save_id": status.save_id,
                      "copy_held_by": holder,
                      "path": where, "tensors": rows, "train_state": state,
-                     "bytes": sum(r["bytes"] for r in rows)})
+                     "bytes": _stored(status)})
         return EXIT_OK
     held = "" if holder is None else f", from the copy rank {holder} holds"
     print(f"step {step} of {where} (rank {rank} of {status.world_size}, save "
           f"{status.save_id}{held})")
     table = [[r["path"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar",
-              human_bytes(r["bytes"]),
+              (f"tied to {r['tied_to']}" if "tied_to" in r else human_bytes(r["bytes"])),
               ("" if "global_shape" not in r else
                f"shard of {'x'.join(map(str, r['global_shape']))} {','.join(r['placements'])}")]
              for r in rows]
     for line in table_lines(["TENSOR", "DTYPE", "SHAPE", "SIZE", "DTENSOR"], table, right={3}):
         print(line)
-    print(f"{len(rows)} tensors, {human_bytes(sum(r['bytes'] for r in rows))}")
+    tied = sum(1 for r in rows if "tied_to" in r)
+    print(f"{len(rows)} tensors, {human_bytes(_stored(status))} stored"
+          + (f" ({tied} tied to another, stored once)" if tied else ""))
     print(f"train state: step {state['step']}, consumed samples "
           f"{state['consumed_train_samples']}, rng {state['rng']}")
     for key, value in state["extra"].items():
         print(f"  extra.{key} = {value!r}")
     return EXIT_OK
+
+
+def _stored(status: StepStatus) -> int:
+    """The tensor bytes the step stores: each storage once (tied weights and views of one
+    storage are not counted twice)."""
+    assert status.header is not None
+    return sum(storage.nbytes for storage in status.header.storages)

@@ -143,3 +143,25 @@ def test_strip_prefix_that_maps_two_names_onto_one_is_refused(
                  "--strip-prefix", "_orig_mod."]) == 1
     err = capsys.readouterr().err
     assert "'_orig_mod.w' and 'w'" in err and "after --strip-prefix" in err
+
+
+def test_show_marks_tied_weights_and_export_says_how_to_load_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    pytest.importorskip("safetensors")
+    embed = torch.nn.Embedding(16, 8)
+    head = torch.nn.Linear(8, 16, bias=False)
+    head.weight = embed.weight  # tied, as in a language model
+    model = torch.nn.ModuleDict({"embed": embed, "head": head})
+    with cp.CheckpointPipeline(tmp_path / "root") as pipe:
+        pipe.save(1, {"model": model}).result(30)
+    assert main(["show", str(tmp_path / "root"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    tied = [t for t in shown["tensors"] if "tied_to" in t]
+    assert [(t["path"], t["tied_to"]) for t in tied] == [("model/head.weight",
+                                                         "model/embed.weight")]
+    assert shown["bytes"] == 16 * 8 * 4  # stored once
+    assert main(["export", str(tmp_path / "root"), str(tmp_path / "m.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "tied to" in out and "load_model" in out
