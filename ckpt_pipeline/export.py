@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, CheckpointIntegrityError, ConfigError
 from .loading import LoadedCheckpoint, load
 
 __all__ = ("ExportResult", "export", "flatten_tensors")
@@ -267,6 +267,22 @@ def _check_dtypes(tensors: Mapping[str, torch.Tensor], loaded: LoadedCheckpoint)
                               hint="export with --to torch, or leave them out with --only")
 
 
+def _check_materializable(name: str, t: torch.Tensor, *, step: int | None = None,
+                         path: str | None = None) -> None:
+    """Refuse a tensor whose elements are more bytes than its storage holds: a view with
+    overlapping strides (a stride of 0) that a header may declare over a few stored bytes.
+    Writing it out whole, or assembling it, would allocate what the file does not hold."""
+    whole = t.numel() * t.element_size()
+    stored = t.untyped_storage().nbytes()
+    if whole > stored:
+        raise CheckpointIntegrityError(
+            f"tensor {name} is a view of {whole} bytes over {stored} stored bytes "
+            f"(shape {list(t.shape)}, stride {list(t.stride())}): writing it whole would "
+            "allocate memory the checkpoint does not hold", step=step, path=path or name,
+            hint="a crafted or corrupt header; check the step with `ckpt-pipeline verify`, "
+                 "or leave the tensor out with --only")
+
+
 def _own_memory(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None
                 ) -> dict[str, torch.Tensor]:
     """Every tensor in memory of its own, cast to ``dtype`` if floating: a loaded tensor may
@@ -276,6 +292,7 @@ def _own_memory(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None
     out: dict[str, torch.Tensor] = {}
     for name in sorted(tensors):
         t = tensors[name]
+        _check_materializable(name, t)
         key: Any = _key(t) if t.numel() else ("empty", name)
         if key not in copies:
             if dtype is not None and t.is_floating_point() and t.dtype != dtype:

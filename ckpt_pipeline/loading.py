@@ -364,21 +364,32 @@ def _assemble(path: str, parts: list[torch.Tensor], layouts: list[DistLayout | N
         raise CheckpointError(f"{path}: two mesh dimensions shard tensor dimension "
                               f"{sharded[0][1]}; assembling that is not supported", step=step,
                               path=where, hint="load each rank with rank=R")
-    full = torch.empty(layout.global_shape, dtype=parts[0].dtype, device=parts[0].device)
-    for rank, part in enumerate(parts):
+    slots: list[tuple[slice, ...]] = []
+    for rank, part in enumerate(parts):  # every place checked before anything is allocated
+        whole = part.numel() * part.element_size()
+        if whole > part.untyped_storage().nbytes():
+            raise CheckpointIntegrityError(
+                f"{path}: rank {rank}'s shard is a view of {whole} bytes over "
+                f"{part.untyped_storage().nbytes()} stored bytes (stride "
+                f"{list(part.stride())}): assembling it would allocate memory the checkpoint "
+                "does not hold", step=step, path=where)
         coords = _coords(rank, layout.mesh_shape)
         index: list[slice] = [slice(None)] * len(layout.global_shape)
+        shape = list(layout.global_shape)
         for mesh_dim, dim in sharded:
             size = layout.global_shape[dim]
             chunk = -(-size // layout.mesh_shape[mesh_dim])
             start = min(size, coords[mesh_dim] * chunk)
             index[dim] = slice(start, min(size, start + chunk))
-        target = full[tuple(index)]
-        if target.shape != part.shape:
+            shape[dim] = index[dim].stop - start
+        if tuple(shape) != tuple(part.shape):
             raise CheckpointIntegrityError(
                 f"{path}: rank {rank}'s shard has shape {list(part.shape)}, its place in the "
-                f"full tensor {list(target.shape)}", step=step, path=where)
-        target.copy_(part)
+                f"full tensor of {list(layout.global_shape)} {shape}", step=step, path=where)
+        slots.append(tuple(index))
+    full = torch.empty(layout.global_shape, dtype=parts[0].dtype, device=parts[0].device)
+    for part, slot in zip(parts, slots, strict=True):
+        full[slot].copy_(part)
     return full
 
 
