@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,15 +12,6 @@ import ckpt_pipeline as cp
 from ckpt_pipeline.cli import main
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"ckpt-cli-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_ls_shows_memory_steps_and_usage_and_clean_removes_them(

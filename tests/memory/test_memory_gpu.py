@@ -5,13 +5,10 @@ moments while a CUDA model trains, and the buffers unregistered at close."""
 from __future__ import annotations
 
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +19,6 @@ from tests._support.children import REPO, child_env
 from tests._support.states import assert_same_state, make_training_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"ckpt-gpu-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_cuda_saves_land_in_registered_shared_memory(tmp_path: Path, shm_dir: Path) -> None:

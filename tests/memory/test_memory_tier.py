@@ -9,8 +9,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,19 +20,6 @@ from tests._support.children import REPO, child_env
 
 pytestmark = pytest.mark.timeout(120)
 
-SHM = Path("/dev/shm")
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A memory root of its own in /dev/shm (removed afterwards)."""
-    if not SHM.is_dir():
-        pytest.skip("no /dev/shm")
-    path = SHM / f"ckpt-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
