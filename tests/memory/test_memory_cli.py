@@ -50,3 +50,16 @@ def test_two_pipelines_cannot_share_one_rank_of_a_memory_directory(
         other = cp.CheckpointPipeline(tmp_path / "b", memory=str(shm_dir))
         with pytest.raises(cp.RootInUseError, match="in use by another open pipeline"):
             other.__enter__()
+
+
+def test_a_memory_directory_reads_as_a_root_with_load_and_verify(
+        tmp_path: Path, shm_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = cp.MemoryConfig(str(shm_dir), keep_files=True, disk_every=100)
+    with cp.CheckpointPipeline(tmp_path / "root", memory=config) as pipe:
+        for step in (1, 2, 3):
+            pipe.save(step, {"w": torch.full((64,), float(step))}).result(30)
+        pipe.wait(30)
+        loaded = cp.load(shm_dir)  # the newest memory step, every byte verified
+        assert loaded.step == 3 and torch.equal(loaded.tree["w"], torch.full((64,), 3.0))
+        assert main(["verify", str(shm_dir)]) == 0
+    assert "OK" in capsys.readouterr().out
