@@ -86,8 +86,7 @@ class MemoryStage:
         self.writing = 0
         """Write-throughs of this rank in the disk stages (not yet settled)."""
         self.newest: SaveJob | None = None
-        self.newest_durable = True
-        """Whether the newest memory step is committed on disk too (or there is none)."""
+        """This run's newest memory step (its job is ``committed`` once it is on disk too)."""
         self._retaining = anyio.Lock()
         self._lock: int | None = None
 
@@ -133,7 +132,7 @@ class MemoryStage:
         """At close: the newest memory step, to be written through when it is not on disk
         (the same on every rank: every rank made the same memory commits)."""
         job = self.newest
-        if job is None or self.newest_durable or job.slot is None:
+        if job is None or job.committed or job.slot is None:
             return None
         job.write_through = True
         job.leaves = False
@@ -178,7 +177,6 @@ class MemoryStage:
 
     async def run(self, job: SaveJob) -> None:
         """Seal the save's shard in memory and commit it there (see the module docstring)."""
-        time.perf_counter()
         if job.error is None:
             try:
                 await self._seal(job)
@@ -200,7 +198,6 @@ class MemoryStage:
         self.held[job.step] = job
         self.newest = job
         write = vote.decision == "write"
-        self.newest_durable = False
         if write:
             job.write_through = True
             self.pool.pin_disk(slot)
@@ -266,12 +263,8 @@ class MemoryStage:
         """A write-through left the disk stages (committed there or failed)."""
         if not job.write_through:
             return
-        job.write_through = False
+        job.write_through = False  # (its buffer was unpinned once written: release_slot)
         self.writing = max(0, self.writing - 1)
-        if job.slot is not None:
-            self.pool.unpin_disk(job.slot)
-        if job is self.newest and job.committed:
-            self.newest_durable = True
 
     async def after_restore(self, step: int) -> None:
         """A restore loaded ``step``: this rank's newer memory steps are of an abandoned
@@ -279,20 +272,10 @@ class MemoryStage:
         async with self._retaining:
             steps = await in_thread(self.limiter, memory_steps, self.storage, self.rank)
             for newer, dir_name in sorted(steps.items()):
-                if newer <= step:
-                    continue
-                job = self.held.pop(newer, None)
-                slot = None if job is None else job.slot
-                home = slot.home if isinstance(slot, MemorySlot) else None
-                await in_thread(self.limiter, drop_files, self.storage, dir_name, self.rank,
-                                home)
-                if slot is not None and home is not None:
-                    self.pool.moved(slot, home)
-                    self.pool.unkeep(slot)
-                    self.pool.unpin_disk(slot)
+                if newer > step:
+                    await self._drop_step(newer, dir_name)
             if self.newest is not None and self.newest.step > step:
                 self.newest = None
-                self.newest_durable = True
 
     async def retain(self) -> None:
         """Keep the newest ``keep`` memory steps (of any run) and those a write-through still
@@ -309,21 +292,26 @@ class MemoryStage:
                 job = self.held.get(step)
                 if step in keep or (job is not None and job.write_through):
                     continue
-                slot = None if job is None else job.slot
-                home = slot.home if isinstance(slot, MemorySlot) else None
                 try:
-                    await in_thread(self.limiter, drop_files, self.storage, dir_name,
-                                    self.rank, home)
+                    await self._drop_step(step, dir_name)
                 except Exception as exc:
                     log.warning("ckpt.memory.prune_failed", step=step, rank=self.rank,
                                 error=f"{type(exc).__name__}: {exc}")
-                    continue
-                if job is not None and slot is not None and home is not None:
-                    self.pool.moved(slot, home)
-                    self.pool.unkeep(slot)
-                    del self.held[step]
-                self._emit(MemoryPruned(step=step, rank=self.rank,
-                                        path=os.path.join(str(self.storage.root), dir_name)))
+
+    async def _drop_step(self, step: int, dir_name: str) -> None:
+        """Remove this rank's files of a memory step (commit record first); a buffer of this
+        run gets its free name back and is free again (``MemoryPruned``)."""
+        job = self.held.get(step)
+        slot = None if job is None else job.slot
+        home = slot.home if isinstance(slot, MemorySlot) else None
+        await in_thread(self.limiter, drop_files, self.storage, dir_name, self.rank, home)
+        if slot is not None and home is not None:
+            self.pool.moved(slot, home)
+            self.pool.unkeep(slot)
+            self.pool.unpin_disk(slot)
+        self.held.pop(step, None)
+        self._emit(MemoryPruned(step=step, rank=self.rank,
+                                path=os.path.join(str(self.storage.root), dir_name)))
 
 
 def _free(storage: Storage) -> int:

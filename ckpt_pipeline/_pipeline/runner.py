@@ -260,14 +260,8 @@ class StageRunner:
                 await in_thread(self.stages.limiter, job.files.remove, self.storage)
             finally:
                 job.error = None
-                self.ledger.failed(error, job.step)
-                self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id,
-                                      stage=stage, error=str(error)))
-                warn_unless_shown(
-                    f"ckpt_pipeline: the write-through to disk of step {job.step} failed on "
-                    f"rank {self.rank} (stage {stage}, root {self.storage.root}): {error}. The "
-                    f"step stays committed in memory. {self.ledger.policy_note()}.",
-                    CheckpointWarning)
+                self._report_failure(job, error, stage, "the write-through to disk of step",
+                                     "The step stays committed in memory. ")
                 job.control.fail_durable(error)
                 tier = self.stages.memory_tier
                 if tier is not None:
@@ -280,17 +274,23 @@ class StageRunner:
         if job.handle.done():  # failed already (a skipped save): no second report
             self.ledger.settle(job.control)
             return
+        self._report_failure(job, error, stage)
+        job.control.fail(error)
+        self.ledger.settle(job.control)
+
+    def _report_failure(self, job: SaveJob, error: CheckpointError, stage: FailedAt,
+                        what: str = "the save of step", outcome: str = "") -> None:
+        """Count a failure for the policy, emit ``SaveFailed``, and warn where no logging
+        handler would show it."""
         self.ledger.failed(error, job.step)
         self._emit(SaveFailed(step=job.step, rank=self.rank, save_id=job.save_id, stage=stage,
                               error=str(error)))
         warn_unless_shown(
-            f"ckpt_pipeline: the save of step {job.step} failed on rank {self.rank} "
-            f"(stage {stage}, root {self.storage.root}): {error}. "
+            f"ckpt_pipeline: {what} {job.step} failed on rank {self.rank} "
+            f"(stage {stage}, root {self.storage.root}): {error}. {outcome}"
             f"{self.ledger.policy_note()}. (This warning stands in for the ckpt.save.failed "
             "ERROR log line, which no logging handler shows: configure logging, or filter "
             "ckpt_pipeline.CheckpointWarning.)", CheckpointWarning)
-        job.control.fail(error)
-        self.ledger.settle(job.control)
 
     async def wait_pending(self, timeout: float | None, *, raise_errors: bool) -> None:
         """Wait for every save in flight to settle; raise the first failure if asked."""

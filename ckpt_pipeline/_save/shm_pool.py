@@ -139,15 +139,9 @@ class MemoryPool:
                 self._holds[index].add("making")
         for index in todo:
             try:
-                with self._cond:
-                    old, self._slots[index] = self._slots[index], None
-                if old is not None and old.shm is not None:
-                    old.shm.close()
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(self.root, old.rel))
-                self._install(index, self._new_buffer(index, size, register))
+                self._make(index, size, register)
             finally:
-                self._drop_index(index, "making")
+                self._unhold(index, "making")
 
     def moved(self, slot: Slot, rel: str) -> None:
         """The slot's file was renamed to ``rel`` (into its step, or back home)."""
@@ -170,76 +164,61 @@ class MemoryPool:
         def make() -> None:
             for index in todo:
                 try:
-                    with self._cond:
-                        if self._closed:
-                            return
-                        free = free_bytes(self.root)
-                    if size > free:
-                        raise room_error(self.root, size, free, f"a buffer of {size} bytes",
-                                         rank=self.rank)
-                    self._install(index, self._new_buffer(index, size, register))
+                    self._make(index, size, register)
                 except Exception as exc:  # a later save makes it, or fails with the reason
                     log.warning("ckpt.memory.buffer_failed", rank=self.rank, slot=index,
                                 bytes=size, error=f"{type(exc).__name__}: {exc}")
                 finally:
-                    self._drop_index(index, "making")
+                    self._unhold(index, "making")
 
         threading.Thread(target=make, name="ckpt-memory-buffers", daemon=True).start()
 
-    def _new_buffer(self, index: int, size: int, register: bool) -> MemorySlot:
+    def _make(self, index: int, size: int, register: bool) -> None:
+        """(Re)make slot ``index`` at ``size`` bytes: its old buffer goes, once the file
+        system is known to have room for the new one. The caller holds the slot: under the
+        lock (a save), or marked "making" (then the buffer is made outside the lock)."""
         with self._cond:
+            if self._closed:
+                return
+            old = self._slots[index]
+            grows = size - (0 if old is None or old.shm is None else old.shm.size)
+        free = free_bytes(self.root)
+        if grows > free:
+            raise room_error(self.root, grows, free, f"a buffer of {size} bytes",
+                             rank=self.rank)
+        with self._cond:
+            self._slots[index] = None
             self._made += 1
             home = os.path.join(slot_dir(self.rank), f"{self._prefix}-{index}-{self._made}")
+        if old is not None:
+            self._discard(old)
         shm = ShmBuffer(os.path.join(self.root, home), size, register=register)
         assert shm.tensor is not None
-        return MemorySlot(index, shm.tensor, 0, shm, home, home)
-
-    def _install(self, index: int, slot: MemorySlot) -> None:
+        slot = MemorySlot(index, shm.tensor, 0 if old is None else old.generation + 1, shm,
+                          home, home)
         with self._cond:
-            if self._closed or self._slots[index] is not None:
-                assert slot.shm is not None
-                slot.shm.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.root, slot.rel))
+            if not self._closed:
+                self._slots[index] = slot
+                log.info("ckpt.memory.buffer_made", rank=self.rank, slot=index, bytes=size,
+                         registered=shm.registered)
                 return
-            self._slots[index] = slot
-        log.info("ckpt.memory.buffer_made", rank=self.rank, slot=index,
-                 bytes=slot.buffer.numel(), registered=slot.shm is not None
-                 and slot.shm.registered)
+        self._discard(slot)  # the pool closed meanwhile
 
-    def _drop_index(self, index: int, why: str) -> None:
-        with self._cond:
-            self._holds[index].discard(why)
-            self._cond.notify_all()
+    def _discard(self, slot: MemorySlot) -> None:
+        """Unmap a buffer and remove its file."""
+        if slot.shm is not None:
+            slot.shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.root, slot.rel))
 
     def _hold(self, slot: Slot, why: str) -> None:
         with self._cond:
             self._holds[slot.index].add(why)
 
     def _drop(self, slot: Slot, why: str) -> None:
-        with self._cond:
-            self._holds[slot.index].discard(why)
-            self._cond.notify_all()
+        self._unhold(slot.index, why)
 
-    def _make(self, index: int, size: int, register: bool) -> None:
-        """(Re)make slot ``index`` at ``size`` bytes (it is free). Under the lock."""
-        old = self._slots[index]
-        grows = size - (0 if old is None or old.shm is None else old.shm.size)
-        free = free_bytes(self.root)
-        if grows > free:
-            raise room_error(self.root, grows, free, f"a buffer of {size} bytes",
-                             rank=self.rank)
-        if old is not None:
-            self._slots[index] = None
-            if old.shm is not None:
-                old.shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.root, old.rel))
-        self._made += 1
-        home = os.path.join(slot_dir(self.rank), f"{self._prefix}-{index}-{self._made}")
-        shm = ShmBuffer(os.path.join(self.root, home), size, register=register)
-        assert shm.tensor is not None
-        generation = 0 if old is None else old.generation + 1
-        self._slots[index] = MemorySlot(index, shm.tensor, generation, shm, home, home)
-        log.info("ckpt.memory.buffer_made", rank=self.rank, slot=index, bytes=size,
-                 registered=shm.registered)
+    def _unhold(self, index: int, why: str) -> None:
+        with self._cond:
+            self._holds[index].discard(why)
+            self._cond.notify_all()
