@@ -258,10 +258,14 @@ class TrainState:
 
 def _plain_number(value: Any) -> Any:
     """A number of another type that converts exactly (``numpy.float64``, ``numpy.int64``,
-    a float subclass) as the plain int or float it equals; anything else unchanged (the save's
-    checks name a value ``extra`` cannot hold)."""
-    if type(value) in (int, float, bool) or isinstance(value, bool):
+    a float subclass) as the plain int or float it equals, in lists and maps too; anything
+    else unchanged (the save's checks name a value ``extra`` cannot hold)."""
+    if type(value) in (int, float, bool, str, bytes) or value is None:
         return value
+    if type(value) is dict:  # subclasses stay as they are: the checks refuse them
+        return {k: _plain_number(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_plain_number(v) for v in value)
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):

@@ -231,6 +231,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         if found is None:
             return
         size, cuda = found
+        cap = self.config.host_buffer_bytes  # a streamed state's slots hold a piece only
+        size = size if cap is None else min(size, cap)
         pool = self._pool
 
         def reserve() -> None:
