@@ -41,7 +41,6 @@ from .._tiers.memory.steps import (
     Topology,
     clear_slots,
     drop_files,
-    memory_steps,
     read_topology,
     remove_rank_files,
     seal_shard,
@@ -115,7 +114,7 @@ class MemoryStage:
         """Drop this rank's memory steps when it ran elsewhere when it wrote them (another
         host, boot, world size or GPU: a memory restore then is refused, recovery goes to
         disk), then record where it runs now. Worker thread."""
-        steps = memory_steps(self.storage, self.rank)
+        steps = committed_steps(self.storage, self.rank)
         recorded = read_topology(self.storage, self.rank)
         changed = None if not steps else (
             "no topology recorded" if recorded is None else here.differs(recorded))
@@ -270,7 +269,7 @@ class MemoryStage:
         """A restore loaded ``step``: this rank's newer memory steps are of an abandoned
         history; they go (as the disk's are moved aside)."""
         async with self._retaining:
-            steps = await in_thread(self.limiter, memory_steps, self.storage, self.rank)
+            steps = await in_thread(self.limiter, committed_steps, self.storage, self.rank)
             for newer, dir_name in sorted(steps.items()):
                 if newer > step:
                     await self._drop_step(newer, dir_name)
@@ -282,7 +281,7 @@ class MemoryStage:
         reads; drop the others, giving this run's buffers back."""
         async with self._retaining:
             try:
-                steps = await in_thread(self.limiter, memory_steps, self.storage, self.rank)
+                steps = await in_thread(self.limiter, committed_steps, self.storage, self.rank)
             except Exception as exc:
                 log.warning("ckpt.memory.list_failed", rank=self.rank,
                             error=f"{type(exc).__name__}: {exc}")
@@ -323,7 +322,7 @@ def _free(storage: Storage) -> int:
 
 def _newest_memory_only(memory: Storage, disk: Storage, rank: int) -> int | None:
     """The newest memory step of ``rank`` when the disk root lacks its commit record."""
-    steps = memory_steps(memory, rank)
+    steps = committed_steps(memory, rank)
     if not steps:
         return None
     newest = max(steps)

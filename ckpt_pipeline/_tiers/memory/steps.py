@@ -28,7 +28,7 @@ from ...errors import CheckpointError, StorageError
 from ...storage import Storage
 
 __all__ = ("Topology", "clear_slots", "drop_files", "is_memory_root", "lock_name",
-           "memory_ranks", "memory_steps", "read_topology", "remove_rank_files", "seal_shard",
+           "memory_ranks", "read_topology", "remove_rank_files", "seal_shard",
            "slot_dir", "try_lock", "usage_bytes", "write_topology")
 
 
@@ -90,7 +90,7 @@ def remove_rank_files(storage: Storage, rank: int) -> int:
     """Every memory file of ``rank`` (steps, buffers, topology, lock); the bytes they held.
     The caller holds the rank's lock. Worker thread."""
     before = usage_bytes(storage)
-    for dir_name in memory_steps(storage, rank).values():
+    for dir_name in committed_steps(storage, rank).values():
         drop_files(storage, dir_name, rank, None)
     clear_slots(storage, slot_dir(rank))
     for rel in (slot_dir(rank), "slots"):
@@ -133,10 +133,6 @@ def drop_files(storage: Storage, dir_name: str, rank: int, home: str | None) -> 
     with contextlib.suppress(StorageError):
         tidy_step_dir(storage, dir_name)
 
-
-def memory_steps(storage: Storage, rank: int) -> dict[int, str]:
-    """{step: directory} of the memory steps with ``rank``'s commit record."""
-    return committed_steps(storage, rank)
 
 
 def clear_slots(storage: Storage, slot_dir: str) -> list[str]:
