@@ -35,7 +35,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -102,20 +102,21 @@ def export(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
     # one rank's own, or every rank's assembled
     loaded = load(root, step, consolidate=True, options=options)
     tree = _subtree(loaded, only)
-    tensors, skipped = flatten_tensors(tree)
+    tensors, skipped = _placed(loaded, lambda: flatten_tensors(tree))
     if not tensors:
         raise CheckpointError(f"no tensors under {only or 'the state'} in step {loaded.step}",
                               step=loaded.step, path=loaded.path,
                               hint="pick a subtree that holds tensors (ckpt-pipeline show)")
     suggested = None
     if strip_prefix:
-        tensors = _stripped(tensors, strip_prefix)
+        named = tensors
+        tensors = _placed(loaded, lambda: _stripped(named, strip_prefix))
     elif all(k.startswith(_COMPILED_PREFIX) for k in tensors):
         suggested = _COMPILED_PREFIX
     if to == "safetensors":
         _check_dtypes(tensors, loaded)
     tied = _shared(tensors)
-    own = _own_memory(tensors, dtype)
+    own = _placed(loaded, lambda: _own_memory(tensors, dtype))
     kept = {k: v for k, v in own.items() if k not in tied} if to == "safetensors" else own
     shards = _split({k: v for k, v in kept.items() if k not in tied}, max_shard_bytes)
     for alias, name in tied.items():  # torch: a tied name goes with the one it shares
@@ -193,6 +194,21 @@ def _collision(name: str, first: str, second: str, what: str = "") -> Checkpoint
         f"two tensors would be exported as {name!r}{what}: {first} and {second}; "
         "one of them would be lost", hint="export one of them with --only (only=), or drop "
         "--strip-prefix; the names of the saved state are left as they are")
+
+
+_T = TypeVar("_T")
+
+
+def _placed(loaded: LoadedCheckpoint, work: Callable[[], _T]) -> _T:
+    """``work()``, its CheckpointError naming the step and the step's path when it does not."""
+    try:
+        return work()
+    except CheckpointError as exc:
+        if exc.step is None:
+            exc.step = loaded.step
+        if exc.path is None or exc.path == "":
+            exc.path = loaded.path
+        raise
 
 
 def _stripped(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -278,7 +294,7 @@ def _check_materializable(name: str, t: torch.Tensor, *, step: int | None = None
         raise CheckpointIntegrityError(
             f"tensor {name} is a view of {whole} bytes over {stored} stored bytes "
             f"(shape {list(t.shape)}, stride {list(t.stride())}): writing it whole would "
-            "allocate memory the checkpoint does not hold", step=step, path=path or name,
+            "allocate memory the checkpoint does not hold", step=step, path=path,
             hint="a crafted or corrupt header; check the step with `ckpt-pipeline verify`, "
                  "or leave the tensor out with --only")
 
