@@ -64,6 +64,7 @@ VARIANTS = (
     "dcp_async_save_pinned",
     "ckpt_pipeline_memory",
     "ckpt_pipeline_memory_sized",
+    "ckpt_pipeline_memory_staged",
     "nvrx_local",
 )
 
@@ -533,6 +534,10 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
         return CkptPipeline(work, root, args, cp,
                             memory=memory_config(cp, shm, slot_bytes=size),
                             _remove_after=(shm,))
+    if name == "ckpt_pipeline_memory_staged":  # the tier with device_staging=True: the
+        shm = memory_tier_path(root)           # optimizer waits for a device copy only
+        return CkptPipeline(work, root, args, cp, memory=memory_config(cp, shm),
+                            device_staging=True, _remove_after=(shm,))
     if name == "nvrx_local":  # NVIDIA resiliency extension's local checkpoints (lazy import)
         from _nvrx_variant import NvrxLocal
 

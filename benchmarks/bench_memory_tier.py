@@ -89,12 +89,11 @@ GB = 1e9
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "memory_tier_gpu.json"
 SWEEP_VARIANTS = ("none", "ckpt_pipeline", "ckpt_pipeline_memory", "ckpt_pipeline_memory_sized",
-                  "nvrx_local")
+                  "ckpt_pipeline_memory_staged", "nvrx_local")
 SYNC_MODES = ("device", "stream")
 INTERVALS = (5, 10, 20, 100)
 STEPS = {5: 60, 10: 100, 20: 200, 100: 600}  # the GPU defaults; other intervals: 10 saves
 SMALL_STEPS = {5: 20, 10: 20, 20: 40, 100: 100}
-MEMORY_VARIANTS = {"ckpt_pipeline_memory"}
 CHILD_LINE = "MEMORY_COMMITTED"
 SETTLED_LINE = "SETTLED"
 NOTES = (
