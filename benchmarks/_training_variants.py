@@ -527,17 +527,16 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
         shm = memory_tier_path(root)
         return CkptPipeline(work, root, args, cp, memory=memory_config(cp, shm),
                             _remove_after=(shm,))
-    if name == "ckpt_pipeline_memory_sized":  # the same, its buffers made at open (slot_bytes)
+    if name in ("ckpt_pipeline_memory_sized", "ckpt_pipeline_memory_staged"):
+        # The same, its buffers made at open (slot_bytes: a restart's, or a given size);
+        # _staged also with device_staging=True (the optimizer waits for a device copy only).
         shm = memory_tier_path(root)
         params = sum(p.numel() * p.element_size() for p in work.model.parameters())
         size = (3 * params + (16 << 20)) // 4096 * 4096  # weights, AdamW's two moments, margin
+        staged = {"device_staging": True} if name.endswith("staged") else {}
         return CkptPipeline(work, root, args, cp,
                             memory=memory_config(cp, shm, slot_bytes=size),
-                            _remove_after=(shm,))
-    if name == "ckpt_pipeline_memory_staged":  # the tier with device_staging=True: the
-        shm = memory_tier_path(root)           # optimizer waits for a device copy only
-        return CkptPipeline(work, root, args, cp, memory=memory_config(cp, shm),
-                            device_staging=True, _remove_after=(shm,))
+                            _remove_after=(shm,), **staged)
     if name == "nvrx_local":  # NVIDIA resiliency extension's local checkpoints (lazy import)
         from _nvrx_variant import NvrxLocal
 

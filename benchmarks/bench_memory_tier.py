@@ -9,6 +9,10 @@ H200) runs once per save interval and variant, on one GPU:
 - ``ckpt_pipeline``: today's default (every save to the disk root);
 - ``ckpt_pipeline_memory``: the memory tier, ``memory=cp.MemoryConfig(path=/dev/shm/..., slots=3,
   keep=1, disk_every=4)``: every save commits to shared memory, every 4th is written through;
+- ``ckpt_pipeline_memory_sized``: the same, its buffers made at open
+  (``MemoryConfig(slot_bytes=)``, as a restart makes them from its newest step);
+- ``ckpt_pipeline_memory_staged``: sized, with ``device_staging=True`` (the caller's next
+  update waits for a device-to-device copy only; costs GPU memory as large as the state);
 - ``nvrx_local``: NVRx's ``LocalCheckpointManager``, asynchronous (``benchmarks/_nvrx_variant.py``).
 
 Both end-of-loop sync modes of ``bench_training.py`` come from the same loop: it records the

@@ -7,8 +7,10 @@
 #   PART=all (the default) all of it in one call               -> $OUT/memory_tier.json
 #           (about 8 minutes on an H200 by the estimate in bench_memory_tier.py; what would start
 #           past the budget is skipped and recorded, so use the two parts when it is tight)
-# Each part: none, ckpt_pipeline, ckpt_pipeline_memory (disk_every=4) and nvrx_local, both
-# end-of-loop sync modes from the same loops. A table last: plot_memory_tier.py of the JSON.
+# Each part: every variant of bench_memory_tier.py (none, ckpt_pipeline, the memory tier made
+# by the first save, made at open, made at open with device_staging, nvrx_local; VARIANTS=a,b
+# for a subset), both end-of-loop sync modes from the same loops. RUN_TESTS=0 and
+# RUN_RESTORE=0 leave out a part's tests or its restore. A table last: plot_memory_tier.py of the JSON.
 # Wheels the image lacks (.whl/, carried): ../shared/tools/gpu-wheels.sh pytest-timeout==2.4.0,
 # and for nvrx_local nvidia_resiliency_ext-0.4.1-cp312-cp312-manylinux_2_31_x86_64.whl (see
 # benchmarks/README.md: gpu-wheels.sh asks for manylinux_2_28 at most, which that wheel is not).
@@ -23,7 +25,8 @@ case "$PART" in
   all) INTERVALS=5,10,20,100; RESTORE=1; TESTS=1; JSON="$OUT/memory_tier.json" ;;
   *) echo "PART must be 1, 2 or all (got $PART)" >&2; exit 2 ;;
 esac
-LIMIT="${LIMIT:-585}"  # seconds of this call we may use
+TESTS="${RUN_TESTS:-$TESTS}"; RESTORE="${RUN_RESTORE:-$RESTORE}"  # RUN_TESTS=0 / RUN_RESTORE=0: skip
+LIMIT="${LIMIT:-585}"  # seconds of this call we may use (SECONDS counts from this script's start)
 python3 -c "import nvidia_resiliency_ext.checkpointing.local" > "$OUT/nvrx_import.log" 2>&1 \
   && echo "nvrx importable" >> "$OUT/nvrx_import.log"
 if [ "$TESTS" = 1 ] && [ -d tests/memory ]; then
@@ -34,7 +37,8 @@ fi
 RESERVE=$(( RESTORE == 1 ? 100 : 0 ))  # for the restore after SIGKILL
 HARD=$(( LIMIT - SECONDS - RESERVE - 10 ))
 (cd benchmarks && python3 bench_memory_tier.py --intervals "$INTERVALS" --out "$JSON" \
-  --hard-limit-s "$HARD" --budget-s "$(( HARD - 60 ))" ${STEPS:+--steps "$STEPS"}) \
+  --hard-limit-s "$HARD" --budget-s "$(( HARD - 60 ))" ${STEPS:+--steps "$STEPS"} \
+  ${VARIANTS:+--variants "$VARIANTS"}) \
   > "$OUT/sweep.log" 2>&1
 echo "sweep exit $?" >> "$OUT/sweep.log"
 if [ "$RESTORE" = 1 ]; then

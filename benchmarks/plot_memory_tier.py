@@ -23,7 +23,7 @@ GB = 1e9
 LABELS = {"none": "no checkpoint", "ckpt_pipeline": "ckpt_pipeline (disk)",
           "ckpt_pipeline_memory": "ckpt_pipeline, memory tier (disk every 4th)",
           "ckpt_pipeline_memory_sized": "the same, buffers made at open (slot_bytes)",
-          "ckpt_pipeline_memory_staged": "the same, device_staging=True",
+          "ckpt_pipeline_memory_staged": "made at open, device_staging=True",
           "nvrx_local": "NVRx local checkpoints (async)"}
 COLORS = {"none": "tab:gray", "ckpt_pipeline": "tab:olive",
           "ckpt_pipeline_memory": "tab:green", "ckpt_pipeline_memory_sized": "tab:cyan",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import os
-import threading
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -49,7 +48,8 @@ from .admission import Admission
 from .emitter import Emitter, Subscriber
 from .ledger import Ledger
 from .memory_stage import MemoryStage
-from .opening import OpenSequence, newest_buffer_size, persist_at_close
+from .opening import OpenSequence, persist_at_close
+from .pool_prep import PoolPrep
 from .runner import StageRunner
 from .stages import Stages
 
@@ -145,6 +145,9 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 memory_channel(self.coordinator), config.write, self.ledger, emit,
                 self._limiter, self.timeline, world_size=world_size)
         self._staging = DeviceStaging() if config.device_staging else None
+        self._pool_prep = PoolPrep(self._pool, self.rank, config.host_buffer_bytes,
+                                   made_by_tier=config.memory is not None
+                                   and config.memory.slot_bytes is not None)
         self.admission = Admission(config.snapshot, self.rank, world_size, root_path,
                                    self.ledger, self._pool, self._staging, emit)
         self.replication = Replication(self.storage, config.replication, emit, rank=self.rank,
@@ -182,7 +185,9 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             if self.memory is not None:
                 await self.memory.open(_cuda_device())
                 self._recovery.use_memory(self.memory.storage)
-            await self._prepare_pool()
+            await self._pool_prep.from_roots(
+                self._limiter, [self.storage] + ([] if self.memory is None
+                                                 else [self.memory.storage]))
             async with self.runner.running():
                 self.state = PipelineState.OPEN
                 try:
@@ -218,31 +223,6 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             self.state = PipelineState.CLOSED
         assert raised is not None
         raise raised  # the block's own exception, after the close failed
-
-    async def _prepare_pool(self) -> None:
-        """Make the host buffers in a background thread when their size is known (the newest
-        step of this rank, in the root or the memory tier; ``slot_bytes`` made them at open),
-        so that the first save of a restarted job does not wait on the training thread while
-        gigabytes are pinned or registered."""
-        if self.memory is not None and self.memory.config.slot_bytes is not None:
-            return
-        roots = [self.storage] + ([] if self.memory is None else [self.memory.storage])
-        found = await in_thread(self._limiter, newest_buffer_size, roots, self.rank)
-        if found is None:
-            return
-        size, cuda = found
-        cap = self.config.host_buffer_bytes  # a streamed state's slots hold a piece only
-        size = size if cap is None else min(size, cap)
-        pool = self._pool
-
-        def reserve() -> None:
-            try:
-                pool.reserve(size, register=cuda)
-            except Exception as exc:  # the first save makes them, as without a size
-                log.warning("ckpt.pool.reserve_failed", rank=self.rank, bytes=size,
-                            error=f"{type(exc).__name__}: {exc}")
-
-        threading.Thread(target=reserve, name="ckpt-pool-reserve", daemon=True).start()
 
     # ------------------------------------------------------------------ saving
 
@@ -383,6 +363,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         except BaseException:
             self.ledger.end_restore()
             raise
+        self._pool_prep.from_state(state)  # a fresh job's first size (see pool_prep)
         if loaded is None:
             self.ledger.end_restore()
         return loaded

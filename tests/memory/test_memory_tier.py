@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
+from ckpt_pipeline._format.region import align_up
 from ckpt_pipeline.testing import GatedStorage
 from tests._support.children import REPO, child_env
+from tests._support.logs import watching
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,6 +85,21 @@ def test_memory_retention_keeps_the_newest_and_frees_the_others(tmp_path: Path,
     # keep_files: the memory steps stay after close; the newest also went to disk
     assert (shm_dir / "step-0000000005" / "rank-00000.commit").is_file()
     assert (tmp_path / "root" / "step-0000000005" / "rank-00000.commit").is_file()
+
+
+def test_a_fresh_jobs_restore_makes_every_memory_buffer_in_the_background(
+        tmp_path: Path, shm_dir: Path) -> None:
+    state = _state(1)
+    config = cp.MemoryConfig(str(shm_dir), slots=3)
+    with watching("ckpt.pool.reserved") as reserved, \
+            cp.CheckpointPipeline(tmp_path / "root", memory=config) as pipe:
+        assert pipe.restore_latest(state) is None  # nothing yet: the state gives the size
+        assert reserved.seen.wait(30)
+        made = pipe.host_memory_bytes
+        assert made == 3 * align_up(reserved.fields[0]["bytes"], 4096)  # type: ignore[arg-type]
+        assert len(list((shm_dir / "slots" / "rank-0").iterdir())) == 3
+        pipe.save(1, state).result(30)
+        assert pipe.host_memory_bytes == made  # the first save made no buffer
 
 
 def _run_child(code: str, *args: object) -> subprocess.CompletedProcess[str]:

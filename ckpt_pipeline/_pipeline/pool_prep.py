@@ -1,0 +1,84 @@
+"""Make the host buffers before the first save asks for them, off the training thread.
+
+Allocating gigabytes of pinned memory, or registering shared-memory files with CUDA, takes
+seconds (2.6 s for 4 GiB on an H200). Made by the first save, that time blocks the training
+thread. So the pool is made in a background thread as soon as a size is known:
+
+- at open, from the newest step of this rank in the root or the memory tier (a restart saves
+  the state it restored), or from ``MemoryConfig(slot_bytes=)`` (made by the tier itself);
+- else at the first ``restore()`` or ``restore_latest()``, from the state passed in, which a
+  fresh job passes too (the restore then finds nothing): the state's own layout.
+
+A save that comes while its buffer is still being made waits for that buffer only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+
+from .._format.layout import plan_layout
+from .._logging import log
+from .._save.buffers import HostPool
+from .._save.shm_pool import MemoryPool
+from .._threads import in_thread
+from .._tree import flatten_state
+from ..errors import CheckpointError
+from ..storage import Storage
+from .opening import newest_buffer_size
+
+__all__ = ("PoolPrep",)
+
+
+class PoolPrep:
+    """Starts the pool's making once, from the first size that becomes known."""
+
+    def __init__(self, pool: HostPool | MemoryPool, rank: int, cap: int | None,
+                 *, made_by_tier: bool) -> None:
+        self._pool = pool
+        self._rank = rank
+        self._cap = cap  # host_buffer_bytes: a streamed state's slots hold a piece only
+        self._started = made_by_tier
+
+    async def from_roots(self, limiter: anyio.CapacityLimiter,
+                         roots: Sequence[Storage]) -> None:
+        """At open: the size of this rank's newest valid step, if there is one."""
+        if self._started:
+            return
+        found = await in_thread(limiter, newest_buffer_size, roots, self._rank)
+        if found is not None:
+            self._start(*found, source="newest step")
+
+    def from_state(self, state: Mapping[str, Any]) -> None:
+        """At a restore: the size ``state`` would need (on the caller's thread: a layout of
+        its tensors, no copies). A state that cannot be saved is left to ``save()`` to
+        report."""
+        if self._started:
+            return
+        try:
+            flat = flatten_state(state, step=0)
+        except CheckpointError:
+            return
+        if flat.tensors:
+            layout = plan_layout(flat.tensors)
+            self._start(layout.buffer_bytes, any(t.is_cuda for t in flat.tensors),
+                        source="restore state")
+
+    def _start(self, size: int, cuda: bool, *, source: str) -> None:
+        self._started = True
+        size = size if self._cap is None else min(size, self._cap)
+        pool, rank = self._pool, self._rank
+
+        def reserve() -> None:
+            try:
+                pool.reserve(size, register=cuda)
+            except Exception as exc:  # the first save makes them, as without a size
+                log.warning("ckpt.pool.reserve_failed", rank=rank, bytes=size,
+                            error=f"{type(exc).__name__}: {exc}")
+            else:
+                log.info("ckpt.pool.reserved", rank=rank, bytes=size, source=source)
+
+        threading.Thread(target=reserve, name="ckpt-pool-reserve", daemon=True).start()
