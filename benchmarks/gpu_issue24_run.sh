@@ -26,6 +26,7 @@ case "$PART" in
   *) echo "PART must be 1, 2 or all (got $PART)" >&2; exit 2 ;;
 esac
 TESTS="${RUN_TESTS:-$TESTS}"; RESTORE="${RUN_RESTORE:-$RESTORE}"  # RUN_TESTS=0 / RUN_RESTORE=0: skip
+INTERVALS="${RUN_INTERVALS:-$INTERVALS}"  # RUN_INTERVALS=20: other save intervals
 LIMIT="${LIMIT:-585}"  # seconds of this call we may use (SECONDS counts from this script's start)
 python3 -c "import nvidia_resiliency_ext.checkpointing.local" > "$OUT/nvrx_import.log" 2>&1 \
   && echo "nvrx importable" >> "$OUT/nvrx_import.log"

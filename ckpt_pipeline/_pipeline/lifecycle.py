@@ -143,7 +143,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             self.memory = MemoryStage(
                 config.memory, LocalStorage(config.memory.path), self._pool,
                 memory_channel(self.coordinator), config.write, self.ledger, emit,
-                self._limiter, self.timeline, world_size=world_size)
+                anyio.CapacityLimiter(config.io_threads),  # its own: a memory commit never
+                self.timeline, world_size=world_size)      # queues behind a disk write
         self._staging = DeviceStaging() if config.device_staging else None
         self._pool_prep = PoolPrep(self._pool, self.rank, config.host_buffer_bytes,
                                    made_by_tier=config.memory is not None
