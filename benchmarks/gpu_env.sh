@@ -8,3 +8,6 @@ if [ -d .whl ]; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+# The copy on the GPU machine may carry a stale .git: the commit the run is of comes from
+# commit.txt when it is carried (git rev-parse HEAD > commit.txt before the call).
+if [ -f commit.txt ]; then CKPT_BENCH_COMMIT="$(head -c 12 commit.txt)"; export CKPT_BENCH_COMMIT; fi

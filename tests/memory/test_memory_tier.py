@@ -87,6 +87,31 @@ def test_memory_retention_keeps_the_newest_and_frees_the_others(tmp_path: Path,
     assert (tmp_path / "root" / "step-0000000005" / "rank-00000.commit").is_file()
 
 
+def test_the_persistent_tier_receives_only_steps_written_through_to_disk(
+        tmp_path: Path, shm_dir: Path) -> None:
+    events: list[cp.Event] = []
+    shared = tmp_path / "shared" / "run"
+    with cp.CheckpointPipeline(tmp_path / "root", keep_last=10,
+                               memory=cp.MemoryConfig(str(shm_dir), disk_every=2),
+                               persistent=cp.PersistentConfig(str(shared), every=1)) as pipe:
+        pipe.subscribe(events.append)
+        for step in range(1, 7):
+            pipe.save(step, _state(step)).result(30)
+            pipe.wait(30)
+    on_disk = [e.step for e in events if isinstance(e, cp.CheckpointCommitted)]
+    persisted = [e.step for e in events if isinstance(e, cp.StepPersisted)]
+    assert on_disk == [1, 3, 5, 6]  # every 2nd save, then the newest at close
+    assert persisted == on_disk  # a memory-only step never reaches the persistent tier
+    shutil.rmtree(tmp_path / "root")  # the node is gone: its disk and its shared memory
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    live = _blank()
+    with cp.CheckpointPipeline(tmp_path / "root",
+                               persistent=cp.PersistentConfig(str(shared))) as pipe:
+        result = pipe.restore_latest(live)
+    assert result is not None and result.step == 6 and result.downloaded == (0,)
+    assert _equal(live, _state(6))
+
+
 def test_a_fresh_jobs_restore_makes_every_memory_buffer_in_the_background(
         tmp_path: Path, shm_dir: Path) -> None:
     state = _state(1)
