@@ -128,8 +128,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     drawn = 0
     top = 1.0
     for mode, by_interval in report.get("results", {}).items():
-        names = sorted({n for row in by_interval.values() for n in row if n != "none"},
-                       key=list(LABELS).index)
+        names = [n for n in LABELS  # the variants of the sweep (an ad-hoc one: table only)
+                 if n != "none" and any(n in row for row in by_interval.values())]
         for name in names:
             points = sorted((int(i), row[name]["x_none"]) for i, row in by_interval.items()
                             if row.get(name, {}).get("x_none") is not None)
