@@ -65,6 +65,7 @@ VARIANTS = (
     "ckpt_pipeline_memory",
     "ckpt_pipeline_memory_sized",
     "ckpt_pipeline_memory_staged",
+    "ckpt_pipeline_memory_staged_fresh",
     "nvrx_local",
 )
 
@@ -527,6 +528,10 @@ def make_variant(name: str, work: Workload, root: Path, args: Any, cp: Any) -> V
         shm = memory_tier_path(root)
         return CkptPipeline(work, root, args, cp, memory=memory_config(cp, shm),
                             _remove_after=(shm,))
+    if name == "ckpt_pipeline_memory_staged_fresh":  # a fresh job: no size, device staging
+        shm = memory_tier_path(root)
+        return CkptPipeline(work, root, args, cp, memory=memory_config(cp, shm),
+                            _remove_after=(shm,), device_staging=True)
     if name in ("ckpt_pipeline_memory_sized", "ckpt_pipeline_memory_staged"):
         # The same, its buffers made at open (slot_bytes: a restart's, or a given size);
         # _staged also with device_staging=True (the optimizer waits for a device copy only).

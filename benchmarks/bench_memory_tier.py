@@ -13,6 +13,8 @@ H200) runs once per save interval and variant, on one GPU:
   (``MemoryConfig(slot_bytes=)``, as a restart makes them from its newest step);
 - ``ckpt_pipeline_memory_staged``: sized, with ``device_staging=True`` (the caller's next
   update waits for a device-to-device copy only; costs GPU memory as large as the state);
+- ``ckpt_pipeline_memory_staged_fresh``: device staging without a size (a fresh job): the
+  first save copies to the GPU and returns while its shared-memory buffer is made;
 - ``nvrx_local``: NVRx's ``LocalCheckpointManager``, asynchronous (``benchmarks/_nvrx_variant.py``).
 
 Both end-of-loop sync modes of ``bench_training.py`` come from the same loop: it records the
@@ -93,7 +95,8 @@ GB = 1e9
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "memory_tier_gpu.json"
 SWEEP_VARIANTS = ("none", "ckpt_pipeline", "ckpt_pipeline_memory", "ckpt_pipeline_memory_sized",
-                  "ckpt_pipeline_memory_staged", "nvrx_local")
+                  "ckpt_pipeline_memory_staged", "ckpt_pipeline_memory_staged_fresh",
+                  "nvrx_local")
 SYNC_MODES = ("device", "stream")
 INTERVALS = (5, 10, 20, 100)
 STEPS = {5: 60, 10: 100, 20: 200, 100: 600}  # the GPU defaults; other intervals: 10 saves

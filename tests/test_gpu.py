@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ckpt_pipeline as cp
+from tests._support.gate import gated_buffer_making
 from tests._support.states import assert_same_state, make_training_state, train_one_step
 
 pytestmark = pytest.mark.gpu
@@ -175,6 +176,33 @@ def test_device_staging_lets_the_update_wait_only_for_a_device_copy(root: Path) 
         result = pipe.restore_latest(live)
     assert result is not None and result.step == 11
     assert torch.equal(live["t"], expected)
+
+
+def test_a_first_save_with_device_staging_does_not_wait_for_its_host_buffer(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host buffers are still being made (held at a gate) when the first save comes: it
+    copies to the staging buffer and returns; an update after wait_snapshot() does not reach
+    the checkpoint, which is written once the buffer exists."""
+    t = torch.full((2048, 2048), 1.0, device="cuda")
+    c = torch.arange(16)
+    with gated_buffer_making(monkeypatch) as gate, \
+            cp.CheckpointPipeline(root, device_staging=True) as pipe:
+        handle = pipe.save(1, {"t": t, "c": c})
+        pipe.wait_snapshot()
+        assert pipe.host_memory_bytes == 0  # save() returned with no host buffer made yet
+        t.add_(1.0)
+        c.add_(1)
+        assert gate.entered.wait(30)  # the pipeline is making it
+        assert not handle.done()
+        gate.opened.set()
+        handle.result(60)
+        assert pipe.host_memory_bytes > 0
+    live = {"t": torch.zeros_like(t), "c": torch.zeros_like(c)}
+    with cp.CheckpointPipeline(root) as pipe:
+        result = pipe.restore_latest(live)
+    assert result is not None and result.step == 1
+    assert torch.equal(live["t"], torch.full_like(t, 1.0))
+    assert torch.equal(live["c"], torch.arange(16))
 
 
 def test_device_staging_that_does_not_fit_copies_straight_to_the_host(root: Path) -> None:

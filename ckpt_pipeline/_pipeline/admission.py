@@ -5,6 +5,12 @@ the RNG states, encode the tree, lay out the data region, check every limit a re
 enforces); ``acquire`` takes a host buffer (waiting or not, by the ``when_busy`` policy);
 ``start`` claims the step, starts the copies and builds the job the stages take over.
 Bad input raises in ``plan``, before anything is copied or written.
+
+With device staging, a save whose host buffer is not ready (still being made, or every one
+busy) does not wait for it on the training thread: ``acquire`` answers ``LATER``, the save's
+CUDA tensors go to the staging buffer, and the copy stage takes the host buffer (``SaveJob.
+host_buffer``). The training thread then waits at most for the staging buffer, which the
+previous save holds until its copies to the host are queued.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from .._gc import gc_paused
 from .._save.buffers import DeviceStaging, HostPool, Slot
 from .._save.checks import check_byte_copyable, check_save
 from .._save.control import HandleControl
-from .._save.copy import item_sources, take_snapshot
+from .._save.copy import NoStagingError, item_sources, take_snapshot
 from .._save.copy_streamed import begin_streamed_snapshot
 from .._save.job import SaveJob
 from .._save.shm_pool import MemoryPool, MemorySlot
@@ -40,7 +46,16 @@ from ..events import Event, SaveFailed, SaveRequested, SaveSkipped
 from ..train_state import RNGState, TrainState
 from .ledger import Ledger
 
-__all__ = ("Admission", "SavePlan")
+__all__ = ("LATER", "Admission", "Later", "SavePlan")
+
+
+class Later:
+    """``Admission.acquire``'s answer for a save that takes its host buffer in the pipeline."""
+
+    __slots__ = ()
+
+
+LATER = Later()
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +153,15 @@ class Admission:
                         pinned=any(t.device.type == "cuda" for t in flat.tensors),
                         streamed=streamed)
 
-    def acquire(self, plan: SavePlan, block: bool) -> Slot | None:
-        """A host buffer for the plan; None when none is free and this call may not wait."""
+    def acquire(self, plan: SavePlan, block: bool) -> Slot | Later | None:
+        """A host buffer for the plan; None when none is free and this call may not wait;
+        ``LATER`` when the save may start without it (see the module docstring)."""
         wait = block and self.options.when_busy == "block"
         size = self.options.host_buffer_bytes if plan.streamed else plan.layout.buffer_bytes
         assert size is not None
+        if self._may_defer(plan):
+            slot = self.pool.acquire(max(size, 1), pinned=plan.pinned, block=False, make=False)
+            return LATER if slot is None else slot
         try:
             return self.pool.acquire(max(size, 1), pinned=plan.pinned, block=wait)
         except StorageError as exc:  # no room for a memory buffer: this save fails
@@ -151,7 +170,13 @@ class Admission:
             self._refused[plan.step] = exc
             return None
 
-    def start(self, plan: SavePlan, slot: Slot | None) -> SaveJob:
+    def _may_defer(self, plan: SavePlan) -> bool:
+        """Whether a save may start before its host buffer exists: with device staging (a
+        staging buffer holds its CUDA tensors meanwhile), under ``when_busy="block"``."""
+        return (self.staging is not None and plan.pinned and not plan.streamed
+                and self.options.when_busy == "block")
+
+    def start(self, plan: SavePlan, slot: Slot | Later | None) -> SaveJob:
         """Claim the step, start the copies, build the job. Without a slot: skipped.
 
         Runs under the admission lock: a restore that begins meanwhile waits until the save
@@ -160,15 +185,26 @@ class Admission:
         """
         try:
             with self.ledger.admission, gc_paused():
-                return self._skip(plan.step) if slot is None else self._admit(plan, slot)
+                if slot is None:
+                    return self._skip(plan.step)
+                self.ledger.claim(plan.step)  # another thread may have saved it, or a restore
+                if isinstance(slot, Later):
+                    try:
+                        return self._admit(plan, None)
+                    except NoStagingError:  # no staging buffer after all: the host buffer now
+                        slot = self.pool.acquire(max(plan.layout.buffer_bytes, 1),
+                                                 pinned=plan.pinned, block=True)
+                        assert slot is not None
+                return self._admit(plan, slot)
         except BaseException:
-            if slot is not None:
+            if isinstance(slot, Slot):
                 self.pool.release(slot)
             raise
 
-    def _admit(self, plan: SavePlan, slot: Slot) -> SaveJob:
+    def _admit(self, plan: SavePlan, slot: Slot | None) -> SaveJob:
+        """Start the copies into ``slot``, or, without one, into device staging buffers
+        (NoStagingError where there are none: nothing is held then)."""
         step, flat = plan.step, plan.flat
-        self.ledger.claim(step)  # another thread may have saved it, or a restore begun
         layout = plan.layout
         if isinstance(slot, MemorySlot):  # the data region fills the buffer: it is the shard
             layout = padded_to(layout, slot.buffer.numel())
@@ -179,14 +215,17 @@ class Admission:
                                            layout.gaps, step=step, rank=self.rank)
         else:
             snap = take_snapshot(flat.tensors, flat.paths, sources, offsets, layout.gaps,
-                                 slot.buffer, step=step, rank=self.rank,
+                                 None if slot is None else slot.buffer, step=step,
+                                 rank=self.rank,
                                  ordered=self.options.snapshot_mode == "ordered",
                                  staging=self.staging)
         save_id = f"{self.run_id}-{step}"
         control = HandleControl(step, save_id, snap)
         job = SaveJob(
             step=step, rank=self.rank, world_size=self.world_size, save_id=save_id,
-            control=control, slot=slot, snapshot=snap, paths=flat.paths,
+            control=control, slot=slot,
+            host_buffer=None if slot is not None else (max(layout.buffer_bytes, 1), plan.pinned),
+            snapshot=snap, paths=flat.paths,
             dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
             shapes=tuple(tuple(t.shape) for t in flat.tensors), layouts=flat.layouts,
             data=layout, tree=plan.tree, train_state=plan.train_state,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._logging import log
 from .._restore.rollback import undone_on_error
+from .._save.buffers import Slot
 from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..errors import ConfigError, PipelineClosedError
@@ -238,7 +239,7 @@ class CheckpointPipeline:
                     pipe.abandon(job, error)
                     raise error from exc
         except BaseException:
-            if not handed_over and slot is not None:  # interrupted before the hand-over
+            if not handed_over and isinstance(slot, Slot):  # interrupted before hand-over
                 pipe.admission.pool.release(slot)
             raise
         submitted.result()

@@ -27,6 +27,7 @@ from typing import Any, get_args
 import anyio
 
 from .._config_groups import WriteOptions, retention_metrics
+from .._format.layout import padded_to
 from .._format.markers import clear_marker, write_marker
 from .._lineage import Timeline
 from .._logging import log, warn_unless_shown
@@ -35,7 +36,7 @@ from .._save.commit import commit
 from .._save.job import SaveJob
 from .._save.retain import Pruned, PruneFailed, prune, prune_rewound
 from .._save.seal import seal
-from .._save.shm_pool import MemoryPool
+from .._save.shm_pool import MemoryPool, MemorySlot
 from .._save.write_data import write_data
 from .._threads import in_thread
 from .._tiers.base import CommitParticipant
@@ -132,6 +133,8 @@ class Stages:
         started = time.perf_counter()
         snap = job.snapshot
         assert snap is not None
+        if job.host_buffer is not None:  # may wait for the pool: not on the I/O threads
+            await in_thread(None, self._bind_host_buffer, job)
         if snap.deferred:  # copies to the host from device staging buffers: off the caller
             await in_thread(self.limiter, snap.launch_host_copies)
         if snap.streaming or snap.has_device_copies:
@@ -140,6 +143,21 @@ class Stages:
             return
         self._emit(SnapshotTaken(step=job.step, rank=self.rank, save_id=job.save_id,
                                  bytes=job.data_bytes, seconds=time.perf_counter() - started))
+
+    def _bind_host_buffer(self, job: SaveJob) -> None:
+        """A save that started without a host buffer (its CUDA tensors wait in device
+        staging): take one from the pool, waiting or making it here, and bind it."""
+        assert job.host_buffer is not None and job.snapshot is not None
+        nbytes, pinned = job.host_buffer
+        started = time.perf_counter()
+        slot = self.pool.acquire(nbytes, pinned=pinned, block=True)
+        assert slot is not None
+        job.slot, job.host_buffer = slot, None
+        if isinstance(slot, MemorySlot):  # the data region fills the buffer: it is the shard
+            job.data = padded_to(job.data, slot.buffer.numel())
+        job.snapshot.bind(slot.buffer, job.data.gaps)
+        log.info("ckpt.snapshot.host_buffer_bound", step=job.step, rank=self.rank,
+                  waited_s=round(time.perf_counter() - started, 4))
 
     async def write_data(self, job: SaveJob) -> None:
         started = time.perf_counter()

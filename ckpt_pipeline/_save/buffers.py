@@ -47,6 +47,7 @@ class HostPool:
         self._generation = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._making = False  # reserve() allocates outside the lock
 
     @property
     def allocated_bytes(self) -> int:
@@ -57,10 +58,15 @@ class HostPool:
         return self._pinned
 
     def acquire(self, nbytes: int, *, pinned: bool, block: bool,
-                timeout: float | None = None) -> Slot | None:
-        """A free slot of at least ``nbytes``; None when ``block`` is False and none is free."""
-        with self._cond:
-            while True:
+                timeout: float | None = None, make: bool = True) -> Slot | None:
+        """A free slot of at least ``nbytes``; None when ``block`` is False and none is free.
+
+        The buffers are (re)made here when none fits and every slot is free, outside the
+        lock: another caller meanwhile finds no slot (and waits, or goes on without one).
+        ``make=False``: only a slot that exists already, never an allocation here (None
+        instead: the caller takes one later, off the training thread)."""
+        while True:
+            with self._cond:
                 if self._closed:
                     raise PipelineClosedError("the host buffer pool is closed: the pipeline "
                                               "was closed", hint="open a new pipeline")
@@ -68,23 +74,49 @@ class HostPool:
                 if fits and self._free:
                     index = self._free.pop()
                     return Slot(index, self._buffers[index], self._generation)
-                if not fits and len(self._free) == len(self._buffers):
-                    self._allocate(max(nbytes, ALIGN), pinned or self._pinned)
+                if not make:
+                    return None
+                grow = not fits and self._start_making(nbytes)
+                if not grow:
+                    if not block or not self._cond.wait(timeout):
+                        return None
                     continue
-                if not block:
-                    return None
-                if not self._cond.wait(timeout):
-                    return None
+            self._build(nbytes, pinned or self._pinned)
 
     def reserve(self, nbytes: int, *, register: bool) -> None:
         """Make every slot at ``nbytes`` now (at open, in a background thread, when the size
         is known: a restart saves the state of the step it restored), unless they are as
-        large already or a save holds one. A save that asks meanwhile waits for it."""
+        large already or a save holds one. A save that asks meanwhile waits for it (or, with
+        device staging, copies to the GPU and goes on)."""
         with self._cond:
-            if (not self._closed and len(self._free) == len(self._buffers)
-                    and self._slot_bytes < nbytes):
-                self._allocate(max(nbytes, ALIGN), register)
-            self._cond.notify_all()
+            if self._closed or self._slot_bytes >= nbytes or not self._start_making(nbytes):
+                return
+        self._build(nbytes, register)
+
+    def _start_making(self, nbytes: int) -> bool:
+        """Under the lock: claim the (re)making of every slot, if no save holds one and no
+        one is making them; the old buffers go first."""
+        if self._making or len(self._free) != len(self._buffers):
+            return False
+        self._making = True
+        self._buffers, self._free, self._slot_bytes = [], [], 0
+        self._generation += 1
+        return True
+
+    def _build(self, nbytes: int, pinned: bool) -> None:
+        """Outside the lock, after ``_start_making``: allocate and install the slots."""
+        size, pin = align_up(max(nbytes, ALIGN)), pinned and torch.cuda.is_available()
+        buffers: list[torch.Tensor] | None = None
+        try:
+            buffers = [_aligned_zeros(size, pin) for _ in range(self._slot_count)]
+        finally:
+            with self._cond:
+                self._making = False
+                if buffers is not None and not self._closed:
+                    self._buffers, self._free = buffers, list(range(len(buffers)))
+                    self._slot_bytes, self._pinned = size, pin
+                    self._generation += 1
+                self._cond.notify_all()
 
     def release(self, slot: Slot) -> None:
         with self._cond:
@@ -99,16 +131,6 @@ class HostPool:
             self._free = []
             self._slot_bytes = 0
             self._cond.notify_all()
-
-    def _allocate(self, nbytes: int, pinned: bool) -> None:
-        size = align_up(nbytes)
-        self._buffers = []  # drop the old buffers before taking new memory
-        pin = pinned and torch.cuda.is_available()
-        self._buffers = [_aligned_zeros(size, pin) for _ in range(self._slot_count)]
-        self._free = list(range(self._slot_count))
-        self._slot_bytes = size
-        self._pinned = pin
-        self._generation += 1
 
 
 def _aligned_zeros(size: int, pinned: bool) -> torch.Tensor:

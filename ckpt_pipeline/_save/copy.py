@@ -5,6 +5,10 @@ CUDA tensors are copied on a side stream, after an event recorded on the caller'
 pinned memory, and their completion is tracked by CUDA events. Version counters catch a tensor
 mutated in place while its copy may still be running. A state larger than the host buffer
 is copied later, a piece at a time, by the write_data stage (``copy_streamed.py``).
+
+With device staging, a save may start before its host buffer exists (``take_snapshot`` without
+a buffer): the CUDA tensors go to the staging buffer, the CPU ones to a copy held by the
+snapshot, and the copy stage binds the buffer once the pool has one (``Snapshot.bind``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ from .buffers import DeviceStaging, side_stream
 
 _log = log
 
-__all__ = ("Snapshot", "item_sources", "take_snapshot")
+__all__ = ("NoStagingError", "Snapshot", "item_sources", "take_snapshot")
+
+
+class NoStagingError(Exception):
+    """A save without a host buffer found no device staging buffer: it needs its host buffer
+    now (``take_snapshot`` gave back what it held)."""
 
 
 @dataclass(slots=True)
@@ -33,7 +42,7 @@ class _HostCopies:
     device: torch.device
     indices: list[int]
     staged: list[torch.Tensor]  # each tensor's copy in the staging buffer
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None until the save's host buffer is bound
     offsets: Sequence[int]
     staging: DeviceStaging
 
@@ -94,6 +103,21 @@ class Snapshot:
     caller_events: list[tuple[torch.device, torch.cuda.Event]] | None = None
     # Copies to the host the pipeline still has to queue (from device staging buffers).
     deferred: list[_HostCopies] = field(default_factory=list)
+    # A save started without its host buffer: its CPU items, copied (with their offsets), and
+    # the gaps of its data region, all written into the buffer by ``bind``.
+    held: list[torch.Tensor] | None = None
+    held_offsets: list[int] = field(default_factory=list)
+
+    def bind(self, buffer: torch.Tensor, gaps: Sequence[tuple[int, int]]) -> None:
+        """Give a save started without a host buffer its buffer (pipeline side, before
+        ``launch_host_copies``): zero the gaps, copy the held CPU items in."""
+        for start, end in gaps:
+            buffer[start:end].zero_()
+        held, self.held = self.held or [], None
+        _copy_host(buffer, self.held_offsets, held, list(range(len(held))))
+        with self.lock:
+            for item in self.deferred:
+                item.buffer = buffer
 
     @property
     def has_device_copies(self) -> bool:
@@ -109,6 +133,7 @@ class Snapshot:
             deferred, self.deferred = self.deferred, []
         for item in deferred:
             try:
+                assert item.buffer is not None, "a deferred save's host buffer is bound first"
                 side = side_stream(item.device)
                 with torch.cuda.device(item.device), torch.cuda.stream(side):
                     group: list[int] = []
@@ -201,7 +226,7 @@ def take_snapshot(
     sources: Sequence[torch.Tensor],
     offsets: Sequence[int],
     gaps: Sequence[tuple[int, int]],
-    buffer: torch.Tensor,
+    buffer: torch.Tensor | None,
     *,
     step: int,
     rank: int,
@@ -216,10 +241,15 @@ def take_snapshot(
     only copied into the device's staging buffer here (the caller waits for that alone); the
     pipeline queues the copies to the host later (``Snapshot.launch_host_copies``), off the
     training thread.
+
+    ``buffer=None`` (with ``staging``): the host buffer is bound later (``Snapshot.bind``);
+    CPU items are copied now into memory the snapshot holds. NoStagingError when a device's
+    staging buffer cannot be had: the caller then needs a host buffer now.
     """
     snap = Snapshot(step, rank)
-    for start, end in gaps:
-        buffer[start:end].zero_()
+    if buffer is not None:
+        for start, end in gaps:
+            buffer[start:end].zero_()
     by_device: dict[int, list[int]] = {}
     host: list[int] = []
     for k, src in enumerate(sources):
@@ -227,7 +257,11 @@ def take_snapshot(
             by_device.setdefault(src.get_device(), []).append(k)
         else:
             host.append(k)
-    _copy_host(buffer, offsets, sources, host)
+    if buffer is not None:
+        _copy_host(buffer, offsets, sources, host)
+    else:
+        snap.held = [sources[k].clone() for k in host]
+        snap.held_offsets = [offsets[k] for k in host]
     for t, path in zip(tensors, paths):
         if t.is_cuda:
             snap.sources.append(t)
@@ -247,6 +281,8 @@ def take_snapshot(
             if staging is not None:
                 stage_offsets, stage_bytes = _staging_layout(on_device)
                 stage = staging.acquire(device, max(stage_bytes, 1))
+            if stage is None and buffer is None:
+                raise NoStagingError(f"no staging buffer on {device}")
             if stage is not None:
                 assert staging is not None
                 staged = [_dest(stage, offset, t) for offset, t in zip(stage_offsets, on_device)]
@@ -257,6 +293,7 @@ def take_snapshot(
                     wait = torch.cuda.Event()
                     wait.record(side)
             else:
+                assert buffer is not None
                 with torch.cuda.stream(side):
                     group: list[int] = []
                     group_bytes = 0

@@ -63,6 +63,9 @@ class SaveJob:
     push: Push | None = None
     """The copies of the shard on their way to other ranks (``replicas``), from write_data
     until commit."""
+    host_buffer: tuple[int, bool] | None = None
+    """(bytes, pinned) of the host buffer a save started without (device staging holds its
+    CUDA tensors): the copy stage takes it from the pool and binds it, then clears this."""
     # each stage's result, set when it succeeded
     written: DataWritten | None = None
     sealed: Sealed | None = None

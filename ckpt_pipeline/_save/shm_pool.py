@@ -66,14 +66,16 @@ class MemoryPool:
                        for s in self._slots)
 
     def acquire(self, nbytes: int, *, pinned: bool, block: bool,
-                timeout: float | None = None) -> Slot | None:
+                timeout: float | None = None, make: bool = True) -> Slot | None:
         """A slot no save holds and no kept step or write-through holds, of at least
         ``nbytes`` (a free one too small is re-made); None when none is free and ``block`` is
-        False. A StorageError when the memory file system has no room for it."""
+        False. A StorageError when the memory file system has no room for it.
+
+        ``make=False``: only a buffer made already, never a making here (None instead)."""
         size = align_up(max(nbytes, mmap.PAGESIZE), mmap.PAGESIZE)
         register = pinned and torch.cuda.is_available()
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
                 if self._closed:
                     raise PipelineClosedError("the memory tier's buffers are closed: the "
                                               "pipeline was closed", hint="open a new pipeline")
@@ -84,15 +86,33 @@ class MemoryPool:
                             and (slot.shm.registered or not register):
                         self._holds[i].add("save")
                         return slot
-                if free:
-                    index = free[0]
-                    self._make(index, size, register)
-                    self._make_rest_later(size, register)
+                if not make:
+                    return None
+                if not free:
+                    if not block or not self._cond.wait(timeout):
+                        return None
                     continue
-                if not block:
-                    return None
-                if not self._cond.wait(timeout):
-                    return None
+                index = free[0]  # (re)made outside the lock, marked "making" meanwhile
+                self._holds[index].add("making")
+            made = self._make_for_save(index, size, register)
+            if made is not None:
+                return made
+
+    def _make_for_save(self, index: int, size: int, register: bool) -> MemorySlot | None:
+        """Make slot ``index`` (marked "making") and hand it to the save that asked, then
+        the slots never made yet in the background; None if the pool closed meanwhile."""
+        made: MemorySlot | None = None
+        try:
+            self._make(index, size, register)
+        finally:
+            with self._cond:
+                self._holds[index].discard("making")
+                if self._slots[index] is not None and not self._closed:
+                    made = self._slots[index]
+                    self._holds[index].add("save")
+                    self._make_rest_later(size, register)
+                self._cond.notify_all()
+        return made
 
     def release(self, slot: Slot) -> None:
         self._drop(slot, "save")

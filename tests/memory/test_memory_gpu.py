@@ -16,6 +16,7 @@ import torch
 
 import ckpt_pipeline as cp
 from tests._support.children import REPO, child_env
+from tests._support.gate import gated_buffer_making
 from tests._support.states import assert_same_state, make_training_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -49,6 +50,29 @@ def test_mutation_after_wait_snapshot_does_not_reach_the_memory_step(
         result = pipe.restore_latest(live)
         assert result is not None and result.from_memory == (0,)
     assert torch.equal(live["t"], torch.full((4096, 4096), 1.0, device="cuda"))
+
+
+def test_a_first_memory_save_with_device_staging_does_not_wait_for_its_buffer(
+        tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh job's shared-memory buffers are still being made (held at a gate) when the
+    first save comes: it copies to the staging buffer and returns; the step committed to
+    memory holds the bytes of the save, not those of the update after wait_snapshot()."""
+    t = torch.full((2048, 2048), 1.0, device="cuda")
+    with gated_buffer_making(monkeypatch) as gate, \
+            cp.CheckpointPipeline(tmp_path / "root", memory=str(shm_dir),
+                                  device_staging=True) as pipe:
+        handle = pipe.save(1, {"t": t})
+        pipe.wait_snapshot()
+        assert pipe.host_memory_bytes == 0  # save() returned with no buffer made yet
+        t.add_(1.0)
+        assert gate.entered.wait(30)
+        assert not handle.done()
+        gate.opened.set()
+        assert handle.result(60).tier == "memory"
+        live = {"t": torch.zeros_like(t)}
+        result = pipe.restore_latest(live)
+        assert result is not None and result.from_memory == (0,)
+    assert torch.equal(live["t"], torch.full_like(t, 1.0))
 
 
 _CUDA_CHILD = """
