@@ -275,3 +275,35 @@ def test_buffers_made_at_open_when_their_size_is_given(tmp_path: Path, shm_dir: 
         assert len(os.listdir(shm_dir / "slots" / "rank-0")) == 3
         pipe.save(1, _state(1)).result(30)
         assert pipe.host_memory_bytes == 3 << 20  # the state fits: nothing re-made
+
+
+def _resident_bytes(address: int) -> int:
+    """The resident bytes of this process's mapping that starts at ``address`` (smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and int(head.split("-")[0], 16) == address:
+            for entry in lines[i + 1:]:
+                if entry.startswith("Rss:"):
+                    return int(entry.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_a_buffers_pages_are_mapped_in_before_it_is_registered(shm_dir: Path) -> None:
+    """Registration should not also fault the pages in (it holds the CUDA driver while it
+    does): ``_populate`` maps the whole buffer in first."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps")
+    from ckpt_pipeline._tiers.memory import shm
+
+    shm_dir.mkdir()
+    size = 16 << 20
+    buffer = shm.ShmBuffer(str(shm_dir / "b"), size, register=False)
+    try:
+        assert buffer.tensor is not None
+        address = buffer.tensor.data_ptr()
+        assert _resident_bytes(address) < size  # fallocate gave the file pages, not the map
+        shm._populate(address, size)
+        assert _resident_bytes(address) == size
+    finally:
+        buffer.close()
