@@ -7,6 +7,8 @@ H200) runs once per save interval and variant, on one GPU:
 
 - ``none``: no checkpoints, the baseline of every ratio, measured at each interval in this run;
 - ``ckpt_pipeline``: today's default (every save to the disk root);
+- ``ckpt_pipeline_staged``: the same with ``device_staging=True`` (the tier off; its first
+  save copies to the GPU and returns while its pinned host buffer is made);
 - ``ckpt_pipeline_memory``: the memory tier, ``memory=cp.MemoryConfig(path=/dev/shm/..., slots=3,
   keep=1, disk_every=4)``: every save commits to shared memory, every 4th is written through;
 - ``ckpt_pipeline_memory_sized``: the same, its buffers made at open
@@ -94,7 +96,8 @@ from bench_training import (
 GB = 1e9
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "memory_tier_gpu.json"
-SWEEP_VARIANTS = ("none", "ckpt_pipeline", "ckpt_pipeline_memory", "ckpt_pipeline_memory_sized",
+SWEEP_VARIANTS = ("none", "ckpt_pipeline", "ckpt_pipeline_staged", "ckpt_pipeline_memory",
+                  "ckpt_pipeline_memory_sized",
                   "ckpt_pipeline_memory_staged", "ckpt_pipeline_memory_staged_fresh",
                   "nvrx_local")
 SYNC_MODES = ("device", "stream")

@@ -7,9 +7,11 @@ while another thread makes one buffer of ``--gib`` GiB in one of these ways:
 - ``register``: ``cudaHostRegister`` of such a file, already sized, in one call;
 - ``register_chunks``: the same in pieces of ``--chunk-mib`` MiB, one call each;
 - ``populate``: ``madvise(MADV_POPULATE_WRITE)`` of such a file's mapping (the library's
-  ``_populate``), then ``register_prefaulted``: ``cudaHostRegister`` of it, to see whether
+  ``populate``, 4 threads), then ``register_prefaulted``: ``cudaHostRegister`` of it, to see whether
   registration costs less when it need not fault the pages in;
 - ``shm_buffer``: the memory tier's own ``ShmBuffer`` (fallocate, map, populate, register);
+- ``pinned_mapping``: the host pool's own ``PinnedMapping`` (an anonymous mapping, populated,
+  registered), what the pool is made of since it no longer uses torch's pinned allocator;
 - ``pinned``: ``torch.empty(..., pin_memory=True)`` (cudaHostAlloc, the tier-off pool);
   ``--only pinned`` under ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,...``
   measures PyTorch's other way of making pinned memory (malloc, fault in, register).
@@ -38,7 +40,9 @@ from typing import Any
 
 import torch
 
-from ckpt_pipeline._tiers.memory.shm import ShmBuffer, _populate
+from ckpt_pipeline._hostmem import PinnedMapping
+from ckpt_pipeline._hostmem import populate as populate_pages
+from ckpt_pipeline._tiers.memory.shm import ShmBuffer
 
 
 def _loop_while(action: Callable[[], None] | None, steps_min: int, a: torch.Tensor
@@ -127,11 +131,14 @@ def main() -> None:
 
     def populate() -> None:
         m = keep[-1][1]
-        _populate(_ptr(m), size)
+        populate_pages(_ptr(m), size)
 
     def shm_buffer() -> None:
         path = f"/dev/shm/ckpt-stall-{uuid.uuid4().hex[:8]}"
         keep.append((ShmBuffer(path, size, register=True), path))
+
+    def pinned_mapping() -> None:
+        keep.append(PinnedMapping(size))
 
     def pinned() -> None:
         keep.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
@@ -145,6 +152,7 @@ def main() -> None:
         ("populate", populate, None),
         ("register_prefaulted", register_prefaulted, None),
         ("shm_buffer", shm_buffer, None),
+        ("pinned_mapping", pinned_mapping, None),
         ("pinned", pinned, None),
     ]
     if args.only:
@@ -169,6 +177,8 @@ def main() -> None:
         if isinstance(item, tuple) and isinstance(item[0], ShmBuffer):
             item[0].close()
             os.unlink(item[1])
+        elif isinstance(item, PinnedMapping):
+            item.close()
         elif isinstance(item, tuple):
             os.close(item[0])
             os.unlink(item[2])

@@ -21,12 +21,13 @@ from typing import Any
 
 GB = 1e9
 LABELS = {"none": "no checkpoint", "ckpt_pipeline": "ckpt_pipeline (disk)",
+          "ckpt_pipeline_staged": "ckpt_pipeline (disk), device_staging=True",
           "ckpt_pipeline_memory": "ckpt_pipeline, memory tier (disk every 4th)",
           "ckpt_pipeline_memory_sized": "the same, buffers made at open (slot_bytes)",
           "ckpt_pipeline_memory_staged": "made at open, device_staging=True",
           "ckpt_pipeline_memory_staged_fresh": "fresh job, device_staging=True",
           "nvrx_local": "NVRx local checkpoints (async)"}
-COLORS = {"none": "tab:gray", "ckpt_pipeline": "tab:olive",
+COLORS = {"none": "tab:gray", "ckpt_pipeline": "tab:olive", "ckpt_pipeline_staged": "tab:brown",
           "ckpt_pipeline_memory": "tab:green", "ckpt_pipeline_memory_sized": "tab:cyan",
           "ckpt_pipeline_memory_staged": "tab:red",
           "ckpt_pipeline_memory_staged_fresh": "tab:orange", "nvrx_local": "tab:blue"}

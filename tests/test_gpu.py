@@ -297,3 +297,40 @@ def test_cuda_views_and_tied_weights_are_written_once_and_come_back_aliased(root
         assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
         got["base"][100] = -1.0
         assert got["view"][0].item() == -1.0
+
+
+def test_pinned_host_buffers_are_registered_mappings_that_close_cleanly() -> None:
+    """The pool's pinned slots are page-locked mappings of the slot's size (not torch's
+    power-of-2 pinned blocks): copies land in them asynchronously and bit-exact, a forked
+    child runs without them, and the pool's close unregisters before it unmaps (a pinned
+    allocation afterwards still works)."""
+    import os
+
+    from ckpt_pipeline._format.region import align_up
+    from ckpt_pipeline._save.buffers import HostPool
+
+    nbytes = 40_000_000
+    pool = HostPool(2)
+    slot = pool.acquire(nbytes, pinned=True, block=True)
+    assert slot is not None and pool.pinned
+    assert slot.buffer.is_pinned() and slot.buffer.numel() == align_up(nbytes)
+    assert pool.allocated_bytes == 2 * align_up(nbytes)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        slot.buffer[:nbytes].copy_(src, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(slot.buffer[:nbytes], src.cpu())
+    start = f"{slot.buffer.data_ptr():x}-"
+    pid = os.fork()
+    if pid == 0:  # the child, without touching CUDA: is the buffer mapped here?
+        with open("/proc/self/maps") as maps:
+            inherited = any(line.startswith(start) for line in maps)
+        os._exit(1 if inherited else 0)
+    assert os.waitpid(pid, 0)[1] == 0, "a forked child inherited the pinned buffer"
+    pool.release(slot)
+    del slot
+    pool.close()
+    assert pool.allocated_bytes == 0
+    after = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    assert after.is_pinned()

@@ -14,6 +14,7 @@ import torch
 
 from .._format.limits import ALIGN
 from .._format.region import align_up
+from .._hostmem import PinnedMapping
 from .._logging import log
 from ..errors import PipelineClosedError
 
@@ -35,7 +36,10 @@ class HostPool:
     """Host buffers allocated once, sized to the state, and reused for every save.
 
     The pool grows (all slots re-allocated) only when a save needs more bytes than a slot holds,
-    and only once every slot is free again; the number of slots bounds host memory.
+    and only once every slot is free again; the number of slots bounds host memory. Pinned
+    slots are ``PinnedMapping``s (populated, then registered, so that making them holds up
+    the GPU for a fraction of what torch's pinned allocation does, at the exact size rather
+    than the next power of 2); torch's pinned memory where CUDA refuses to register one.
     """
 
     def __init__(self, slots: int) -> None:
@@ -48,6 +52,7 @@ class HostPool:
         self._cond = threading.Condition()
         self._closed = False
         self._making = False  # reserve() allocates outside the lock
+        self._mappings: list[PinnedMapping] = []  # what the pinned slots are made of
 
     @property
     def allocated_bytes(self) -> int:
@@ -104,19 +109,27 @@ class HostPool:
         return True
 
     def _build(self, nbytes: int, pinned: bool) -> None:
-        """Outside the lock, after ``_start_making``: allocate and install the slots."""
+        """Outside the lock, after ``_start_making``: free the old slots, allocate and
+        install the new ones."""
         size, pin = align_up(max(nbytes, ALIGN)), pinned and torch.cuda.is_available()
+        with self._cond:
+            old, self._mappings = self._mappings, []
+        _close_mappings(old)
         buffers: list[torch.Tensor] | None = None
+        mappings: list[PinnedMapping] = []
         try:
-            buffers = [_aligned_zeros(size, pin) for _ in range(self._slot_count)]
+            buffers = [_host_buffer(size, pin, mappings) for _ in range(self._slot_count)]
         finally:
             with self._cond:
                 self._making = False
                 if buffers is not None and not self._closed:
                     self._buffers, self._free = buffers, list(range(len(buffers)))
                     self._slot_bytes, self._pinned = size, pin
+                    self._mappings = mappings
                     self._generation += 1
+                    mappings = []
                 self._cond.notify_all()
+            _close_mappings(mappings)  # made for a pool closed meanwhile, or half made
 
     def release(self, slot: Slot) -> None:
         with self._cond:
@@ -130,7 +143,37 @@ class HostPool:
             self._buffers = []
             self._free = []
             self._slot_bytes = 0
+            old, self._mappings = self._mappings, []
             self._cond.notify_all()
+        _close_mappings(old)
+
+
+def _host_buffer(size: int, pinned: bool, mappings: list[PinnedMapping]) -> torch.Tensor:
+    """One slot's buffer: a ``PinnedMapping`` (appended to ``mappings``) where pinned, torch's
+    pinned memory where CUDA refuses to register one, pageable memory otherwise."""
+    if pinned:
+        try:
+            mapping = PinnedMapping(size)
+        except (OSError, RuntimeError) as exc:
+            _log.warning("ckpt.snapshot.pinned_mapping_refused", bytes=size, error=str(exc),
+                         hint="using torch's pinned memory instead")
+        else:
+            mappings.append(mapping)
+            assert mapping.tensor is not None
+            return mapping.tensor
+    return _aligned_zeros(size, pinned)
+
+
+def _close_mappings(mappings: list[PinnedMapping]) -> None:
+    """Unregister and unmap slots that no save holds, once the GPU's copies into them are
+    done (the side streams synchronised: a copy may still land after its slot's release on
+    a failed or cancelled save)."""
+    if not mappings:
+        return
+    for stream in list(_side_streams.values()):
+        stream.synchronize()
+    for mapping in mappings:
+        mapping.close()
 
 
 def _aligned_zeros(size: int, pinned: bool) -> torch.Tensor:

@@ -33,7 +33,7 @@ class Gate:
 def gated_buffer_making(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     """Every host buffer made inside waits for the gate (opened at the latest on exit)."""
     gate = Gate()
-    monkeypatch.setattr(buffers, "_aligned_zeros", gate.wrap(buffers._aligned_zeros))
+    monkeypatch.setattr(buffers, "_host_buffer", gate.wrap(buffers._host_buffer))
     monkeypatch.setattr(shm_pool, "ShmBuffer", gate.wrap(ShmBuffer))
     try:
         yield gate

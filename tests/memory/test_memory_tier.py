@@ -291,9 +291,10 @@ def _resident_bytes(address: int) -> int:
 
 def test_a_buffers_pages_are_mapped_in_before_it_is_registered(shm_dir: Path) -> None:
     """Registration should not also fault the pages in (it holds the CUDA driver while it
-    does): ``_populate`` maps the whole buffer in first."""
+    does): ``populate`` maps the whole buffer in first."""
     if not Path("/proc/self/smaps").exists():
         pytest.skip("no /proc/self/smaps")
+    from ckpt_pipeline._hostmem import populate
     from ckpt_pipeline._tiers.memory import shm
 
     shm_dir.mkdir()
@@ -303,7 +304,7 @@ def test_a_buffers_pages_are_mapped_in_before_it_is_registered(shm_dir: Path) ->
         assert buffer.tensor is not None
         address = buffer.tensor.data_ptr()
         assert _resident_bytes(address) < size  # fallocate gave the file pages, not the map
-        shm._populate(address, size)
+        assert populate(address, size, threads=3)
         assert _resident_bytes(address) == size
     finally:
         buffer.close()

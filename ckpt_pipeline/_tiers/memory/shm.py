@@ -4,11 +4,8 @@ touched, never an error), mapped shared, and registered with CUDA where a GPU is
 that device-to-host copies land in it at the speed of pinned memory. It outlives the process:
 a restart after a crash finds its bytes.
 
-Before registering, its pages are mapped in with ``madvise(MADV_POPULATE_WRITE)``: registration
-holds the CUDA driver, and other threads' kernels and copies wait behind it, so it should
-not also fault the pages in. On an H200, 4.5 GiB registered in 2.06 s unpopulated (the loop
-running meanwhile stalled for all of it) and in 0.23 s populated; the populate itself, 1.27 s,
-is CPU work that the GPU does not wait for (``benchmarks/gpu_register_stall.py``).
+Its pages are mapped in before it is registered (``_hostmem.register``: registration holds
+the CUDA driver, and the GPU work of other threads waits behind it).
 
 The file's first ``size`` bytes are mapped (the data region of the shard it holds); the shard
 header is written after them through the descriptor, so that the file can be cut to the
@@ -17,19 +14,19 @@ shard's exact size without ever truncating a mapped page.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
 
 import torch
 
+from ..._hostmem import register as register_host
+from ..._hostmem import unregister
 from ..._logging import log
 from ...errors import StorageError
 
 __all__ = ("ShmBuffer", "free_bytes", "room_error")
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14; the mmap module does not name it before Python 3.13
 
 
 def free_bytes(path: str) -> int:
@@ -86,7 +83,7 @@ class ShmBuffer:
         self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
         self.registered = False
         if register:
-            self.registered = _register(self.tensor.data_ptr(), size, path)
+            self.registered = register_host(self.tensor.data_ptr(), size, what=path)
 
     def close(self) -> None:
         """Unregister, unmap, close the descriptor (idempotent; the file stays)."""
@@ -94,9 +91,7 @@ class ShmBuffer:
         if tensor is None:
             return
         if self.registered:
-            result = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
-            if result != 0:
-                log.warning("ckpt.memory.unregister_failed", error=result)
+            unregister(tensor.data_ptr(), what="shared-memory buffer")
             self.registered = False
         del tensor
         try:
@@ -104,30 +99,3 @@ class ShmBuffer:
         except BufferError:  # a view of it is still alive: the mapping goes with the last one
             log.warning("ckpt.memory.unmap_deferred", bytes=self.size)
         os.close(self.fd)
-
-
-def _populate(ptr: int, size: int) -> None:
-    """Map the pages in now (through ctypes, which lets go of the GIL; the mmap module's
-    ``madvise`` holds it); a kernel without ``MADV_POPULATE_WRITE`` leaves it to the
-    registration."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        failed = libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(size),
-                              ctypes.c_int(_MADV_POPULATE_WRITE)) != 0
-    except (OSError, AttributeError):
-        return
-    if failed:
-        log.debug("ckpt.memory.populate_unavailable", error=os.strerror(ctypes.get_errno()))
-
-
-def _register(ptr: int, size: int, path: str) -> bool:
-    """Register the mapping with CUDA (page-locked, a DMA target); False where it cannot."""
-    if not torch.cuda.is_available():
-        return False
-    _populate(ptr, size)
-    result = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))
-    if result != 0:
-        log.warning("ckpt.memory.register_failed", path=path, bytes=size, error=result,
-                    hint="copies to this buffer run at pageable speed")
-        return False
-    return True
