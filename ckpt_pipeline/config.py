@@ -68,7 +68,10 @@ class PipelineConfig:
       device-to-device copy, tens of times faster than to the host), and to the host from
       there: the next in-place update waits only for the device copy. Costs GPU memory as
       large as the state's CUDA tensors, allocated once; where it does not fit, saves copy
-      straight to the host. Not used by streamed saves (``host_buffer_bytes``).
+      straight to the host. A save that finds no host buffer ready (a fresh job's first
+      save, or every slot busy with ``when_busy="block"``) does not wait for one either: the
+      pipeline takes it after ``save()`` returns. Not used by streamed saves
+      (``host_buffer_bytes``).
     - ``snapshot_mode``: ``"overlap"`` copies CUDA tensors on a side stream and expects
       ``wait_snapshot()`` before the next in-place update; ``"ordered"`` makes the caller's
       stream wait for the copies inside ``save()`` (no protocol, copy time on the GPU timeline).

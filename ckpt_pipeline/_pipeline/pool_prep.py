@@ -1,15 +1,17 @@
 """Make the host buffers before the first save asks for them, off the training thread.
 
-Allocating gigabytes of pinned memory, or registering shared-memory files with CUDA, takes
-seconds (2.6 s for 4 GiB on an H200). Made by the first save, that time blocks the training
-thread. So the pool is made in a background thread as soon as a size is known:
+Making gigabytes of page-locked memory takes seconds (on an H200, 1.5 s for 4.5 GiB mapped,
+populated and registered). Made by the first save, that time blocks the training thread. So
+the pool is made in a background thread as soon as a size is known:
 
 - at open, from the newest step of this rank in the root or the memory tier (a restart saves
   the state it restored), or from ``MemoryConfig(slot_bytes=)`` (made by the tier itself);
 - else at the first ``restore()`` or ``restore_latest()``, from the state passed in, which a
   fresh job passes too (the restore then finds nothing): the state's own layout.
 
-A save that comes while its buffer is still being made waits for that buffer only.
+A save that comes while its buffer is still being made waits for that buffer only (with
+device staging it does not wait: it copies to the GPU and returns, and the copy stage takes the
+buffer when it is made).
 """
 
 from __future__ import annotations
