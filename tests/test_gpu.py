@@ -299,6 +299,7 @@ def test_cuda_views_and_tied_weights_are_written_once_and_come_back_aliased(root
         assert got["view"][0].item() == -1.0
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_pinned_host_buffers_are_registered_mappings_that_close_cleanly() -> None:
     """The pool's pinned slots are page-locked mappings of the slot's size (not torch's
     power-of-2 pinned blocks): copies land in them asynchronously and bit-exact, a forked
@@ -323,7 +324,8 @@ def test_pinned_host_buffers_are_registered_mappings_that_close_cleanly() -> Non
     assert torch.equal(slot.buffer[:nbytes], src.cpu())
     start = f"{slot.buffer.data_ptr():x}-"
     pid = os.fork()
-    if pid == 0:  # the child, without touching CUDA: is the buffer mapped here?
+    if pid == 0:  # the child reads a file and exits (safe in a threaded parent): is the
+        # buffer mapped here?
         with open("/proc/self/maps") as maps:
             inherited = any(line.startswith(start) for line in maps)
         os._exit(1 if inherited else 0)
