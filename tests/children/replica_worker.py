@@ -24,7 +24,11 @@ every rank (a barrier, so that each holder's copy server is still up), before th
 closes.
 
 With ``--persistent URL`` the pipelines also promote every ``--persist-every``-th step there
-(``tests/replicate/test_persist_ranks.py``).
+(``tests/replicate/test_persist_ranks.py``). With ``--memory BASE`` they keep each save in a
+memory tier at ``BASE/rank-r`` (``disk_every=--disk-every``, ``keep=1``), and the ``save``
+phase records per step the memory commit and what became durable on disk (with its copies);
+``--crash-after-save`` then ends each rank with SIGKILL once every rank has settled its saves
+(a process crash: no close, so the newest memory-only step is not written through).
 
 Scenarios (``--scenario``, default ``plain``) inject what a test needs:
 
@@ -46,6 +50,7 @@ import faulthandler
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -175,6 +180,11 @@ def run_save(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> None:
                 _settle(handle, step, blocking, rng, time.monotonic(), saves, args)
         out["host_memory_bytes"] = memory
         out["rss_bytes"] = rss
+        if args.crash_after_save:
+            out["saves"], out["events"] = saves, events
+            dist.barrier()  # every rank has settled its saves
+            write_out(args, out)
+            os.kill(os.getpid(), signal.SIGKILL)
     out["saves"] = saves
     out["events"] = events
 
@@ -191,7 +201,11 @@ def _settle(handle: cp.SaveHandle, step: int, blocking: float, rng: str, started
         saves[str(step)] = {"ok": True, "replica_holders": list(info.replica_holders),
                             "missing": [list(m) for m in info.missing_replicas],
                             "seconds": time.monotonic() - started, "blocking": blocking,
-                            "rng": rng}
+                            "rng": rng, "tier": info.tier}
+        if args.memory is not None:
+            durable = handle.durable(args.max_seconds)
+            saves[str(step)]["durable_holders"] = (
+                None if durable is None else list(durable.replica_holders))
     except cp.CheckpointError as exc:
         saves[str(step)] = {"ok": False, "error": _error(exc), "blocking": blocking}
 
@@ -228,6 +242,7 @@ def run_restore(args: argparse.Namespace, rank: int, out: dict[str, Any]) -> Non
                     "foreign": {str(k): list(v) for k, v in result.foreign.items()},
                     "fetched": {str(k): v for k, v in result.fetched.items()},
                     "downloaded": list(result.downloaded),
+                    "from_memory": list(result.from_memory),
                     "train_state": {"step": result.train_state.step,
                                     "consumed": result.train_state.consumed_train_samples,
                                     "extra": dict(result.train_state.extra)},
@@ -261,11 +276,20 @@ def _options(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     options = {"replication": replication,
                "keep_last": args.keep_last, "coordination_timeout_s": args.coordination_timeout,
                "io_threads": 2, "direct_io": False, "max_failures_in_row": args.max_failures}
+    if args.memory is not None:
+        options["memory"] = cp.MemoryConfig(str(args.memory / f"rank-{rank}"), keep=1,
+                                            disk_every=args.disk_every)
     if args.persistent:
         options["persistent"] = cp.PersistentConfig(
             args.persistent, every=args.persist_every,
             options=json.loads(os.environ.get("CKPT_TEST_PERSIST_OPTIONS", "null")))
     return options
+
+
+def write_out(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1, default=str))
+    tmp.replace(args.out)
 
 
 def main() -> None:
@@ -297,6 +321,10 @@ def main() -> None:
     parser.add_argument("--wait-copies", action="store_true",
                         help="after a restore, wait for this rank's copies sent again")
     parser.add_argument("--restore-step", type=int, default=None)
+    parser.add_argument("--memory", default=None, type=Path,
+                        help="a memory tier per rank under this directory")
+    parser.add_argument("--disk-every", type=int, default=2)
+    parser.add_argument("--crash-after-save", action="store_true")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",") if s]
@@ -320,9 +348,7 @@ def main() -> None:
             run_save(args, rank, out)
     except BaseException as exc:
         out["fatal"] = _error(exc)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1, default=str))
-    tmp.replace(args.out)
+    write_out(args, out)
     dist.destroy_process_group()
     sys.exit(1 if "fatal" in out else 0)
 
