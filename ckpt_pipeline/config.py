@@ -64,14 +64,18 @@ class PipelineConfig:
       copied, after the others are on disk: host memory traded for blocking time.
     - ``when_busy``: what ``save()`` does when every slot is busy: ``"block"`` waits for one,
       ``"skip"`` drops this save and emits ``SaveSkipped``.
-    - ``device_staging``: copy CUDA tensors first into a staging buffer on their own GPU (a
-      device-to-device copy, tens of times faster than to the host), and to the host from
-      there: the next in-place update waits only for the device copy. Costs GPU memory as
-      large as the state's CUDA tensors, allocated once; where it does not fit, saves copy
-      straight to the host. A save that finds no host buffer ready (a fresh job's first
-      save, or every slot busy with ``when_busy="block"``) does not wait for one either: the
-      pipeline takes it after ``save()`` returns. Not used by streamed saves
-      (``host_buffer_bytes``).
+    - ``device_staging``: ``True`` copies CUDA tensors first into a staging buffer on their
+      own GPU (a device-to-device copy, tens of times faster than to the host), and to the
+      host from there: the next in-place update waits only for the device copy. Costs GPU
+      memory as large as the state's CUDA tensors, allocated once; where it does not fit,
+      saves copy straight to the host. A save that finds no host buffer ready (a fresh job's
+      first save, or every slot busy with ``when_busy="block"``) does not wait for one
+      either: the pipeline takes it after ``save()`` returns. ``None`` (the default) stages
+      only a save whose host buffers are not made yet (a fresh job's first save, which would
+      otherwise wait seconds for gigabytes of pinned memory), in a buffer allocated for it
+      where the GPU keeps a tenth of its memory free beside it, and freed (to PyTorch's
+      caching allocator) once its copies to the host are queued. ``False`` never stages.
+      Not used by streamed saves (``host_buffer_bytes``) nor under ``when_busy="skip"``.
     - ``snapshot_mode``: ``"overlap"`` copies CUDA tensors on a side stream and expects
       ``wait_snapshot()`` before the next in-place update; ``"ordered"`` makes the caller's
       stream wait for the copies inside ``save()`` (no protocol, copy time on the GPU timeline).
@@ -104,7 +108,7 @@ class PipelineConfig:
     buffer_slots: int
     host_buffer_bytes: int | None
     when_busy: BusyPolicy
-    device_staging: bool
+    device_staging: bool | None
     snapshot_mode: SnapshotMode
     capture_rng: bool
     restore_rng: bool
@@ -122,7 +126,7 @@ class PipelineConfig:
     def __init__(self, *, keep_last: int | None = None,
                  retention: RetentionPolicy | Sequence[RetentionPolicy] | None = None,
                  buffer_slots: int = 1, host_buffer_bytes: int | None = None,
-                 when_busy: BusyPolicy = "block", device_staging: bool = False,
+                 when_busy: BusyPolicy = "block", device_staging: bool | None = None,
                  snapshot_mode: SnapshotMode = "overlap", capture_rng: bool = True,
                  restore_rng: bool = True, chunk_bytes: int = 64 * _MiB, io_threads: int = 8,
                  direct_io: bool = True, queue_depth: int = 4,
@@ -237,9 +241,14 @@ class PipelineConfig:
         if not isinstance(self.replication, ReplicationConfig):
             raise ConfigError(f"replication={self.replication!r} is not a ReplicationConfig",
                               hint="for example replication=ReplicationConfig(copies=1)")
-        for name in ("capture_rng", "restore_rng", "strict", "direct_io", "device_staging"):
+        for name in ("capture_rng", "restore_rng", "strict", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")
+        if self.device_staging is not None and not isinstance(self.device_staging, bool):
+            raise ConfigError(f"device_staging must be True, False or None, got "
+                              f"{self.device_staging!r}",
+                              hint="None (the default) stages only saves whose host buffers "
+                                   "are not made yet")
 
 
 class PipelineOptions(TypedDict, total=False):
@@ -255,7 +264,7 @@ class PipelineOptions(TypedDict, total=False):
     buffer_slots: int
     host_buffer_bytes: int | None
     when_busy: BusyPolicy
-    device_staging: bool
+    device_staging: bool | None
     snapshot_mode: SnapshotMode
     capture_rng: bool
     restore_rng: bool

@@ -205,6 +205,60 @@ def test_a_first_save_with_device_staging_does_not_wait_for_its_host_buffer(
     assert torch.equal(live["c"], torch.arange(16))
 
 
+def test_a_fresh_jobs_first_save_stages_on_the_gpu_until_its_host_buffer_is_made(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (device_staging=None): the first save finds no host buffer made, copies to
+    a transient staging buffer and returns; the buffer is freed once its host copies are
+    queued, and the next save, its host buffer made, copies straight to the host."""
+    t = torch.full((2048, 2048), 1.0, device="cuda")  # 16 MiB
+    with gated_buffer_making(monkeypatch) as gate, cp.CheckpointPipeline(root) as pipe:
+        handle = pipe.save(1, {"t": t})
+        pipe.wait_snapshot()
+        assert pipe.host_memory_bytes == 0  # save() returned with no host buffer made yet
+        assert pipe.device_memory_bytes >= t.numel() * 4  # the bridge holds the bytes
+        t.add_(1.0)  # after wait_snapshot(): not in step 1
+        assert gate.entered.wait(30)
+        assert not handle.done()
+        gate.opened.set()
+        handle.result(60)
+        assert pipe.host_memory_bytes > 0
+        assert pipe.device_memory_bytes == 0  # freed
+        handle = pipe.save(2, {"t": t})
+        assert pipe.device_memory_bytes == 0  # a host buffer is made: no staging
+        pipe.wait_snapshot()
+        handle.result(60)
+    for step, value in ((1, 1.0), (2, 2.0)):
+        loaded = cp.load(root, step=step, map_location="cuda")
+        assert torch.equal(loaded.tree["t"], torch.full_like(t, value)), step
+
+
+@pytest.mark.parametrize("case", ["no_room", "never"])
+def test_a_first_save_without_staging_waits_for_its_host_buffer(
+        root: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """No room on the GPU beside the state (a fake free-memory figure: a full GPU cannot be
+    had on demand), or device_staging=False: save() makes the host buffer itself, and no
+    GPU memory is taken."""
+    t = torch.randn(2048, 2048, device="cuda")
+    asked: list[int] = []
+    real = torch.cuda.mem_get_info
+
+    def nearly_full(device: torch.device | int | None = None) -> tuple[int, int]:
+        free, total = real(device)
+        asked.append(free)
+        return total // 20, total  # 5% free: under the tenth the bridge leaves
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", nearly_full)
+    staging = False if case == "never" else None
+    with cp.CheckpointPipeline(root, device_staging=staging) as pipe:
+        handle = pipe.save(1, {"t": t})
+        assert pipe.host_memory_bytes > 0  # made by save() itself
+        assert pipe.device_memory_bytes == 0
+        pipe.wait_snapshot()
+        handle.result(60)
+    assert bool(asked) == (case == "no_room")
+    assert torch.equal(cp.load(root, step=1, map_location="cuda").tree["t"], t)
+
+
 def test_device_staging_that_does_not_fit_copies_straight_to_the_host(root: Path) -> None:
     t = torch.randn(8192, 8192, device="cuda")  # 256 MiB
     total = torch.cuda.get_device_properties(0).total_memory

@@ -11,6 +11,13 @@ busy) does not wait for it on the training thread: ``acquire`` answers ``LATER``
 CUDA tensors go to the staging buffer, and the copy stage takes the host buffer (``SaveJob.
 host_buffer``). The training thread then waits at most for the staging buffer, which the
 previous save holds until its copies to the host are queued.
+
+Without it (``device_staging=None``, the default), the same holds for a save whose host
+buffers are not made yet (a fresh job's first save, or one that comes while they are being
+made): its CUDA tensors go to a transient staging buffer (the *bridge*), allocated only where
+the GPU has room for it and freed once its copies to the host are queued. A save that finds the
+bridge held, or no room for it, waits for its host buffer as before. ``device_staging=False``
+never stages.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ class Admission:
 
     def __init__(self, options: SnapshotOptions, rank: int, world_size: int, root: str,
                  ledger: Ledger, pool: HostPool | MemoryPool, staging: DeviceStaging | None,
-                 emit: Callable[[Event], None]) -> None:
+                 emit: Callable[[Event], None], *, bridge: DeviceStaging | None = None) -> None:
         self.options = options
         self.rank = rank
         self.world_size = world_size
@@ -85,6 +92,8 @@ class Admission:
         self.ledger = ledger
         self.pool = pool
         self.staging = staging
+        self.bridge = bridge
+        """Transient staging for saves whose host buffers are not made yet (module docstring)."""
         self._emit = emit
         self.run_id = ""
         self.pid = os.getpid()
@@ -162,6 +171,9 @@ class Admission:
         if self._may_defer(plan):
             slot = self.pool.acquire(max(size, 1), pinned=plan.pinned, block=False, make=False)
             return LATER if slot is None else slot
+        if self._may_bridge(plan) and not self.pool.made_for(max(size, 1), pinned=True):
+            slot = self.pool.acquire(max(size, 1), pinned=True, block=False, make=False)
+            return LATER if slot is None else slot
         try:
             return self.pool.acquire(max(size, 1), pinned=plan.pinned, block=wait)
         except StorageError as exc:  # no room for a memory buffer: this save fails
@@ -174,6 +186,11 @@ class Admission:
         """Whether a save may start before its host buffer exists: with device staging (a
         staging buffer holds its CUDA tensors meanwhile), under ``when_busy="block"``."""
         return (self.staging is not None and plan.pinned and not plan.streamed
+                and self.options.when_busy == "block")
+
+    def _may_bridge(self, plan: SavePlan) -> bool:
+        """Whether a save whose host buffers are not made yet may start in the bridge."""
+        return (self.bridge is not None and plan.pinned and not plan.streamed
                 and self.options.when_busy == "block")
 
     def start(self, plan: SavePlan, slot: Slot | Later | None) -> SaveJob:
@@ -218,7 +235,8 @@ class Admission:
                                  None if slot is None else slot.buffer, step=step,
                                  rank=self.rank,
                                  ordered=self.options.snapshot_mode == "ordered",
-                                 staging=self.staging)
+                                 staging=self.staging if slot is not None or self.bridge is None
+                                 else self.bridge)
         save_id = f"{self.run_id}-{step}"
         control = HandleControl(step, save_id, snap)
         job = SaveJob(

@@ -146,11 +146,15 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 anyio.CapacityLimiter(config.io_threads),  # its own: a memory commit never
                 self.timeline, world_size=world_size)      # queues behind a disk write
         self._staging = DeviceStaging() if config.device_staging else None
+        # Without device_staging: a bridge for the saves that find no host buffer made yet.
+        self._bridge = (DeviceStaging(transient=True) if config.device_staging is None
+                        else None)
         self._pool_prep = PoolPrep(self._pool, self.rank, config.host_buffer_bytes,
                                    made_by_tier=config.memory is not None
                                    and config.memory.slot_bytes is not None)
         self.admission = Admission(config.snapshot, self.rank, world_size, root_path,
-                                   self.ledger, self._pool, self._staging, emit)
+                                   self.ledger, self._pool, self._staging, emit,
+                                   bridge=self._bridge)
         self.replication = Replication(self.storage, config.replication, emit, rank=self.rank,
                                        world_size=world_size)
         self.promoter = (None if config.persistent is None
@@ -218,8 +222,9 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 with anyio.CancelScope(shield=True):
                     await self.memory.close(self.storage)
             self._pool.close()
-            if self._staging is not None:
-                self._staging.close()
+            for staging in (self._staging, self._bridge):
+                if staging is not None:
+                    staging.close()
             lock.release()
             self.state = PipelineState.CLOSED
         assert raised is not None
@@ -287,8 +292,9 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
 
     @property
     def device_memory_bytes(self) -> int:
-        """Bytes of GPU memory held by the device staging buffers (``device_staging``)."""
-        return 0 if self._staging is None else self._staging.allocated_bytes
+        """Bytes of GPU memory held by the device staging buffers (``device_staging``), and
+        by a transient one a save holds while its host buffer is made."""
+        return sum(s.allocated_bytes for s in (self._staging, self._bridge) if s is not None)
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback(event)`` for every event (from the thread that emits it).

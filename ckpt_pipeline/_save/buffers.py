@@ -88,6 +88,13 @@ class HostPool:
                     continue
             self._build(nbytes, pinned or self._pinned)
 
+    def made_for(self, nbytes: int, *, pinned: bool) -> bool:
+        """Whether every slot has a buffer of at least ``nbytes`` (free or held), none of
+        them being (re)made."""
+        with self._cond:
+            return (not self._making and nbytes <= self._slot_bytes
+                    and (self._pinned or not pinned))
+
     def reserve(self, nbytes: int, *, register: bool) -> None:
         """Make every slot at ``nbytes`` now (at open, in a background thread, when the size
         is known: a restart saves the state of the step it restored), unless they are as
@@ -191,14 +198,22 @@ class DeviceStaging:
     the host from it. One save holds a device's buffer from its device copy until its host
     copies are queued. If the buffer cannot be allocated, or is still held after ``wait_s``,
     the save copies straight to the host (logged).
+
+    ``transient``: a bridge for saves that find no host buffer made yet (the default
+    ``device_staging=None``). Such a buffer is allocated only where the GPU keeps at least
+    ``ROOM_LEFT`` of its memory free beside it, is never waited for (held: the save takes its
+    host buffer instead), and is freed at ``release``: to PyTorch's caching allocator, marked
+    in use by the side stream, so that no allocation reuses it before the host copies queued
+    from it are done.
     """
 
-    def __init__(self, wait_s: float = 60.0) -> None:
+    def __init__(self, wait_s: float = 60.0, *, transient: bool = False) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
         self._held: set[int] = set()
         self._refused: dict[int, int] = {}  # device -> size that failed to allocate
         self._cond = threading.Condition()
-        self._wait_s = wait_s
+        self._wait_s = 0.0 if transient else wait_s
+        self._transient = transient
 
     @property
     def allocated_bytes(self) -> int:
@@ -210,12 +225,13 @@ class DeviceStaging:
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._cond:
             if not self._cond.wait_for(lambda: index not in self._held, self._wait_s):
-                _log.warning("ckpt.snapshot.staging_busy", device=str(device),
-                             waited_s=self._wait_s, hint="copying straight to host memory")
+                if not self._transient:
+                    _log.warning("ckpt.snapshot.staging_busy", device=str(device),
+                                 waited_s=self._wait_s, hint="copying straight to host memory")
                 return None
             buffer = self._buffers.get(index)
             if buffer is None or buffer.numel() < nbytes:
-                if self._refused.get(index) == nbytes:
+                if self._refused.get(index) == nbytes or not self._has_room(index, nbytes):
                     return None
                 buffer = self._allocate(device, index, nbytes)
                 if buffer is None:
@@ -227,7 +243,27 @@ class DeviceStaging:
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._cond:
             self._held.discard(index)
+            if self._transient and index in self._buffers:
+                buffer = self._buffers.pop(index)
+                buffer.record_stream(side_stream(device))  # freed once the copies from it ran
+                _log.info("ckpt.snapshot.staging_freed", device=str(device),
+                          bytes=buffer.numel())
+                del buffer
             self._cond.notify_all()
+
+    def _has_room(self, index: int, nbytes: int) -> bool:
+        """Whether a transient buffer of ``nbytes`` leaves ``ROOM_LEFT`` of the GPU free
+        (an explicit ``device_staging=True`` only needs the allocation to succeed)."""
+        if not self._transient:
+            return True
+        free, total = torch.cuda.mem_get_info(index)
+        if free - nbytes >= ROOM_LEFT * total:
+            return True
+        self._refused[index] = nbytes
+        _log.info("ckpt.snapshot.staging_no_room", device=f"cuda:{index}", bytes=nbytes,
+                  free_bytes=free, total_bytes=total,
+                  hint="this save waits for its host buffer to be made")
+        return False
 
     def _allocate(self, device: torch.device, index: int, nbytes: int) -> torch.Tensor | None:
         if index in self._buffers:  # host copies from the old buffer may still be running
@@ -242,7 +278,8 @@ class DeviceStaging:
                          hint="copying straight to host memory instead")
             return None
         self._buffers[index] = buffer
-        _log.info("ckpt.snapshot.staging_allocated", device=str(device), bytes=nbytes)
+        _log.info("ckpt.snapshot.staging_allocated", device=str(device), bytes=nbytes,
+                  transient=self._transient)
         return buffer
 
     def close(self) -> None:
@@ -253,6 +290,9 @@ class DeviceStaging:
             self._held.clear()
             self._cond.notify_all()
 
+
+ROOM_LEFT = 0.10
+"""The share of a GPU's memory a transient staging buffer leaves free beside it."""
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 

@@ -65,6 +65,16 @@ class MemoryPool:
             return any(s is not None and s.shm is not None and s.shm.registered
                        for s in self._slots)
 
+    def made_for(self, nbytes: int, *, pinned: bool) -> bool:
+        """Whether every slot has a buffer of at least ``nbytes`` (held or not), none of
+        them being made."""
+        size = align_up(max(nbytes, mmap.PAGESIZE), mmap.PAGESIZE)
+        register = pinned and torch.cuda.is_available()
+        with self._cond:
+            return all(slot is not None and slot.shm is not None and slot.shm.size >= size
+                       and (slot.shm.registered or not register) and "making" not in holds
+                       for slot, holds in zip(self._slots, self._holds))
+
     def acquire(self, nbytes: int, *, pinned: bool, block: bool,
                 timeout: float | None = None, make: bool = True) -> Slot | None:
         """A slot no save holds and no kept step or write-through holds, of at least

@@ -52,15 +52,18 @@ def test_mutation_after_wait_snapshot_does_not_reach_the_memory_step(
     assert torch.equal(live["t"], torch.full((4096, 4096), 1.0, device="cuda"))
 
 
-def test_a_first_memory_save_with_device_staging_does_not_wait_for_its_buffer(
-        tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("staging", [True, None], ids=["device_staging", "default"])
+def test_a_first_memory_save_does_not_wait_for_its_buffer(
+        tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        staging: bool | None) -> None:
     """A fresh job's shared-memory buffers are still being made (held at a gate) when the
-    first save comes: it copies to the staging buffer and returns; the step committed to
-    memory holds the bytes of the save, not those of the update after wait_snapshot()."""
+    first save comes: it copies to a staging buffer (the default: a transient one) and
+    returns; the step committed to memory holds the bytes of the save, not those of the
+    update after wait_snapshot()."""
     t = torch.full((2048, 2048), 1.0, device="cuda")
     with gated_buffer_making(monkeypatch) as gate, \
             cp.CheckpointPipeline(tmp_path / "root", memory=str(shm_dir),
-                                  device_staging=True) as pipe:
+                                  device_staging=staging) as pipe:
         handle = pipe.save(1, {"t": t})
         pipe.wait_snapshot()
         assert pipe.host_memory_bytes == 0  # save() returned with no buffer made yet
