@@ -22,10 +22,10 @@ from typing import Any
 GB = 1e9
 LABELS = {"none": "no checkpoint", "ckpt_pipeline": "ckpt_pipeline (disk)",
           "ckpt_pipeline_staged": "ckpt_pipeline (disk), device_staging=True",
-          "ckpt_pipeline_memory": "ckpt_pipeline, memory tier (disk every 4th)",
-          "ckpt_pipeline_memory_sized": "the same, buffers made at open (slot_bytes)",
-          "ckpt_pipeline_memory_staged": "made at open, device_staging=True",
-          "ckpt_pipeline_memory_staged_fresh": "fresh job, device_staging=True",
+          "ckpt_pipeline_memory": "memory tier (disk every 4th), fresh job",
+          "ckpt_pipeline_memory_sized": "memory tier, buffers made at open (slot_bytes)",
+          "ckpt_pipeline_memory_staged": "memory tier, made at open, device_staging=True",
+          "ckpt_pipeline_memory_staged_fresh": "memory tier, fresh job, device_staging=True",
           "nvrx_local": "NVRx local checkpoints (async)"}
 COLORS = {"none": "tab:gray", "ckpt_pipeline": "tab:olive", "ckpt_pipeline_staged": "tab:brown",
           "ckpt_pipeline_memory": "tab:green", "ckpt_pipeline_memory_sized": "tab:cyan",
@@ -127,7 +127,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(9, 6.4))
     drawn = 0
     top = 1.0
     for mode, by_interval in report.get("results", {}).items():
@@ -161,7 +161,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{report.get('state', {}).get('bytes', 0) / GB:.3g} GB state, {gpu}",
                  fontsize=10)
     if drawn:
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
