@@ -29,7 +29,7 @@ from ckpt_pipeline._format.shard import encode_header, encode_preamble
 from ckpt_pipeline.storage import LocalStorage
 from tests._support.children import REPO, child_env
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # a child under RLIMIT_AS: seconds
 
 
 def _craft(root: Path, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
