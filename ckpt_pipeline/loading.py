@@ -14,8 +14,10 @@ temporary directory (under ``TMPDIR``), every part checked against the commit ob
 the load reads them, and removed afterwards; nothing under the URL is written.
 
 With ``consolidate=True`` every rank's shard of the step is read and the DTensor shards are
-assembled into full tensors (the mesh is taken to be the ranks in order, laid out row-major, as
-``init_device_mesh`` builds it; each sharded dimension split as ``torch.chunk`` splits it).
+assembled into full tensors: a reshard to one rank, planned by ``_reshard`` (the mesh taken to
+be the ranks in order, laid out row-major, as ``init_device_mesh`` builds it; each sharded
+dimension split as DTensor splits it, several mesh dimensions sharding one tensor dimension
+included; a replicated shard is copied from one rank).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from ._format.header import DistLayout
 from ._format.names import step_dir_name
 from ._format.scan import StepStatus, decode_contents
 from ._format.steps import committed_steps
+from ._reshard.boxes import Box, saved_box
+from ._reshard.plan import ReshardError, SavedBoxes, plan_box
 from ._restore.read import read_shard
 from ._restore.root_source import RootFiles
 from ._threads import in_thread
@@ -351,6 +355,8 @@ def _consolidate(ranks: list[_Parts], step: int, where: str) -> dict[str, Any]:
 
 def _assemble(path: str, parts: list[torch.Tensor], layouts: list[DistLayout | None],
               step: int, where: str) -> torch.Tensor:
+    """The full tensor from every rank's shard: a reshard to one rank (``_reshard``), each
+    element copied once, from one rank where the shards replicate it."""
     layout = layouts[0]
     assert layout is not None
     world = len(parts)
@@ -359,13 +365,8 @@ def _assemble(path: str, parts: list[torch.Tensor], layouts: list[DistLayout | N
             f"{path}: a DTensor on a mesh of {list(layout.mesh_shape)} cannot be assembled from "
             f"{world} ranks' shards", step=step, path=where,
             hint="load each rank with rank=R and assemble the shards yourself")
-    sharded = [(i, int(p[1:])) for i, p in enumerate(layout.placements) if p != "R"]
-    if len({d for _, d in sharded}) != len(sharded):
-        raise CheckpointError(f"{path}: two mesh dimensions shard tensor dimension "
-                              f"{sharded[0][1]}; assembling that is not supported", step=step,
-                              path=where, hint="load each rank with rank=R")
-    slots: list[tuple[slice, ...]] = []
-    for rank, part in enumerate(parts):  # every place checked before anything is allocated
+    boxes = [saved_box(layout, rank) for rank in range(world)]
+    for rank, (part, box) in enumerate(zip(parts, boxes)):  # before anything is allocated
         whole = part.numel() * part.element_size()
         if whole > part.untyped_storage().nbytes():
             raise CheckpointIntegrityError(
@@ -373,29 +374,19 @@ def _assemble(path: str, parts: list[torch.Tensor], layouts: list[DistLayout | N
                 f"{part.untyped_storage().nbytes()} stored bytes (stride "
                 f"{list(part.stride())}): assembling it would allocate memory the checkpoint "
                 "does not hold", step=step, path=where)
-        coords = _coords(rank, layout.mesh_shape)
-        index: list[slice] = [slice(None)] * len(layout.global_shape)
-        shape = list(layout.global_shape)
-        for mesh_dim, dim in sharded:
-            size = layout.global_shape[dim]
-            chunk = -(-size // layout.mesh_shape[mesh_dim])
-            start = min(size, coords[mesh_dim] * chunk)
-            index[dim] = slice(start, min(size, start + chunk))
-            shape[dim] = index[dim].stop - start
-        if tuple(shape) != tuple(part.shape):
+        if box.sizes != tuple(part.shape):
             raise CheckpointIntegrityError(
                 f"{path}: rank {rank}'s shard has shape {list(part.shape)}, its place in the "
-                f"full tensor of {list(layout.global_shape)} {shape}", step=step, path=where)
-        slots.append(tuple(index))
+                f"full tensor of {list(layout.global_shape)} {list(box.sizes)}", step=step,
+                path=where)
+    full_box = Box.full(layout.global_shape)
+    try:
+        pieces = plan_box(SavedBoxes(path, layout.global_shape, enumerate(boxes)), full_box)
+    except ReshardError as exc:
+        exc.step = step
+        raise
     full = torch.empty(layout.global_shape, dtype=parts[0].dtype, device=parts[0].device)
-    for part, slot in zip(parts, slots, strict=True):
-        full[slot].copy_(part)
+    for piece in pieces:
+        full[piece.region.index()].copy_(parts[piece.source][
+            piece.region.relative_to(piece.saved).index()])
     return full
-
-
-def _coords(rank: int, mesh_shape: tuple[int, ...]) -> list[int]:
-    coords = []
-    for size in reversed(mesh_shape):
-        coords.append(rank % size)
-        rank //= size
-    return list(reversed(coords))

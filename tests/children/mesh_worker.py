@@ -1,8 +1,8 @@
 """One rank of the 2-D mesh consolidation test (tests/coordination/test_fsdp.py): four gloo
 ranks on a 2x2 DeviceMesh save DTensors of several placements into one root, uneven sizes
 included; rank 0 writes the full tensors to ``full.npz`` beside ``--root``. A second root
-holds a tensor whose dimension 0 is sharded by both mesh dimensions (``Shard(0), Shard(0)``),
-which ``cp.load(consolidate=True)`` must refuse.
+holds a tensor whose dimension 0 is sharded by both mesh dimensions (``Shard(0), Shard(0)``,
+11 rows: uneven at both levels), which ``cp.load(consolidate=True)`` assembles too.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main() -> None:
     state["plain"] = torch.arange(4.0)
     with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
         pipe.save(5, {"model": state}, cp.TrainState(step=5)).result(120)
-    twice = distribute_tensor(torch.arange(16.0).view(8, 2), mesh, [Shard(0), Shard(0)])
+    twice = distribute_tensor(torch.arange(22.0).view(11, 2), mesh, [Shard(0), Shard(0)])
     with cp.CheckpointPipeline(args.root + "-twice", coordination_timeout_s=60) as pipe:
         pipe.save(5, {"w": twice}, cp.TrainState(step=5)).result(120)
     if dist.get_rank() == 0:

@@ -104,8 +104,8 @@ def test_load_consolidates_fsdp2_shards_into_full_tensors(tmp_path: Path) -> Non
 def test_load_consolidates_dtensors_of_a_two_dimensional_mesh(tmp_path: Path) -> None:
     """Four gloo ranks on a 2x2 DeviceMesh save DTensors sharded on rows and columns, HSDP
     style (replicated on one mesh dimension), uneven and with an empty shard;
-    ``cp.load(consolidate=True)`` assembles each bit-exact. A tensor dimension sharded by both
-    mesh dimensions is refused with an error naming it."""
+    ``cp.load(consolidate=True)`` assembles each bit-exact, a tensor dimension sharded by both
+    mesh dimensions too."""
     import numpy as np
 
     import ckpt_pipeline as cp
@@ -120,8 +120,9 @@ def test_load_consolidates_dtensors_of_a_two_dimensional_mesh(tmp_path: Path) ->
     assert torch.equal(model["plain"], torch.arange(4.0))
     shard = cp.load(tmp_path / "ckpt", rank=3).tree["model"]
     assert shard["rows_and_cols"].shape == (3, 2) and shard["one_row"].shape == (0, 3)
-    with pytest.raises(cp.CheckpointError, match="two mesh dimensions shard tensor dimension 0"):
-        cp.load(tmp_path / "ckpt-twice", consolidate=True)
+    twice = cp.load(tmp_path / "ckpt-twice", consolidate=True).tree["w"]
+    assert torch.equal(twice, torch.arange(22.0).view(11, 2))  # nested splits of one dimension
+    assert cp.load(tmp_path / "ckpt-twice", rank=3).tree["w"].shape == (2, 2)  # rows 9-10
 
 
 @pytest.mark.slow
