@@ -87,6 +87,9 @@ class RestoreResult:
     not_in_checkpoint: tuple[str, ...] = ()
     """Top-level entries of the live state that the step does not hold, left as they were
     (only with ``missing="keep"``; by default that refuses the restore)."""
+    resharded_from: int | None = None
+    """How many ranks saved the step, when that is not this job's number: each rank read the
+    parts of every saved rank's shard its live tensors need (None: the same world size)."""
     """{holder rank: source ranks} of the copies of the restored step that their holders
     lacked (a replaced node, files set aside): each source sends its copy again in the
     background, after the restore returned (``ReplicaRestored`` or ``ReplicaRestoreFailed``

@@ -21,14 +21,15 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..errors import CheckpointError
+from ..errors import RestoreError
 from .boxes import Box
 
 __all__ = ("Piece", "ReshardError", "SavedBoxes", "plan_box")
 
 
-class ReshardError(CheckpointError):
-    """A needed box is not covered exactly once by the saved boxes."""
+class ReshardError(RestoreError):
+    """A saved layout cannot be resharded onto the one needed (a needed box not covered
+    exactly once, a shape or a per-rank value that differs)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,18 @@ if TYPE_CHECKING:
     from .._tiers.persistent.layout import StepRecord
     from .._tiers.persistent.promote import Promoter
 
-__all__ = ("Agreed", "Agreement", "CandidateLoad", "listing")
+__all__ = ("Agreed", "Agreement", "CandidateLoad", "WorldSizeChanged", "listing")
+
+
+class WorldSizeChanged(RestoreError):
+    """The newest step was saved by another number of ranks (``saved_world``): a restore
+    reshards it where it can (``reshard.py``)."""
+
+    def __init__(self, message: str, *, saved_world: int, step: int | None = None,
+                 rank: int | None = None, path: str | None = None,
+                 hint: str | None = None) -> None:
+        super().__init__(message, step=step, rank=rank, path=path, hint=hint)
+        self.saved_world = saved_world
 
 _log = log
 _L = TypeVar("_L")
@@ -268,11 +279,12 @@ class Agreement:
                      default=None)
         if newest is not None and newest in agreed.world_sizes:
             saved = agreed.world_sizes[newest]
-            raise RestoreError(
+            raise WorldSizeChanged(
                 f"step {newest} was saved by {saved} rank(s), this job has "
                 f"{self.coordinator.world_size}", step=newest, rank=self.rank,
-                path=str(self.storage.root),
-                hint=f"restore with {saved} ranks (resharding is not supported)")
+                path=str(self.storage.root), saved_world=saved,
+                hint=f"restore with {saved} ranks, or keep every rank's files of the step in "
+                     "one root that every rank reads (a shared root): that reshards")
 
     async def _agree_timeline(self, statuses: list[StepStatus],
                               copies: list[StepStatus],

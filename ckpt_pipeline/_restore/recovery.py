@@ -27,17 +27,19 @@ from .._lineage import Timeline, forget_rewind, write_rewind
 from .._logging import log
 from .._threads import in_thread
 from ..coordination import Coordinator
-from ..coordination._agree import agree_barrier, agree_outcome
+from ..coordination._agree import agree_barrier, agree_outcome, gather_shared
 from ..errors import CheckpointError, ConfigError, RestoreError
 from ..events import CheckpointRejected, CheckpointRestored, CheckpointRewound, Event
 from ..handle import Missing, RejectedStep, RestoreResult
 from ..storage import Storage
-from .agreement import Agreement
+from .agreement import Agreement, WorldSizeChanged
 from .agreement import listing as _listing
 from .apply import apply_state
+from .reshard import reshard_latest
 from .rewind import TimelineView
 from .rollback import AppliedState
 from .sourcing import Loaded, Sourcing
+from .validate import LayoutChanged
 
 if TYPE_CHECKING:
     from .._tiers.persistent.promote import Promoter
@@ -88,13 +90,31 @@ class Recovery:
             raise ConfigError(f"missing={missing!r} is not a choice",
                               hint='use "refuse" (the default) or "keep"')
         self.sourcing.keep_missing = missing == "keep"
-        agreed = await self.agreement.agree(limiter, step)
+        try:
+            agreed = await self.agreement.agree(limiter, step)
+        except WorldSizeChanged as changed:  # every rank sees it: the agreement's view
+            return await reshard_latest(
+                self.storage, self.coordinator, state, limiter,
+                saved_world=changed.saved_world, step=step, started=started,
+                keep_missing=self.sourcing.keep_missing)
 
         async def load(at: int, save_id: str
                        ) -> tuple[Loaded | None, CheckpointError | None, dict[str, Any]]:
             return await self.sourcing.candidate(at, save_id, agreed, state, started, limiter)
 
-        found = await self.agreement.first_loaded(agreed, load)
+        try:
+            found = await self.agreement.first_loaded(agreed, load)
+        except CheckpointError as exc:  # every rank raises here when one does (its vote)
+            layout = await gather_shared(self.coordinator, isinstance(exc, LayoutChanged),
+                                         what="restore layout", step=exc.step)
+            if not all(layout):
+                raise
+            _log.info("ckpt.recovery.layout_changed", rank=self.rank, step=exc.step,
+                      error=exc.message, hint="resharding onto the live layout")
+            return await reshard_latest(
+                self.storage, self.coordinator, state, limiter,
+                saved_world=self.coordinator.world_size, step=step, started=started,
+                keep_missing=self.sourcing.keep_missing)
         if found is None:
             return None
         loaded, extras, failed = found
@@ -183,7 +203,8 @@ class Recovery:
                              foreign=dict(loaded.foreign_by_rank or {}),
                              from_memory=loaded.from_memory, resending=resending,
                              not_restored=loaded.not_restored,
-                             not_in_checkpoint=loaded.not_in_checkpoint)
+                             not_in_checkpoint=loaded.not_in_checkpoint,
+                             resharded_from=loaded.resharded_from)
 
     async def _clear_lacking_copies(self, loaded: Loaded, limiter: anyio.CapacityLimiter
                                     ) -> dict[int, tuple[int, ...]]:

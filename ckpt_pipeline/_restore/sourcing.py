@@ -30,7 +30,7 @@ from .._tiers.persistent.source import TierDownload
 from .._tiers.replica.source import FetchedCopy
 from .._tree import find_mesh, to_dtensor
 from ..coordination._agree import Candidates
-from ..errors import CheckpointError, CheckpointIntegrityError, StateError
+from ..errors import CheckpointError, CheckpointIntegrityError
 from ..events import Event, ForeignFilesSetAside, ShardDownloaded, ShardFetched
 from ..handle import RejectedStep
 from ..storage import Storage
@@ -39,7 +39,7 @@ from .agreement import Agreed
 from .backups import BackupCopies
 from .read import device_bytes, read_shard
 from .root_source import RootFiles
-from .validate import validate_state
+from .validate import LayoutChanged, validate_state
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -93,6 +93,8 @@ class Loaded:
     """The rewind this restore makes (steps of the current timeline newer than it exist)."""
     timeline: int = 0
     """The timeline the run goes on as after this restore."""
+    resharded_from: int | None = None
+    """The number of ranks that saved the step, when it is not this job's (``reshard.py``)."""
     rewound: frozenset[tuple[int, str]] = frozenset()
     """(step, directory) of this rank's valid steps that the restore abandons: moved aside
     as rewound (the others newer than the restored step as rejected)."""
@@ -344,7 +346,7 @@ def _live_meshes(records: tuple[TensorRecord, ...], state: Mapping[str, Any],
             continue
         found = find_mesh(state, record.dist.mesh_shape)
         if found is None:
-            raise StateError(
+            raise LayoutChanged(
                 f"the checkpoint holds a DTensor on a mesh of shape "
                 f"{list(record.dist.mesh_shape)}, the live state has no DTensor on such a mesh",
                 step=status.step, path=record.path,

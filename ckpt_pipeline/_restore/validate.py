@@ -28,7 +28,12 @@ from ..errors import CheckpointError, StateError
 from .aliasing import Target, check_aliasing, written
 from .live import local_tensor, walks_tuple
 
-__all__ = ("validate_state",)
+__all__ = ("LayoutChanged", "validate_state")
+
+
+class LayoutChanged(StateError):
+    """A saved DTensor's mesh or placements are not the live one's: a restore reshards it
+    where every rank finds the same (``reshard.py``)."""
 
 _SHOWN_KEYS = 8
 """How many missing or unexpected keys an error lists."""
@@ -93,9 +98,10 @@ class _Validator:
         self.not_restored: tuple[str, ...] = ()
         self.not_in_checkpoint: tuple[str, ...] = ()
 
-    def fail(self, message: str, path: str | None = None, hint: str | None = None
-             ) -> NoReturn:
-        raise StateError(message, step=self.step, rank=self.rank, path=path, hint=hint)
+    def fail(self, message: str, path: str | None = None, hint: str | None = None,
+             *, layout: bool = False) -> NoReturn:
+        kind = LayoutChanged if layout else StateError
+        raise kind(message, step=self.step, rank=self.rank, path=path, hint=hint)
 
     def saved(self, node: TensorRef, path: str) -> torch.Tensor:
         if not 0 <= node.index < len(self.tensors):
@@ -234,10 +240,11 @@ class _Validator:
                 self.fail(f"saved DTensor is placed {list(sp)} on mesh "
                           f"{saved.device_mesh}, the live one {list(lp)} on mesh "  # type: ignore[attr-defined]
                           f"{live.device_mesh}", path,  # type: ignore[attr-defined]
-                          hint="shard the model the same way as when it was saved")
+                          hint="shard the model the same way as when it was saved",
+                          layout=True)
             if local_tensor(saved).shape != local_tensor(live).shape:
                 self.fail(f"saved local shard is {list(local_tensor(saved).shape)}, the live one "
-                          f"{list(local_tensor(live).shape)}", path)
+                          f"{list(local_tensor(live).shape)}", path, layout=True)
 
     # ------------------------------------------------------------ stateful objects
 

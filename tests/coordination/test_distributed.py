@@ -298,16 +298,18 @@ def test_ranks_sharing_a_root_move_a_step_aside_together(saved_by_2: Path,
 
 
 @pytest.mark.parametrize("world_size", [1, 4])
-def test_world_size_change_is_refused_on_every_rank(saved_by_2: Path, tmp_path: Path,
-                                                    world_size: int) -> None:
+def test_a_world_size_change_with_per_rank_values_is_refused_on_every_rank(
+        saved_by_2: Path, tmp_path: Path, world_size: int) -> None:
+    """Each rank saved its rank number (``meta/rank``): resharding onto another number of
+    ranks cannot map it, so every rank refuses, naming the value, and moves nothing."""
     root = copy_root(saved_by_2, tmp_path)
     before = files(root)
     results = run("plain", ["restore"], root, world_size, tmp_path / "restore", shared=True)
     for rank, out in phase(results, "restore").items():
         error = out["error"]
-        assert error is not None and error["type"] == "RestoreError", (rank, out)
-        assert "saved by 2" in error["message"], error
-        assert f"has {world_size}" in error["message"], error
+        assert error is not None and error["type"] == "ReshardError", (rank, out)
+        assert "meta/rank: saved rank 1 holds 1, rank 0 0" in error["message"], error
+        assert "per-rank value" in error["message"], error
     assert files(root) == before, "a refused restore moves nothing"
 
 

@@ -1,0 +1,190 @@
+"""One rank of the reshard tests (tests/reshard/test_reshard_restore.py, one process a rank).
+
+``save``: build a small model (FSDP2 on a 1-D mesh of the world, or DDP), train two steps on a
+fixed global batch split over the ranks, save step 2 into the shared ``--root``; rank 0 writes
+the full parameters and optimizer moments (``saved.npz``) and the full parameters after one
+more step on the same global batch (``next.npz``).
+
+``restore``: build the model fresh (other initial values, FSDP2 or DDP on this world size),
+``restore_latest``, and write to ``--out``: what the restore reported, whether every full
+parameter and moment equals ``saved.npz`` bit for bit, and the largest difference from
+``next.npz`` after one more step on the same global batch.
+
+``mesh-save`` / ``mesh-restore``: DTensors of several placements, uneven sizes included, on a
+2-D mesh (``--mesh 2x2``), restored onto another mesh shape and placements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import ckpt_pipeline as cp
+
+BATCH = 12  # divisible by 1, 2, 3 and 4 ranks: the same global batch at every world size
+
+
+def build(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(),
+                                torch.nn.Linear(50, 7))  # 7 and 50 rows: uneven shards
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """What is saved: DDP's inner module (its state_dict keys have no ``module.`` prefix, as
+    FSDP2's have none)."""
+    inner = getattr(model, "module", model)
+    assert isinstance(inner, torch.nn.Module)
+    return inner
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(BATCH, 30, generator=torch.Generator().manual_seed(seed))
+    part = x[rank * BATCH // world:(rank + 1) * BATCH // world]
+    opt.zero_grad()
+    model(part).pow(2).mean().backward()
+    opt.step()
+
+
+def full(t: torch.Tensor) -> np.ndarray:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().numpy().copy()
+
+
+def params(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k.removeprefix("module."): full(v) for k, v in model.state_dict().items()}
+
+
+def moments(opt: torch.optim.Optimizer) -> dict[str, np.ndarray]:
+    out = {}
+    for i, group_params in enumerate(p for g in opt.param_groups for p in g["params"]):
+        for name, value in opt.state[group_params].items():
+            out[f"{i}.{name}"] = full(value)
+    return out
+
+
+PLACEMENTS = {  # name: (shape, placements on the saved 2-D mesh)
+    "rows_and_cols": ((7, 5), ("S0", "S1")),
+    "hsdp": ((9, 3), ("R", "S0")),
+    "cols_only": ((4, 6), ("S1", "R")),
+    "twice": ((11, 2), ("S0", "S0")),
+}
+
+
+def placements(spec: str) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec.split(",")]
+
+
+def mesh_state(mesh_shape: tuple[int, ...], live: dict[str, str] | None,
+               shrink: str = "") -> dict[str, Any]:
+    """The tensors of PLACEMENTS on a mesh: their saved values (``live`` None) or zeros placed
+    as ``live`` says ({name: "S0,R"}); ``shrink``: that one a row shorter than saved."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    state = {}
+    for name, (shape, saved) in PLACEMENTS.items():
+        value = torch.arange(float(np.prod(shape))).reshape(shape) * (len(name) + 1)
+        spec = ",".join(saved) if live is None else live[name]
+        zeros = torch.zeros((shape[0] - (name == shrink), *shape[1:]))
+        state[name] = distribute_tensor(value if live is None else zeros, mesh,
+                                        placements(spec))
+    return state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("save", "restore", "mesh-save", "mesh-restore"))
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp")
+    parser.add_argument("--mesh", default="")
+    parser.add_argument("--live", default="", help='mesh-restore: {"name": "S0,R", ...}')
+    parser.add_argument("--out", default="")
+    parser.add_argument("--shrink", default="", help="mesh-restore: one tensor a row shorter")
+    args = parser.parse_args()
+    cp.enable_logging(logging.WARNING)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    here = os.path.dirname(args.root)
+    if args.mode == "save":
+        model, opt = build(args.kind, seed=0)
+        train_step(model, opt, seed=1)
+        train_step(model, opt, seed=2)
+        with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
+            pipe.save(2, {"model": unwrapped(model), "optim": opt},
+                      cp.TrainState(step=2)).result(120)
+        saved = {**{f"p.{k}": v for k, v in params(model).items()},
+                 **{f"m.{k}": v for k, v in moments(opt).items()}}
+        train_step(model, opt, seed=3)
+        after = params(model)
+        if rank == 0:
+            np.savez(os.path.join(here, "saved.npz"), **saved)
+            np.savez(os.path.join(here, "next.npz"), **after)
+    elif args.mode == "restore":
+        model, opt = build(args.kind, seed=7)
+        with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
+            result = pipe.restore_latest({"model": unwrapped(model), "optim": opt})
+        assert result is not None
+        saved = np.load(os.path.join(here, "saved.npz"))
+        now = {**{f"p.{k}": v for k, v in params(model).items()},
+               **{f"m.{k}": v for k, v in moments(opt).items()}}
+        differ = sorted(set(now) ^ set(saved.files)) + [
+            k for k in saved.files if k in now and not np.array_equal(now[k], saved[k])]
+        equal = not differ
+        train_step(model, opt, seed=3)
+        expected = np.load(os.path.join(here, "next.npz"))
+        diff = max(float(np.abs(v - expected[k]).max(initial=0.0))
+                   for k, v in params(model).items())
+        out = {"step": result.step, "resharded_from": result.resharded_from,
+               "bytes": result.bytes, "equal": equal, "next_step_max_diff": diff,
+               "differ": differ}
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    elif args.mode == "mesh-save":
+        mesh_shape = tuple(int(n) for n in args.mesh.split("x"))
+        with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
+            pipe.save(5, {"t": mesh_state(mesh_shape, None)}, cp.TrainState(step=5)).result(120)
+    else:
+        mesh_shape = tuple(int(n) for n in args.mesh.split("x"))
+        live = mesh_state(mesh_shape, json.loads(args.live), args.shrink)
+        before = {k: v.to_local().clone() for k, v in live.items()}
+        try:
+            with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
+                result = pipe.restore_latest({"t": live})
+            out: dict[str, Any] = {"resharded_from": result and result.resharded_from}
+            for name, (shape, _) in PLACEMENTS.items():
+                expected = torch.arange(float(np.prod(shape))).reshape(shape) * (len(name) + 1)
+                out[name] = bool(torch.equal(live[name].full_tensor(), expected))
+        except cp.CheckpointError as exc:
+            out = {"error": str(exc), "untouched": all(
+                torch.equal(v.to_local(), before[k]) for k, v in live.items())}
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Restoring on another number of ranks than saved (issue 26): real gloo processes, FSDP2 on
+CPU, DDP, and DTensors on 2-D meshes, in one root that every rank reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._support.children import child_script
+from tests.coordination.test_fsdp import _run_ranks
+
+WORKER = child_script("reshard_worker.py")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _restore(tmp_path: Path, world: int, *args: str) -> list[dict[str, Any]]:
+    outs = [tmp_path / f"out-{world}-{r}.json" for r in range(world)]
+    _run_ranks(WORKER, world, *args, "--root", tmp_path / "ckpt",
+               per_rank=lambda rank: ["--out", outs[rank]])
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.parametrize(("saved", "live", "kinds"), [
+    (2, 4, ("fsdp", "fsdp")), (4, 2, ("fsdp", "fsdp")), (4, 1, ("fsdp", "fsdp")),
+    (1, 4, ("fsdp", "fsdp")), (2, 3, ("fsdp", "fsdp")),
+    (2, 3, ("ddp", "fsdp")), (3, 2, ("fsdp", "ddp")),
+], ids=["2to4", "4to2", "4to1", "1to4", "2to3", "ddp2_to_fsdp3", "fsdp3_to_ddp2"])
+def test_a_model_and_its_optimizer_reshard_onto_another_world_size(
+        tmp_path: Path, saved: int, live: int, kinds: tuple[str, str]) -> None:
+    """Every full parameter and AdamW moment equals what was saved, bit for bit; one more
+    step on the same global batch matches the saved job's next step to within float32
+    rounding (the gradients are reduced over another number of ranks, in another order)."""
+    _run_ranks(WORKER, saved, "save", "--kind", kinds[0], "--root", tmp_path / "ckpt")
+    results = _restore(tmp_path, live, "restore", "--kind", kinds[1])
+    for r in results:
+        assert r["step"] == 2 and r["resharded_from"] == saved
+        assert r["equal"], r["differ"]
+        assert r["next_step_max_diff"] < 1e-6, r
+
+
+def test_two_dimensional_mesh_reshards_onto_other_mesh_shapes(tmp_path: Path) -> None:
+    """Saved on a 2x2 mesh (rows and columns, HSDP, one dimension split twice), restored on
+    1x4 and on a 1-D mesh of 4 with other placements, and on 2 ranks."""
+    _run_ranks(WORKER, 4, "mesh-save", "--mesh", "2x2", "--root", tmp_path / "ckpt")
+    cases = [
+        ("1x4", {"rows_and_cols": "R,S1", "hsdp": "R,S0", "cols_only": "R,S0", "twice": "S0,R"}),
+        ("4", {"rows_and_cols": "S1", "hsdp": "R", "cols_only": "S0", "twice": "S0"}),
+        ("2", {"rows_and_cols": "S0", "hsdp": "S1", "cols_only": "R", "twice": "S1"}),
+    ]
+    for mesh, live in cases:
+        world = 1
+        for n in mesh.split("x"):
+            world *= int(n)
+        results = _restore(tmp_path, world, "mesh-restore", "--mesh", mesh,
+                           "--live", json.dumps(live))
+        for r in results:
+            assert "error" not in r, (mesh, r)
+            assert r.pop("resharded_from") == 4, (mesh, r)
+            assert all(r.values()), (mesh, r)
+
+
+def test_a_shape_that_differs_is_refused_on_every_rank_with_the_state_untouched(
+        tmp_path: Path) -> None:
+    """A live tensor one row shorter than saved: every rank raises, naming the tensor and
+    both shapes, and no live tensor changed (the others fit and would have resharded)."""
+    _run_ranks(WORKER, 4, "mesh-save", "--mesh", "2x2", "--root", tmp_path / "ckpt")
+    results = _restore(tmp_path, 2, "mesh-restore", "--mesh", "2", "--shrink", "hsdp",
+                       "--live", json.dumps({"rows_and_cols": "S0", "hsdp": "S0",
+                                             "cols_only": "S0", "twice": "S0"}))
+    for r in results:
+        assert "error" in r, r
+        assert r["untouched"], r
+    assert any("hsdp: saved tensor of shape [9, 3], the live DTensor [8, 3]" in r["error"]
+               for r in results), results
