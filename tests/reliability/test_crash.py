@@ -109,6 +109,7 @@ def _scrubbed_kind(path: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 100 children, each importing torch: minutes on a loaded 2-core box
 def test_restore_after_sigkill_returns_the_last_acknowledged_step_or_newer_exactly(
     tmp_path: Path,
 ) -> None:
