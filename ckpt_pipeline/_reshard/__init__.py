@@ -4,3 +4,5 @@
 per dimension). ``plan``: the overlap of the saved boxes with the boxes a reader needs, each
 element covered exactly once, replicated sources read once.
 """
+
+__all__ = ()

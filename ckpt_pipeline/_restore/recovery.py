@@ -28,7 +28,7 @@ from .._logging import log
 from .._threads import in_thread
 from ..coordination import Coordinator
 from ..coordination._agree import agree_barrier, agree_outcome, gather_shared
-from ..errors import CheckpointError, ConfigError, RestoreError
+from ..errors import CheckpointError, ConfigError, CoordinationError, RestoreError
 from ..events import CheckpointRejected, CheckpointRestored, CheckpointRewound, Event
 from ..handle import Missing, RejectedStep, RestoreResult
 from ..storage import Storage
@@ -104,6 +104,8 @@ class Recovery:
 
         try:
             found = await self.agreement.first_loaded(agreed, load)
+        except CoordinationError:  # a rank dead or stuck: no further exchange
+            raise
         except CheckpointError as exc:  # every rank raises here when one does (its vote)
             layout = await gather_shared(self.coordinator, isinstance(exc, LayoutChanged),
                                          what="restore layout", step=exc.step)
