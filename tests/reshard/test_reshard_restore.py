@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests._support.children import child_script
+from tests.coordination.test_distributed import flip_data_byte
 from tests.coordination.test_fsdp import _run_ranks
 
 WORKER = child_script("reshard_worker.py")
@@ -76,3 +77,26 @@ def test_a_shape_that_differs_is_refused_on_every_rank_with_the_state_untouched(
         assert r["untouched"], r
     assert any("hsdp: saved tensor of shape [9, 3], the live DTensor [8, 3]" in r["error"]
                for r in results), results
+
+
+def test_a_damaged_slice_that_one_rank_needs_makes_every_rank_fall_back(tmp_path: Path) -> None:
+    """Saved rank 1's shard of step 2 is corrupt: the live ranks that read from it fail its
+    checksum, and all four ranks restore step 1 together, resharded."""
+    _run_ranks(WORKER, 2, "save", "--root", tmp_path / "ckpt")
+    flip_data_byte(tmp_path / "ckpt" / "step-0000000002" / "rank-00001.shard")
+    results = _restore(tmp_path, 4, "restore")
+    assert [(r["step"], r["resharded_from"]) for r in results] == [(1, 2)] * 4
+
+
+@pytest.mark.gpu
+def test_cuda_shards_of_two_ranks_reshard_onto_one_gpu_rank(tmp_path: Path) -> None:
+    """Two gloo ranks save CUDA DTensors (a 1x2 mesh, both ranks on the one GPU); one rank
+    restores them into CUDA DTensors of a 1-D mesh of its own, each bit-exact."""
+    _run_ranks(WORKER, 2, "mesh-save", "--mesh", "1x2", "--device", "cuda",
+               "--root", tmp_path / "ckpt")
+    live = {"rows_and_cols": "S0", "hsdp": "S1", "cols_only": "R", "twice": "S0"}
+    [result] = _restore(tmp_path, 1, "mesh-restore", "--mesh", "1", "--device", "cuda",
+                        "--live", json.dumps(live))
+    assert "error" not in result, result
+    assert result.pop("resharded_from") == 2
+    assert all(result.values()), result
