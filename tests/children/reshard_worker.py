@@ -97,37 +97,21 @@ def placements(spec: str) -> list[Any]:
 
 
 def mesh_state(mesh_shape: tuple[int, ...], live: dict[str, str] | None,
-               shrink: str = "", device: str = "cpu") -> dict[str, Any]:
+               shrink: str = "") -> dict[str, Any]:
     """The tensors of PLACEMENTS on a mesh: their saved values (``live`` None) or zeros placed
-    as ``live`` says ({name: "S0,R"}); ``shrink``: that one a row shorter than saved. On
-    ``device="cuda"`` each rank's shard is cut on a CPU mesh and moved to the GPU (the ranks
-    share one GPU over gloo: no collective runs on CUDA tensors)."""
+    as ``live`` says ({name: "S0,R"}); ``shrink``: that one a row shorter than saved."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     mesh = init_device_mesh("cpu", mesh_shape)
-    target = mesh if device == "cpu" else init_device_mesh(device, mesh_shape)
     state = {}
     for name, (shape, saved) in PLACEMENTS.items():
         value = torch.arange(float(np.prod(shape))).reshape(shape) * (len(name) + 1)
         spec = ",".join(saved) if live is None else live[name]
         zeros = torch.zeros((shape[0] - (name == shrink), *shape[1:]))
-        cut = distribute_tensor(value if live is None else zeros, mesh, placements(spec))
-        state[name] = cut if device == "cpu" else DTensor.from_local(
-            cut.to_local().to(device), target, placements(spec), run_check=False,
-            shape=cut.shape, stride=cut.stride())
+        state[name] = distribute_tensor(value if live is None else zeros, mesh,
+                                        placements(spec))
     return state
-
-
-def _full_of(t: Any) -> torch.Tensor:
-    """The full tensor of a DTensor (gathered on the CPU: gloo moves no CUDA tensors)."""
-    from torch.distributed.tensor import DTensor
-
-    local = t.to_local().cpu()
-    if t.device_mesh.size() == 1:
-        return local
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                              shape=t.shape, stride=t.stride()).full_tensor()
 
 
 def main() -> None:
@@ -139,7 +123,6 @@ def main() -> None:
     parser.add_argument("--live", default="", help='mesh-restore: {"name": "S0,R", ...}')
     parser.add_argument("--out", default="")
     parser.add_argument("--shrink", default="", help="mesh-restore: one tensor a row shorter")
-    parser.add_argument("--device", default="cpu", help="mesh modes: cpu or cuda")
     args = parser.parse_args()
     cp.enable_logging(logging.WARNING)
     dist.init_process_group("gloo")
@@ -182,11 +165,10 @@ def main() -> None:
     elif args.mode == "mesh-save":
         mesh_shape = tuple(int(n) for n in args.mesh.split("x"))
         with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
-            pipe.save(5, {"t": mesh_state(mesh_shape, None, device=args.device)},
-                      cp.TrainState(step=5)).result(120)
+            pipe.save(5, {"t": mesh_state(mesh_shape, None)}, cp.TrainState(step=5)).result(120)
     else:
         mesh_shape = tuple(int(n) for n in args.mesh.split("x"))
-        live = mesh_state(mesh_shape, json.loads(args.live), args.shrink, args.device)
+        live = mesh_state(mesh_shape, json.loads(args.live), args.shrink)
         before = {k: v.to_local().clone() for k, v in live.items()}
         try:
             with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
@@ -194,9 +176,7 @@ def main() -> None:
             out: dict[str, Any] = {"resharded_from": result and result.resharded_from}
             for name, (shape, _) in PLACEMENTS.items():
                 expected = torch.arange(float(np.prod(shape))).reshape(shape) * (len(name) + 1)
-                local = live[name].to_local()
-                out[f"{name} on {args.device}"] = local.device.type == args.device
-                out[name] = bool(torch.equal(_full_of(live[name]), expected))
+                out[name] = bool(torch.equal(live[name].full_tensor(), expected))
         except cp.CheckpointError as exc:
             out = {"error": str(exc), "untouched": all(
                 torch.equal(v.to_local(), before[k]) for k, v in live.items())}

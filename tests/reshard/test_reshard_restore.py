@@ -87,16 +87,3 @@ def test_a_damaged_slice_that_one_rank_needs_makes_every_rank_fall_back(tmp_path
     results = _restore(tmp_path, 4, "restore")
     assert [(r["step"], r["resharded_from"]) for r in results] == [(1, 2)] * 4
 
-
-@pytest.mark.gpu
-def test_cuda_shards_of_two_ranks_reshard_onto_one_gpu_rank(tmp_path: Path) -> None:
-    """Two gloo ranks save CUDA DTensors (a 1x2 mesh, both ranks on the one GPU); one rank
-    restores them into CUDA DTensors of a 1-D mesh of its own, each bit-exact."""
-    _run_ranks(WORKER, 2, "mesh-save", "--mesh", "1x2", "--device", "cuda",
-               "--root", tmp_path / "ckpt")
-    live = {"rows_and_cols": "S0", "hsdp": "S1", "cols_only": "R", "twice": "S0"}
-    [result] = _restore(tmp_path, 1, "mesh-restore", "--mesh", "1", "--device", "cuda",
-                        "--live", json.dumps(live))
-    assert "error" not in result, result
-    assert result.pop("resharded_from") == 2
-    assert all(result.values()), result
