@@ -235,8 +235,8 @@ class Admission:
                                  None if slot is None else slot.buffer, step=step,
                                  rank=self.rank,
                                  ordered=self.options.snapshot_mode == "ordered",
-                                 staging=self.staging if slot is not None or self.bridge is None
-                                 else self.bridge)
+                                 staging=self.staging if slot is not None
+                                 else self.staging or self.bridge)
         save_id = f"{self.run_id}-{step}"
         control = HandleControl(step, save_id, snap)
         job = SaveJob(

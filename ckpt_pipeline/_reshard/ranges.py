@@ -69,7 +69,8 @@ class ShardRanges:
             if i < 0 or at >= self.checks[i][1]:
                 raise CheckpointIntegrityError(
                     f"bytes {at}-{end} lie outside the shard's data region", step=self.status.step,
-                    rank=self.rank, path=os.path.join(str(self.status.path), self.rel))
+                    rank=self.rank,
+                    path=os.path.join(str(self.status.path), os.path.basename(self.rel)))
             lo, hi, _ = self.checks[i]
             chunk = self._chunk(i)
             stop = min(end, hi)

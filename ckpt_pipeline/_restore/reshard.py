@@ -3,7 +3,8 @@ shard, only the boxes its live tensors need (planned by ``_reshard``), in a root
 every saved rank's files (one root the ranks share).
 
 - **Which step.** Every live rank scans the saved ranks' files of each step (headers only) and
-  keeps the steps complete for all of them, of one save; the ranks agree on the newest step
+  keeps the steps complete for all of them, of one save, that no rewind abandoned; the saves
+  after the restore go on in the newest timeline the root names. The ranks agree on the newest step
   all of them found, and fall back together to the next when any rank's load fails.
 - **Tensors.** Each saved tensor's live counterpart says what this rank needs: a live DTensor
   its own box (its mesh, placements and global shape may differ from the saved ones), a plain
@@ -34,6 +35,7 @@ from .._format.documents import TensorRef
 from .._format.header import TensorRecord
 from .._format.limits import DTYPES
 from .._format.scan import StepStatus, decode_contents, scan
+from .._lineage import current_steps, local_timeline
 from .._logging import log
 from .._reshard.boxes import Box, saved_box
 from .._reshard.plan import ReshardError, SavedBoxes, plan_box
@@ -113,9 +115,13 @@ def _listing(failures: Mapping[int, str]) -> str:
 
 def _complete_steps(storage: Storage, saved_world: int) -> dict[int, list[StepStatus]]:
     """{step: every saved rank's valid files of it} for the steps of ``saved_world`` ranks
-    whose files are all in ``storage``, of one save. Worker thread."""
-    by_rank = [{s.step: s for s in scan(storage, r)
-                if s.valid and s.world_size == saved_world} for r in range(saved_world)]
+    whose files are all in ``storage``, of one save, and that no rewind abandoned (as the
+    newest step of a restore at the same world size is picked). Worker thread."""
+    by_rank: list[dict[int, StepStatus]] = []
+    for r in range(saved_world):
+        valid = {s.step: s for s in scan(storage, r) if s.valid and s.world_size == saved_world}
+        current = current_steps(storage, r, {at: s.dir_name for at, s in valid.items()})
+        by_rank.append({at: valid[at] for at in current})
     out: dict[int, list[StepStatus]] = {}
     for at in set.intersection(*(set(d) for d in by_rank)):
         statuses = [d[at] for d in by_rank]
@@ -149,7 +155,8 @@ def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, 
                   tree=tree, tensors=tensors, train_state=train_state,
                   bytes=sum(r.bytes_read for r in readers), started=started, rejected=(),
                   valid_by_rank={}, restore_rng=False, not_restored=left_out,
-                  not_in_checkpoint=kept, resharded_from=len(statuses))
+                  not_in_checkpoint=kept, resharded_from=len(statuses),
+                  timeline=max(local_timeline(storage, r) for r in range(len(statuses))))
 
 
 def _same_on_every_rank(contents: Sequence[tuple[Any, Any]], step: int, rank: int) -> None:
