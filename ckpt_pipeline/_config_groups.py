@@ -219,6 +219,7 @@ class RestoreOptions:
 
     restore_rng: bool
     io_threads: int
+    reshard_bytes_in_flight: int
 
 
 def retention_metrics(policy: RetentionPolicy) -> tuple[str, ...]:

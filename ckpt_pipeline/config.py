@@ -80,8 +80,14 @@ class PipelineConfig:
       ``wait_snapshot()`` before the next in-place update; ``"ordered"`` makes the caller's
       stream wait for the copies inside ``save()`` (no protocol, copy time on the GPU timeline).
     - ``capture_rng`` / ``restore_rng``: save and restore the RNG states with the TrainState.
-    - ``chunk_bytes``: granularity of checksums and of writes.
+    - ``chunk_bytes``: granularity of writes (and of checksums up to 4 MiB: a shard's data
+      is checksummed in blocks of 4 MiB, or of the chunk when that is smaller).
     - ``io_threads``: worker threads for checksums and file I/O.
+    - ``reshard_bytes_in_flight``: a restore onto another world size or mesh reads each
+      saved shard's bytes a range at a time into host memory, then copies them into the
+      live tensors: the most bytes one range holds (each reader also keeps two verified
+      4 MiB checksum blocks). Larger ranges mean fewer reads; the live tensors themselves
+      are not counted.
     - ``direct_io``: write shard data with ``O_DIRECT`` (no page cache: faster on large
       states, and no gigabytes of dirty pages competing with training for host memory); where
       the file system refuses it, writes go through the page cache as with ``False``.
@@ -114,6 +120,7 @@ class PipelineConfig:
     restore_rng: bool
     chunk_bytes: int
     io_threads: int
+    reshard_bytes_in_flight: int
     direct_io: bool
     queue_depth: int
     coordination_timeout_s: float
@@ -129,7 +136,8 @@ class PipelineConfig:
                  when_busy: BusyPolicy = "block", device_staging: bool | None = None,
                  snapshot_mode: SnapshotMode = "overlap", capture_rng: bool = True,
                  restore_rng: bool = True, chunk_bytes: int = 64 * _MiB, io_threads: int = 8,
-                 direct_io: bool = True, queue_depth: int = 4,
+                 reshard_bytes_in_flight: int = 64 * _MiB, direct_io: bool = True,
+                 queue_depth: int = 4,
                  coordination_timeout_s: float = 300.0, max_failures_in_row: int = 3,
                  strict: bool = False, replication: ReplicationConfig | None = None,
                  persistent: PersistentConfig | str | None = None,
@@ -144,7 +152,8 @@ class PipelineConfig:
             buffer_slots=buffer_slots, host_buffer_bytes=host_buffer_bytes,
             when_busy=when_busy, device_staging=device_staging, snapshot_mode=snapshot_mode,
             capture_rng=capture_rng, restore_rng=restore_rng, chunk_bytes=chunk_bytes,
-            io_threads=io_threads, direct_io=direct_io, queue_depth=queue_depth,
+            io_threads=io_threads, reshard_bytes_in_flight=reshard_bytes_in_flight,
+            direct_io=direct_io, queue_depth=queue_depth,
             coordination_timeout_s=coordination_timeout_s,
             max_failures_in_row=max_failures_in_row, strict=strict,
             memory=MemoryConfig(memory) if isinstance(memory, str) else memory, **given)
@@ -178,7 +187,7 @@ class PipelineConfig:
 
     @property
     def restore(self) -> RestoreOptions:
-        return RestoreOptions(self.restore_rng, self.io_threads)
+        return RestoreOptions(self.restore_rng, self.io_threads, self.reshard_bytes_in_flight)
 
     def merged(self, options: Mapping[str, Any]) -> PipelineConfig:
         """This config with keyword ``options`` (the constructors' ``**options``) applied; an
@@ -200,6 +209,8 @@ class PipelineConfig:
     def _check(self) -> None:
         positive_int("buffer_slots", self.buffer_slots, "use 1, or 2 for double buffering")
         positive_int("io_threads", self.io_threads, "for example io_threads=8")
+        positive_int("reshard_bytes_in_flight", self.reshard_bytes_in_flight,
+                     "for example 64 MiB (67108864)")
         positive_int("queue_depth", self.queue_depth, "for example queue_depth=4")
         if self.when_busy not in ("block", "skip"):
             raise ConfigError(f"when_busy={self.when_busy!r} is not a policy",
@@ -270,6 +281,7 @@ class PipelineOptions(TypedDict, total=False):
     restore_rng: bool
     chunk_bytes: int
     io_threads: int
+    reshard_bytes_in_flight: int
     direct_io: bool
     queue_depth: int
     coordination_timeout_s: float

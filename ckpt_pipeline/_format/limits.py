@@ -21,6 +21,7 @@ import torch
 
 __all__ = (
     "ALIGN",
+    "CHECKSUM_BLOCK_BYTES",
     "DEVICE_PATTERN",
     "DEVICE_TYPES",
     "DTYPES",
@@ -44,7 +45,11 @@ __all__ = (
 ALIGN = 4096
 """Alignment of the shard's regions; the checksum chunk size is a multiple of it."""
 MIN_CHUNK_BYTES = 1024 * 1024
-"""The smallest checksum chunk a writer picks, unless ``chunk_bytes`` is smaller still."""
+"""The smallest write chunk a writer picks, unless ``chunk_bytes`` is smaller still."""
+CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
+"""The checksum block a writer records (the header's ``chunk_bytes``), or its write chunk when
+that is smaller: a range read verifies whole blocks, so it reads at most this much beyond
+each end of the range (docs/format.md)."""
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 MAX_SMALL_FILE_BYTES = 1024 * 1024
 MAX_TENSORS = 1_000_000

@@ -1,20 +1,20 @@
 """Verified byte ranges of one saved shard file.
 
-A shard's data region is checksummed in chunks (``region_chunks``: cut at the multiples of the
-header's ``chunk_bytes``, 64 MiB by default, each with its xxh3-64 in the header). A range read
-reads every chunk it touches whole, verifies it, and copies the range out of it; the last few
-chunks stay cached, so that neighbouring ranges (the pieces of one tensor, tensors next to each
-other) read a chunk once. What a range costs beyond its own bytes is therefore at most one
-chunk on each side, and a chunk shared with a neighbour is not read again.
+A shard's data region is checksummed in blocks (``region_chunks``: cut at the multiples of the
+header's ``chunk_bytes``, 4 MiB as this library writes them, 64 MiB in shards written before
+it; each with its xxh3-64 in the header). A range read reads every block it touches whole,
+verifies it, and copies the range out of it; the last few blocks stay cached, so that
+neighbouring ranges (the pieces of one tensor, tensors next to each other) read a block once.
+What a range costs beyond its own bytes is therefore at most one block on each side, and a
+block shared with a neighbour is not read again.
 
 ``read_box`` copies one box of a saved tensor (its record's view of a storage: offset, shape,
-stride) into a destination tensor: the elements between the box's first and last are read as
-one range, viewed with the record's strides, and the box selected from that.
+stride) into a destination tensor, one span at a time (``runs.spans``: gaps shorter than a
+block read through, at most ``bound`` bytes a span), each viewed with the record's strides.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from bisect import bisect_right
 from collections import OrderedDict
@@ -29,6 +29,7 @@ from .._format.scan import StepStatus
 from ..errors import CheckpointIntegrityError
 from ..storage import Storage
 from .boxes import Box
+from .runs import spans
 
 __all__ = ("ShardRanges",)
 
@@ -39,7 +40,8 @@ class ShardRanges:
     """Range reads of one saved rank's shard of a step (see the module docstring). Not
     thread-safe: one reader a thread."""
 
-    def __init__(self, storage: Storage, status: StepStatus, rank: int) -> None:
+    def __init__(self, storage: Storage, status: StepStatus, rank: int, *,
+                 bound: int = 64 * 1024 * 1024) -> None:
         header = status.header
         if header is None:
             raise CheckpointIntegrityError("step was not validated", step=status.step,
@@ -51,6 +53,10 @@ class ShardRanges:
         self.rel = os.path.join(status.dir_name, status.shard_file or shard_name(rank))
         self.checks = header.checks()
         self.starts = [start for start, _, _ in self.checks]
+        self.block = max((end - start for start, end, _ in self.checks), default=0)
+        """The largest checksummed range: what a range read may read beyond each end."""
+        self.bound = bound
+        """The most bytes one span of ``read_box`` copies at a time."""
         self.records = {record.path: record for record in header.tensors}
         self.bytes_read = 0
         self._cache: OrderedDict[int, bytearray] = OrderedDict()
@@ -100,15 +106,14 @@ class ShardRanges:
 
     def read_box(self, record: TensorRecord, box: Box, out: torch.Tensor) -> None:
         """Copy ``box`` (in the coordinates of the saved tensor ``record``) into ``out``."""
-        if box.volume == 0:
-            return
         dtype = DTYPES[record.dtype]
         item = dtype.itemsize
-        first = sum(o * s for o, s in zip(box.offsets, record.stride))
-        last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, record.stride))
         base = self.header.storages[record.storage].offset + record.byte_offset
-        raw = self.read(base + first * item, base + (last + 1) * item)
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0)
-        view = flat.as_strided(box.sizes, record.stride if math.prod(box.sizes) else
-                               (1,) * len(box.sizes))
-        out.copy_(view)
+        for part in spans(box, record.stride, item, gap=self.block, bound=self.bound):
+            first = sum(o * s for o, s in zip(part.offsets, record.stride))
+            last = sum((o + n - 1) * s
+                       for o, n, s in zip(part.offsets, part.sizes, record.stride))
+            raw = self.read(base + first * item, base + (last + 1) * item)
+            flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+            out[part.relative_to(box).index()].copy_(flat.as_strided(part.sizes,
+                                                                     record.stride))

@@ -96,7 +96,8 @@ class Recovery:
             return await reshard_latest(
                 self.storage, self.coordinator, state, limiter,
                 saved_world=changed.saved_world, step=step, started=started,
-                keep_missing=self.sourcing.keep_missing)
+                keep_missing=self.sourcing.keep_missing,
+                in_flight=self.config.reshard_bytes_in_flight)
 
         async def load(at: int, save_id: str
                        ) -> tuple[Loaded | None, CheckpointError | None, dict[str, Any]]:
@@ -116,7 +117,8 @@ class Recovery:
             return await reshard_latest(
                 self.storage, self.coordinator, state, limiter,
                 saved_world=self.coordinator.world_size, step=step, started=started,
-                keep_missing=self.sourcing.keep_missing)
+                keep_missing=self.sourcing.keep_missing,
+                in_flight=self.config.reshard_bytes_in_flight)
         if found is None:
             return None
         loaded, extras, failed = found

@@ -33,7 +33,7 @@ import torch
 
 from .._format.documents import TensorRef
 from .._format.header import TensorRecord
-from .._format.limits import DTYPES
+from .._format.limits import CHECKSUM_BLOCK_BYTES, DTYPES
 from .._format.scan import StepStatus, decode_contents, scan
 from .._lineage import current_steps, local_timeline
 from .._logging import log
@@ -56,7 +56,8 @@ _log = log
 
 async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapping[str, Any],
                          limiter: anyio.CapacityLimiter, *, saved_world: int,
-                         step: int | None, started: float, keep_missing: bool) -> Loaded:
+                         step: int | None, started: float, keep_missing: bool,
+                         in_flight: int) -> Loaded:
     """The newest step saved by ``saved_world`` ranks that every rank can reshard, read for
     this rank and checked against ``state`` (see the module docstring). RestoreError when
     there is none; the ReshardError or StateError of a step that cannot be resharded."""
@@ -83,7 +84,7 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
         error: CheckpointError | None = None
         try:
             loaded = await in_thread(limiter, functools.partial(
-                _load, storage, found[at], state, rank, started, keep_missing))
+                _load, storage, found[at], state, rank, started, keep_missing, in_flight))
         except CheckpointError as exc:
             error = exc
         fatal = isinstance(error, (ReshardError, StateError))
@@ -131,7 +132,7 @@ def _complete_steps(storage: Storage, saved_world: int) -> dict[int, list[StepSt
 
 
 def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, Any],
-          rank: int, started: float, keep_missing: bool) -> Loaded:
+          rank: int, started: float, keep_missing: bool, in_flight: int) -> Loaded:
     """This rank's tensors of one step, resharded, and checked against the live state.
     Worker thread."""
     contents = [decode_contents(s, r) for r, s in enumerate(statuses)]
@@ -142,7 +143,14 @@ def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, 
     readers: list[ShardRanges] = []
     try:
         for r, status in enumerate(statuses):
-            readers.append(ShardRanges(storage, status, r))
+            readers.append(ShardRanges(storage, status, r, bound=in_flight))
+        coarse = max(reader.block for reader in readers)
+        if coarse > CHECKSUM_BLOCK_BYTES:
+            _log.info("ckpt.recovery.reshard_coarse_checksums", step=step, rank=rank,
+                      block_bytes=coarse,
+                      hint=f"these shards were checksummed in blocks of {coarse} bytes (an "
+                           "older writer, or format 1): each range read reads and verifies "
+                           "whole blocks, up to that much beyond each end of the range")
         header = readers[0].header
         tensors = [_tensor(index, record, targets.get(index), readers, rank, step)
                    for index, record in enumerate(header.tensors)]

@@ -14,7 +14,7 @@ import torch
 from .._crash import crash_point
 from .._format.documents import encode_tree
 from .._format.header import contiguous_stride
-from .._format.limits import ALIGN, MAX_HEADER_BYTES, MIN_CHUNK_BYTES
+from .._format.limits import ALIGN, CHECKSUM_BLOCK_BYTES, MAX_HEADER_BYTES, MIN_CHUNK_BYTES
 from .._format.names import shard_name, step_dir_name
 from .._format.publish import close_quietly
 from .._format.region import align_down, align_up, checksum, region_chunks
@@ -29,15 +29,19 @@ from .copy import Snapshot
 from .copy_streamed import copy_piece
 from .job import DataWritten, SaveJob
 
-__all__ = ("checksum_chunk", "hash_data", "required_bytes", "write_data")
+__all__ = ("chunk_sizes", "hash_data", "required_bytes", "write_data")
 
 
-def checksum_chunk(data_end: int, chunk_bytes: int, threads: int) -> int:
-    """The checksum chunk of a save: ``chunk_bytes``, or smaller for a small shard (never below
-    ``MIN_CHUNK_BYTES``), so that every I/O thread gets chunks to write and, at restore, to
-    read and verify."""
+def chunk_sizes(data_end: int, chunk_bytes: int, threads: int) -> tuple[int, int]:
+    """(write chunk, checksum block) of a save. The write chunk is ``chunk_bytes``, or smaller
+    for a small shard (never below ``MIN_CHUNK_BYTES``), so that every I/O thread gets chunks
+    to write and, at restore, to read and verify; a multiple of the block. The block is
+    ``CHECKSUM_BLOCK_BYTES``, or the chunk when that is smaller: what the header records as
+    its ``chunk_bytes`` and a range read verifies whole."""
     share = align_up(-(-data_end // (2 * threads)))
-    return max(ALIGN, min(chunk_bytes, max(MIN_CHUNK_BYTES, share)))
+    chunk = max(ALIGN, min(chunk_bytes, max(MIN_CHUNK_BYTES, share)))
+    block = min(chunk, CHECKSUM_BLOCK_BYTES)
+    return chunk // block * block, block
 
 
 def required_bytes(job: SaveJob, chunk_bytes: int) -> int:
@@ -64,8 +68,8 @@ async def write_data(job: SaveJob, storage: Storage, *, chunk_bytes: int, thread
     """
     job.files.dir_name = step_dir_name(job.step)
     layout = job.data
-    chunk = checksum_chunk(layout.data_end, chunk_bytes, threads)
-    need = required_bytes(job, chunk)
+    chunk, block = chunk_sizes(layout.data_end, chunk_bytes, threads)
+    need = required_bytes(job, block)
     free = await in_thread(limiter, storage.free_bytes)
     if free < need:
         raise StorageError(
@@ -81,14 +85,13 @@ async def write_data(job: SaveJob, storage: Storage, *, chunk_bytes: int, thread
         await in_thread(limiter, job.push.open, layout.data_end + MAX_HEADER_BYTES)
     assert job.slot is not None and job.snapshot is not None
     buffer = job.slot.buffer
-    chunks = [(a, b, k) for k, (a, b) in enumerate(region_chunks(PREAMBLE_SIZE,
-                                                                 layout.data_end, chunk))]
-    sums = [0] * len(chunks)
+    chunks = _chunks(layout.data_end, chunk, block)
+    sums = [0] * len(region_chunks(PREAMBLE_SIZE, layout.data_end, block))
     direct: int | None = None
     if direct_io and buffer.data_ptr() % ALIGN == 0 and chunks:
         direct = await in_thread(limiter, storage.open_direct, job.files.dir_name, temp)
     snap = job.snapshot
-    writer = _ChunkWriter(storage, fd, direct, buffer, sums, snap.copied,
+    writer = _ChunkWriter(storage, fd, direct, buffer, block, sums, snap.copied,
                           [item.offset for item in layout.items], job.push)
     copied: float | None = None
     try:
@@ -106,7 +109,7 @@ async def write_data(job: SaveJob, storage: Storage, *, chunk_bytes: int, thread
     if direct is not None:
         await in_thread(limiter, storage.close, direct)
     crash_point("write_data.done")
-    return DataWritten(await _encode_header(job, chunk, sums, limiter), copied)
+    return DataWritten(await _encode_header(job, block, sums, limiter), copied)
 
 
 async def hash_data(job: SaveJob, *, chunk_bytes: int, threads: int,
@@ -115,12 +118,11 @@ async def hash_data(job: SaveJob, *, chunk_bytes: int, threads: int,
     it (the buffer is the shard); each checksum chunk is hashed as its copies land, by
     several threads, then the header is encoded."""
     layout = job.data
-    chunk = checksum_chunk(layout.data_end, chunk_bytes, threads)
+    chunk, block = chunk_sizes(layout.data_end, chunk_bytes, threads)
     assert job.slot is not None and job.snapshot is not None
-    chunks = [(a, b, k) for k, (a, b) in enumerate(region_chunks(PREAMBLE_SIZE,
-                                                                 layout.data_end, chunk))]
-    sums = [0] * len(chunks)
-    hasher = _Hasher(job.slot.buffer, sums, job.snapshot.copied,
+    chunks = _chunks(layout.data_end, chunk, block)
+    sums = [0] * len(region_chunks(PREAMBLE_SIZE, layout.data_end, block))
+    hasher = _Hasher(job.slot.buffer, block, sums, job.snapshot.copied,
                      [item.offset for item in layout.items])
     snap = job.snapshot
     copied: float | None = None
@@ -128,15 +130,15 @@ async def hash_data(job: SaveJob, *, chunk_bytes: int, threads: int,
         copied = await _overlapped(snap, hasher, chunks, threads, limiter)
     else:
         await run_groups(hasher.run, split_balanced(chunks, threads), limiter)
-    return DataWritten(await _encode_header(job, chunk, sums, limiter), copied)
+    return DataWritten(await _encode_header(job, block, sums, limiter), copied)
 
 
-async def _encode_header(job: SaveJob, chunk: int, sums: list[int],
+async def _encode_header(job: SaveJob, block: int, sums: list[int],
                          limiter: anyio.CapacityLimiter) -> bytes:
     layout = job.data
     return await in_thread(limiter, functools.partial(
         encode_header_fields, step=job.step, rank=job.rank, world_size=job.world_size,
-        save_id=job.save_id, created_unix=time.time(), chunk_bytes=chunk,
+        save_id=job.save_id, created_unix=time.time(), chunk_bytes=block,
         data_offset=PREAMBLE_SIZE, data_length=layout.data_length, checksums=sums,
         storages=layout.storage_records(),
         tensors=(
@@ -148,14 +150,22 @@ async def _encode_header(job: SaveJob, chunk: int, sums: list[int],
         tensor_count=len(job.paths), tree=job.tree, train_state=job.train_state))
 
 
-Chunk = tuple[int, int, int]  # (start, end) file offsets of a checksum chunk, its index
+Chunk = tuple[int, int, int]  # (start, end) file offsets of a write chunk, its first block's index
+
+
+def _chunks(data_end: int, chunk: int, block: int) -> list[Chunk]:
+    """The write chunks of the data region, each with the index of its first checksum block
+    (a chunk is a multiple of the block, so its blocks are the region's)."""
+    first = PREAMBLE_SIZE // block
+    return [(a, b, a // block - first)
+            for a, b in region_chunks(PREAMBLE_SIZE, data_end, chunk)]
 
 
 class _ChunkWriter:
     """Hash and write chunks from a host buffer; shared by the worker threads of one save."""
 
     def __init__(self, storage: Storage, fd: int, direct: int | None, buffer: torch.Tensor,
-                 sums: list[int], copied: dict[int, torch.cuda.Event],
+                 block: int, sums: list[int], copied: dict[int, torch.cuda.Event],
                  item_offsets: list[int], push: Push | None = None) -> None:
         self.push = push  # the copies for other ranks: each chunk is sent once written
         self.copied = copied  # device copies still running into the buffer, per stored item
@@ -163,6 +173,7 @@ class _ChunkWriter:
         self.fd = fd
         self.direct = direct
         self.buffer = buffer
+        self.block = block
         self.sums = sums
         self.item_offsets = item_offsets
         self.refused = False  # a direct write was refused: buffered writes from then on
@@ -172,8 +183,21 @@ class _ChunkWriter:
         holders of the copies (if any), from the same memory."""
         self._write(chunk, at)
         if self.push is not None:
-            start, end, k = chunk
-            self.push.send(start, byte_view(self.buffer, at, at + end - start), self.sums[k])
+            for k, lo, hi in self.blocks(chunk):
+                self.push.send(lo, byte_view(self.buffer, at + lo - chunk[0],
+                                             at + hi - chunk[0]), self.sums[k])
+
+    def blocks(self, chunk: Chunk) -> list[tuple[int, int, int]]:
+        """(index, start, end) of each checksum block of ``chunk``."""
+        start, end, k = chunk
+        return [(k + j, lo, hi) for j, (lo, hi) in enumerate(region_chunks(start, end,
+                                                                           self.block))]
+
+    def hash(self, chunk: Chunk, at: int) -> None:
+        """The checksum of each block of ``chunk``, whose bytes are at ``buffer[at:]``."""
+        for k, lo, hi in self.blocks(chunk):
+            self.sums[k] = checksum(byte_view(self.buffer, at + lo - chunk[0],
+                                              at + hi - chunk[0]))
 
     def _write(self, chunk: Chunk, at: int) -> None:
         """Hash and write one chunk whose bytes are at ``buffer[at:]``.
@@ -182,9 +206,9 @@ class _ChunkWriter:
         direct write may start at the page the chunk starts in (before the data region, that
         is the preamble's page, which ``seal`` writes last).
         """
-        start, end, k = chunk
+        start, end, _k = chunk
         stop = at + end - start
-        self.sums[k] = checksum(byte_view(self.buffer, at, stop))
+        self.hash(chunk, at)
         if self.direct is not None and not self.refused:
             first = align_down(start)
             last = end if end % ALIGN == 0 else align_down(end)
@@ -231,17 +255,17 @@ class _ChunkWriter:
 class _Hasher(_ChunkWriter):
     """A chunk writer that only hashes: the bytes stay in the buffer (the memory tier)."""
 
-    def __init__(self, buffer: torch.Tensor, sums: list[int],
+    def __init__(self, buffer: torch.Tensor, block: int, sums: list[int],
                  copied: dict[int, torch.cuda.Event], item_offsets: list[int]) -> None:
         self.copied = copied
         self.buffer = buffer
+        self.block = block
         self.sums = sums
         self.item_offsets = item_offsets
         self.push = None
 
     def chunk(self, chunk: Chunk, at: int) -> None:
-        start, end, k = chunk
-        self.sums[k] = checksum(byte_view(self.buffer, at, at + end - start))
+        self.hash(chunk, at)
 
 
 async def _overlapped(snap: Snapshot, writer: _ChunkWriter, chunks: list[Chunk], threads: int,

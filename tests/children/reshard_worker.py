@@ -12,6 +12,11 @@ parameter and moment equals ``saved.npz`` bit for bit, and the largest differenc
 
 ``mesh-save`` / ``mesh-restore``: DTensors of several placements, uneven sizes included, on a
 2-D mesh (``--mesh 2x2``), restored onto another mesh shape and placements.
+
+``volume-save`` / ``volume-restore``: a row-split matrix and a replicated one on a 1-D mesh,
+restored onto another world size (``--live S0`` or ``S1`` for the matrix) through a storage
+that counts every byte read; ``--out`` gets, per saved shard file, the ranges read inside its
+data region, with each tensor's byte range there and the checksum block.
 """
 
 from __future__ import annotations
@@ -114,9 +119,75 @@ def mesh_state(mesh_shape: tuple[int, ...], live: dict[str, str] | None,
     return state
 
 
+VOLUME = {"rows": (4099, 1024), "rep": (1500, 1024)}  # rows: uneven over 4 and 2 ranks
+
+
+def volume_state(live: str | None) -> dict[str, Any]:
+    """VOLUME's tensors: their saved values (rows Shard(0), rep Replicate), or zeros with
+    rows placed as ``live`` says."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    for name, shape in VOLUME.items():
+        value = torch.arange(float(np.prod(shape))).reshape(shape) + len(name)
+        spec = "R" if name == "rep" else (live or "S0")
+        out[name] = distribute_tensor(value if live is None else torch.zeros(shape), mesh,
+                                      placements(spec))
+    return out
+
+
+class CountingStorage(cp.LocalStorage):
+    """``LocalStorage`` that records every read: (file, offset, bytes)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.names: dict[int, str] = {}
+        self.reads: list[tuple[str, int, int]] = []
+
+    def open_read(self, rel: str, expected_size: int | None = None) -> tuple[int, int]:
+        fd, got = super().open_read(rel, expected_size)
+        self.names[fd] = rel
+        return fd, got
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> None:
+        super().pread_into(fd, buf, offset)
+        self.reads.append((self.names.get(fd, "?"), offset, len(buf)))
+
+
+def volume_report(storage: CountingStorage, live: dict[str, Any]) -> dict[str, Any]:
+    """Per saved shard file read: the ranges read in its data region, its tensors' byte
+    ranges and its checksum block; and the bytes this rank needed."""
+    from ckpt_pipeline._format.names import shard_name
+    from ckpt_pipeline._format.scan import scan
+
+    files: dict[str, Any] = {}
+    for saved_rank in range(4):
+        for status in scan(storage, saved_rank):
+            header = status.header
+            assert header is not None
+            rel = os.path.join(status.dir_name, status.shard_file or shard_name(saved_rank))
+            tensors = {}
+            for record in header.tensors:
+                start = header.storages[record.storage].offset + record.byte_offset
+                tensors[record.path] = [start, start + 4 * int(np.prod(record.shape))]
+            files[rel] = {"block": header.chunk_bytes, "tensors": tensors,
+                          "data": [header.data_offset, header.data_offset + header.data_length],
+                          "reads": []}
+    for rel, offset, n in storage.reads:
+        entry = files.get(rel)
+        if entry is not None and entry["data"][0] <= offset and offset + n <= entry["data"][1]:
+            entry["reads"].append([offset, offset + n])
+    needed = {name: 4 * t.to_local().numel() for name, t in live.items()}
+    return {"files": {k: v for k, v in files.items() if v["reads"]}, "needed": needed,
+            "all_files": sorted(files)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("save", "restore", "mesh-save", "mesh-restore"))
+    parser.add_argument("mode", choices=("save", "restore", "mesh-save", "mesh-restore",
+                                         "volume-save", "volume-restore"))
     parser.add_argument("--root", required=True)
     parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp")
     parser.add_argument("--mesh", default="")
@@ -162,6 +233,22 @@ def main() -> None:
                "differ": differ}
         with open(args.out, "w") as f:
             json.dump(out, f)
+    elif args.mode == "volume-save":
+        with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
+            pipe.save(1, {"t": volume_state(None)}, cp.TrainState(step=1)).result(120)
+    elif args.mode == "volume-restore":
+        live = volume_state(args.live)
+        storage = CountingStorage(args.root)
+        with cp.CheckpointPipeline(args.root, storage=storage, coordination_timeout_s=60,
+                                   reshard_bytes_in_flight=1 << 20) as pipe:
+            result = pipe.restore_latest({"t": live})
+        assert result is not None and result.resharded_from == 4
+        report = volume_report(storage, live)
+        report["equal"] = all(torch.equal(
+            live[name].full_tensor(), torch.arange(float(np.prod(shape))).reshape(shape)
+            + len(name)) for name, shape in VOLUME.items())
+        with open(args.out, "w") as f:
+            json.dump(report, f)
     elif args.mode == "mesh-save":
         mesh_shape = tuple(int(n) for n in args.mesh.split("x"))
         with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:

@@ -87,3 +87,47 @@ def test_a_damaged_slice_that_one_rank_needs_makes_every_rank_fall_back(tmp_path
     results = _restore(tmp_path, 4, "restore")
     assert [(r["step"], r["resharded_from"]) for r in results] == [(1, 2)] * 4
 
+
+
+def _blocks(ranges: list[list[int]], block: int) -> list[int]:
+    return [k for a, b in ranges for k in range(a // block, (b - 1) // block + 1)]
+
+
+@pytest.mark.parametrize("live", ["S0", "S1"])
+def test_a_reshard_reads_only_the_blocks_it_needs_each_once(tmp_path: Path, live: str) -> None:
+    """Counted reads, 4 ranks to 2: every read is whole checksum blocks, none read twice by a
+    rank. Rows split as saved (S0): a rank reads its two saved row ranges and at most one
+    block beyond each end of each. Columns (S1): every block of the matrix, no more. The
+    replicated matrix: read whole from one saved rank, the two live ranks from two."""
+    _run_ranks(WORKER, 4, "volume-save", "--root", tmp_path / "ckpt")
+    results = _restore(tmp_path, 2, "volume-restore", "--live", live)
+    holders = []
+    for r in results:
+        assert r["equal"]
+        read = 0
+        rep_from = []
+        for rel, entry in r["files"].items():
+            block, (lo, hi) = entry["block"], entry["tensors"]["t/rows"]
+            blocks = _blocks(entry["reads"], block)
+            assert len(blocks) == len(set(blocks)), f"{rel}: a block read twice"
+            start, end = entry["data"]
+            assert all((a % block == 0 or a == start) and (b % block == 0 or b == end)
+                       for a, b in entry["reads"]), f"{rel}: a read that is not whole blocks"
+            read += sum(b - a for a, b in entry["reads"])
+            rep_lo, rep_hi = entry["tensors"]["t/rep"]
+            covered = set(range(rep_lo // block, (rep_hi - 1) // block + 1))
+            if covered <= set(blocks):
+                rep_from.append(rel)
+            row_blocks = set(range(lo // block, (hi - 1) // block + 1))
+            if live == "S1":  # half of every row: every block of the rows, each once
+                assert row_blocks <= set(blocks), rel
+        assert len(rep_from) == 1, r["files"].keys()
+        holders.append(rep_from[0])
+        needed = sum(r["needed"].values())
+        runs = 2 + 1 if live == "S0" else 4 + 1  # saved row ranges met, and the replica
+        if live == "S0":
+            assert needed <= read <= needed + 2 * runs * block, (read, needed)
+        else:
+            rows_total = 4 * 4099 * 1024
+            assert needed <= read <= rows_total + 4 * 1500 * 1024 + 2 * runs * block
+    assert holders[0] != holders[1]
