@@ -81,7 +81,7 @@ def test_spans_touch_only_the_blocks_the_elements_touch(
 def test_a_column_slice_of_a_tall_matrix_is_read_in_few_ranges() -> None:
     """Rows of 4 KiB, half of each needed, blocks of 64 KiB: the gaps are read through, in
     ranges of at most the bound, not one call per row."""
-    shape, stride = (10_000, 1024), (1024, 1)
+    stride = (1024, 1)  # a 10000 x 1024 matrix
     box = Box((0, 512), (10_000, 512))
     parts = list(spans(box, stride, 4, gap=65536, bound=4 << 20))
     assert len(parts) == 10
@@ -89,7 +89,7 @@ def test_a_column_slice_of_a_tall_matrix_is_read_in_few_ranges() -> None:
 
 
 def test_rows_farther_apart_than_a_block_are_read_one_range_each() -> None:
-    shape, stride = (8, 1 << 20), (1 << 20, 1)
+    stride = (1 << 20, 1)  # 8 rows of 1 Mi elements
     box = Box((0, 0), (8, 1000))
     parts = list(spans(box, stride, 4, gap=1 << 20, bound=64 << 20))
     assert [p.offsets[0] for p in parts] == list(range(8))
