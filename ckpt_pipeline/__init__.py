@@ -68,6 +68,7 @@ from .events import WriteThroughSkipped as WriteThroughSkipped
 from .handle import CommitInfo as CommitInfo
 from .handle import Missing as Missing
 from .handle import RejectedStep as RejectedStep
+from .handle import Reshard as Reshard
 from .handle import RestoreResult as RestoreResult
 from .handle import SaveHandle as SaveHandle
 from .loading import LoadedCheckpoint as LoadedCheckpoint
@@ -138,6 +139,7 @@ __all__ = (
     "ReplicaStored",
     "ReplicationConfig",
     "ReplicationDegraded",
+    "Reshard",
     "RestoreError",
     "RestoreResult",
     "RetentionFailed",

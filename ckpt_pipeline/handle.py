@@ -4,18 +4,47 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from ._threads import in_thread
 from .train_state import TrainState
 
-__all__ = ("CommitInfo", "Missing", "RejectedStep", "RestoreResult", "SaveHandle")
+__all__ = ("CommitInfo", "Missing", "RejectedStep", "Reshard", "RestoreResult", "SaveHandle")
 
 Missing = Literal["refuse", "keep"]
 """What a restore does with top-level entries of the live state that the step does not hold:
 refuse the restore (the default), or leave them as they are and restore the rest."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard:
+    """What a restore onto another number of ranks does with the state that has no layout to
+    be resharded by: the RNG streams and the values saved per rank.
+
+    A DTensor (and a plain tensor, replicated) is resharded by its layout. A plain value that
+    differs between the saved ranks (a data loader's position, ``TrainState.extra``, the
+    sample counts) has no such map: the restore refuses it, on every rank and before anything
+    is applied, unless ``exclude`` names its top-level entry or ``per_rank`` says what each
+    rank restores. A restore onto the same number of ranks with another mesh maps rank to rank
+    (each rank restores its own saved values and RNG states) and needs none of this.
+    """
+
+    rng: Literal["live", "rank0"] = "live"
+    """``"live"`` (the default): the RNG states are not restored; each rank keeps the streams
+    the job seeded it with (a restart seeds per rank as a fresh job would). ``"rank0"``: every
+    rank restores saved rank 0's states (the same streams on every rank: dropout masks that
+    agree across ranks, as tensor parallelism needs)."""
+    exclude: tuple[str, ...] = ()
+    """Top-level entries of the state that are not restored: they keep their live values
+    (``RestoreResult.excluded``). For per-rank state such as a data loader's."""
+    per_rank: Callable[[str, tuple[Any, ...]], Any] | None = None
+    """Called on every live rank for each plain value that differs between the saved ranks,
+    with its path (``"loader/position"``, ``"train_state.extra/epoch"``,
+    ``"train_state.consumed_train_samples"``) and every saved rank's value in rank order;
+    returns the value this rank restores (for example their sum, or the value of the saved
+    rank this rank takes over from). A value holding tensors cannot be mapped so."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,19 +110,22 @@ class RestoreResult:
     """The ranks whose shard was read from the memory tier (``memory=``); the others read
     theirs from disk, a copy or the persistent tier."""
     resending: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """{holder rank: source ranks} of the copies of the restored step that their holders
+    lacked (a replaced node, files set aside): each source sends its copy again in the
+    background, after the restore returned (``ReplicaRestored`` or ``ReplicaRestoreFailed``
+    on the source rank when it is done). The same on every rank."""
+    resharded_from: int | None = None
+    """How many ranks saved the step, when the restore resharded it: each rank read the parts
+    of every saved rank's shard its live tensors need (None: not resharded; a mesh change at
+    the same world size gives this job's number)."""
+    excluded: tuple[str, ...] = ()
+    """Top-level entries a reshard left as they were (``Reshard.exclude``)."""
     not_restored: tuple[str, ...] = ()
     """Saved top-level entries that the live state passed to the restore does not have: a
     subset was restored (also logged at INFO, ``ckpt.recovery.partial``)."""
     not_in_checkpoint: tuple[str, ...] = ()
     """Top-level entries of the live state that the step does not hold, left as they were
     (only with ``missing="keep"``; by default that refuses the restore)."""
-    resharded_from: int | None = None
-    """How many ranks saved the step, when that is not this job's number: each rank read the
-    parts of every saved rank's shard its live tensors need (None: the same world size)."""
-    """{holder rank: source ranks} of the copies of the restored step that their holders
-    lacked (a replaced node, files set aside): each source sends its copy again in the
-    background, after the restore returned (``ReplicaRestored`` or ``ReplicaRestoreFailed``
-    on the source rank when it is done). The same on every rank."""
 
 
 class _CallerRelease(Protocol):

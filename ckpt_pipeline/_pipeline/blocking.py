@@ -27,7 +27,7 @@ from .._save.buffers import Slot
 from ..config import PipelineConfig
 from ..coordination import Coordinator
 from ..errors import ConfigError, PipelineClosedError
-from ..handle import Missing, RestoreResult, SaveHandle
+from ..handle import Missing, Reshard, RestoreResult, SaveHandle
 from ..storage import Storage
 from ..train_state import TrainState
 from .emitter import Subscriber
@@ -257,23 +257,29 @@ class CheckpointPipeline:
 
     def restore_latest(self, state: MutableMapping[str, Any], *,
                        restore_rng: bool | None = None,
-                       missing: Missing = "refuse") -> RestoreResult | None:
+                       missing: Missing = "refuse",
+                       reshard: Reshard | None = None) -> RestoreResult | None:
         """Load the newest complete, verified checkpoint into ``state`` in place.
 
         A restore that raises leaves ``state`` (and the RNG states) as they were.
         ``restore_rng``: load the saved RNG states too (None: the pipeline's ``restore_rng``).
         ``missing``: what to do with entries of ``state`` the step lacks (see the async face).
+        ``reshard``: what a restore onto another number of ranks does with RNG streams and
+        per-rank values (see ``Reshard``; None: its defaults).
         """
-        return self.restore(state, None, restore_rng=restore_rng, missing=missing)
+        return self.restore(state, None, restore_rng=restore_rng, missing=missing,
+                            reshard=reshard)
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
                 restore_rng: bool | None = None,
-                missing: Missing = "refuse") -> RestoreResult | None:
+                missing: Missing = "refuse",
+                reshard: Reshard | None = None) -> RestoreResult | None:
         """``restore_latest``, or with ``step`` that step and no other (RestoreError when it
         is not held and valid on every rank, or does not load). Steps newer than the restored
         one are moved aside (kept, invisible to later scans): the run goes on from it."""
         loaded = self._call(functools.partial(self._pipe.load_for_restore, state, step,
-                                              restore_rng=restore_rng, missing=missing))
+                                              restore_rng=restore_rng, missing=missing,
+                                              reshard=reshard))
         if loaded is None:
             return None
         applied, apply_error = self._pipe.apply_restore(loaded, state)

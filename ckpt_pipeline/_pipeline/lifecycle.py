@@ -41,7 +41,7 @@ from ..errors import (
     PipelineClosedError,
     StepOrderError,
 )
-from ..handle import Missing, RestoreResult, SaveHandle
+from ..handle import Missing, Reshard, RestoreResult, SaveHandle
 from ..storage import LocalStorage, Storage
 from ..train_state import TrainState
 from .admission import Admission
@@ -307,7 +307,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
 
     async def restore_latest(self, state: MutableMapping[str, Any], *,
                              restore_rng: bool | None = None,
-                             missing: Missing = "refuse") -> RestoreResult | None:
+                             missing: Missing = "refuse",
+                             reshard: Reshard | None = None) -> RestoreResult | None:
         """Load the newest step that every rank holds and verifies into ``state`` in place.
 
         A corrupt, truncated or incomplete step is reported (``CheckpointRejected``) and the
@@ -317,13 +318,18 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         load the saved RNG states too (None: the pipeline's ``restore_rng``). Saved entries
         that ``state`` lacks are not restored (``RestoreResult.not_restored``); entries of
         ``state`` the step lacks refuse the restore, unless ``missing="keep"`` (they keep their
-        values: ``RestoreResult.not_in_checkpoint``).
+        values: ``RestoreResult.not_in_checkpoint``). A step saved by another number of ranks,
+        or on another mesh, is resharded onto the live layout; ``reshard`` says what happens
+        to the RNG streams and the values saved per rank then (see ``Reshard``; None: its
+        defaults).
         """
-        return await self.restore(state, None, restore_rng=restore_rng, missing=missing)
+        return await self.restore(state, None, restore_rng=restore_rng, missing=missing,
+                                  reshard=reshard)
 
     async def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
                       restore_rng: bool | None = None,
-                      missing: Missing = "refuse") -> RestoreResult | None:
+                      missing: Missing = "refuse",
+                      reshard: Reshard | None = None) -> RestoreResult | None:
         """``restore_latest``, or with ``step`` that step and no other: RestoreError when it
         is not held and valid on every rank, or does not load (nothing else is tried).
 
@@ -331,7 +337,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         as the run goes on from the restored step.
         """
         loaded = await self.load_for_restore(state, step, restore_rng=restore_rng,
-                                             missing=missing)
+                                             missing=missing, reshard=reshard)
         if loaded is None:
             return None
         applied, apply_error = self.apply_restore(loaded, state)
@@ -350,7 +356,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
 
     async def load_for_restore(self, state: Mapping[str, Any], step: int | None = None, *,
                                restore_rng: bool | None = None,
-                               missing: Missing = "refuse") -> Loaded | None:
+                               missing: Missing = "refuse",
+                               reshard: Reshard | None = None) -> Loaded | None:
         """Begin a restore: wait for the saves in flight, then read the newest good step.
 
         From here until ``finish_restore`` (or until this returns None or raises), saves are
@@ -366,7 +373,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             await self.runner.wait_pending(None, raise_errors=False)
             loaded = await self._recovery.load_latest(state, self._limiter, step=step,
                                                       restore_rng=restore_rng,
-                                                      missing=missing)
+                                                      missing=missing, reshard=reshard)
         except BaseException:
             self.ledger.end_restore()
             raise

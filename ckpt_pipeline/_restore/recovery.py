@@ -30,7 +30,7 @@ from ..coordination import Coordinator
 from ..coordination._agree import agree_barrier, agree_outcome, gather_shared
 from ..errors import CheckpointError, ConfigError, CoordinationError, RestoreError
 from ..events import CheckpointRejected, CheckpointRestored, CheckpointRewound, Event
-from ..handle import Missing, RejectedStep, RestoreResult
+from ..handle import Missing, RejectedStep, Reshard, RestoreResult
 from ..storage import Storage
 from .agreement import Agreement, WorldSizeChanged
 from .agreement import listing as _listing
@@ -77,7 +77,8 @@ class Recovery:
     async def load_latest(self, state: Mapping[str, Any],
                           limiter: anyio.CapacityLimiter, *, step: int | None = None,
                           restore_rng: bool | None = None,
-                          missing: Missing = "refuse") -> Loaded | None:
+                          missing: Missing = "refuse",
+                          reshard: Reshard | None = None) -> Loaded | None:
         """Scan, agree on candidates, and read the newest one that verifies on every rank
         (with ``step``: that step only, or RestoreError).
 
@@ -90,6 +91,8 @@ class Recovery:
             raise ConfigError(f"missing={missing!r} is not a choice",
                               hint='use "refuse" (the default) or "keep"')
         self.sourcing.keep_missing = missing == "keep"
+        rng = self.config.restore_rng if restore_rng is None else restore_rng
+        choices = _reshard_choices(reshard)
         try:
             agreed = await self.agreement.agree(limiter, step)
         except WorldSizeChanged as changed:  # every rank sees it: the agreement's view
@@ -97,7 +100,7 @@ class Recovery:
                 self.storage, self.coordinator, state, limiter,
                 saved_world=changed.saved_world, step=step, started=started,
                 keep_missing=self.sourcing.keep_missing,
-                in_flight=self.config.reshard_bytes_in_flight)
+                in_flight=self.config.reshard_bytes_in_flight, choices=choices, rng=rng)
 
         async def load(at: int, save_id: str
                        ) -> tuple[Loaded | None, CheckpointError | None, dict[str, Any]]:
@@ -118,7 +121,7 @@ class Recovery:
                 self.storage, self.coordinator, state, limiter,
                 saved_world=self.coordinator.world_size, step=step, started=started,
                 keep_missing=self.sourcing.keep_missing,
-                in_flight=self.config.reshard_bytes_in_flight)
+                in_flight=self.config.reshard_bytes_in_flight, choices=choices, rng=rng)
         if found is None:
             return None
         loaded, extras, failed = found
@@ -131,8 +134,7 @@ class Recovery:
                                    if isinstance(e, dict) and e.get("memory") is True)
         loaded.held_copies = {src: hs for (s, src), hs in agreed.candidates.holders.items()
                               if s == loaded.step}
-        loaded.restore_rng = (self.config.restore_rng if restore_rng is None
-                              else restore_rng)
+        loaded.restore_rng = rng
         self._note_rewind(loaded, agreed.view, agreed.held_dirs, failed)
         if loaded.not_restored or loaded.not_in_checkpoint:
             log.info("ckpt.recovery.partial", step=loaded.step, rank=self.rank,
@@ -150,7 +152,7 @@ class Recovery:
         try:
             return apply_state(state, loaded.tree, loaded.tensors, step=loaded.step,
                                rank=self.rank, rng=rng, copies=loaded.copies,
-                               keep_missing=bool(loaded.not_in_checkpoint))
+                               keep_missing=bool(loaded.not_in_checkpoint or loaded.excluded))
         finally:
             loaded.tensors = []
             loaded.copies = None
@@ -208,7 +210,7 @@ class Recovery:
                              from_memory=loaded.from_memory, resending=resending,
                              not_restored=loaded.not_restored,
                              not_in_checkpoint=loaded.not_in_checkpoint,
-                             resharded_from=loaded.resharded_from)
+                             resharded_from=loaded.resharded_from, excluded=loaded.excluded)
 
     async def _clear_lacking_copies(self, loaded: Loaded, limiter: anyio.CapacityLimiter
                                     ) -> dict[int, tuple[int, ...]]:
@@ -310,3 +312,23 @@ def _foreign_by_rank(extras: list[Any]) -> dict[int, tuple[str, ...]]:
         if isinstance(ids, list) and ids and all(isinstance(i, str) for i in ids):
             out[rank] = tuple(ids)
     return out
+
+
+def _reshard_choices(reshard: Reshard | None) -> Reshard:
+    """``reshard``, checked (None: the defaults)."""
+    if reshard is None:
+        return Reshard()
+    if not isinstance(reshard, Reshard):
+        raise ConfigError(f"reshard={reshard!r} is not a Reshard",
+                          hint='for example reshard=cp.Reshard(rng="rank0", exclude=("loader",))')
+    if reshard.rng not in ("live", "rank0"):
+        raise ConfigError(f"Reshard(rng={reshard.rng!r}) is not a choice",
+                          hint='use "live" (the default: not restored) or "rank0"')
+    if isinstance(reshard.exclude, str) or not all(
+            isinstance(name, str) for name in reshard.exclude):
+        raise ConfigError(f"Reshard(exclude={reshard.exclude!r}) must be a tuple of names",
+                          hint='for example exclude=("loader",)')
+    if reshard.per_rank is not None and not callable(reshard.per_rank):
+        raise ConfigError("Reshard(per_rank=...) must be callable",
+                          hint="per_rank(path, values) returns the value this rank restores")
+    return reshard

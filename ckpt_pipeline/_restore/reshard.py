@@ -12,11 +12,16 @@ every saved rank's files (one root the ranks share).
   live optimizer has no state yet. A saved DTensor comes from the saved shards that overlap the
   box, each element read once (a replicated shard from one holder); a saved plain tensor from
   rank 0's shard (plain tensors of a data-parallel job are the same on every rank). Reads are
-  byte ranges of the shard files, every checksum chunk they touch verified
-  (``_reshard.ranges``).
+  byte ranges of the shard files, every checksum block they touch verified
+  (``_reshard.ranges``), at most ``reshard_bytes_in_flight`` a range.
 - **Everything else** is rank 0's: the tree's plain values and the TrainState must be the same
   on every saved rank, or the restore is refused (per-rank values cannot be mapped onto other
-  ranks silently). The RNG states are per rank: they are not restored, the live ones stay.
+  ranks silently), unless ``Reshard.exclude`` leaves their entry as it is or
+  ``Reshard.per_rank`` says what each rank restores. The RNG states are per rank: by default
+  they are not restored (the live ones stay); ``Reshard(rng="rank0")`` restores rank 0's on
+  every rank.
+- **A mesh change at the same world size** (``LayoutChanged``) maps rank to rank: each rank
+  takes its own saved plain values, plain tensors and RNG states, and reshards the DTensors.
 - **Refused before anything is applied.** A layout that cannot be resharded (a gap, a global
   shape that differs) is a ``ReshardError`` on the rank that finds it, and every rank raises;
   the live state is checked (``validate_state``) before the apply, as in every restore.
@@ -24,9 +29,11 @@ every saved rank's files (one root the ranks share).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import anyio
 import torch
@@ -44,8 +51,10 @@ from .._threads import in_thread
 from .._tree import is_dtensor, is_stateful, join_path
 from ..coordination import Coordinator
 from ..coordination._agree import agree_outcome, gather_shared
-from ..errors import CheckpointError, RestoreError, StateError
+from ..errors import CheckpointError, ConfigError, RestoreError, StateError
+from ..handle import Reshard
 from ..storage import Storage
+from ..train_state import TrainState
 from .sourcing import Loaded
 from .validate import validate_state
 
@@ -57,11 +66,16 @@ _log = log
 async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapping[str, Any],
                          limiter: anyio.CapacityLimiter, *, saved_world: int,
                          step: int | None, started: float, keep_missing: bool,
-                         in_flight: int) -> Loaded:
+                         in_flight: int, choices: Reshard, rng: bool) -> Loaded:
     """The newest step saved by ``saved_world`` ranks that every rank can reshard, read for
     this rank and checked against ``state`` (see the module docstring). RestoreError when
     there is none; the ReshardError or StateError of a step that cannot be resharded."""
     rank, world = coordinator.rank, coordinator.world_size
+    unknown = [name for name in choices.exclude if name not in state]
+    if unknown:
+        raise ConfigError(f"Reshard(exclude=...) names {unknown}, which the state does not "
+                          f"have (its entries: {sorted(map(str, state))})", rank=rank,
+                          hint="exclude top-level entries of the state passed to the restore")
     found = await in_thread(limiter, _complete_steps, storage, saved_world)
     mine = sorted(((s, statuses[0].save_id or "") for s, statuses in found.items()
                    if step is None or s == step), reverse=True)
@@ -84,7 +98,8 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
         error: CheckpointError | None = None
         try:
             loaded = await in_thread(limiter, functools.partial(
-                _load, storage, found[at], state, rank, started, keep_missing, in_flight))
+                _load, storage, found[at], state, _Reading(rank, world, started, keep_missing,
+                                                           in_flight, choices, rng)))
         except CheckpointError as exc:
             error = exc
         fatal = isinstance(error, (ReshardError, StateError))
@@ -93,7 +108,8 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
             what="reshard load", fatal=fatal)
         if not failures and loaded is not None:
             _log.info("ckpt.recovery.resharded", step=at, rank=rank, saved_world=saved_world,
-                      world=world, bytes_read=loaded.bytes)
+                      world=world, bytes_read=loaded.bytes, restore_rng=loaded.restore_rng,
+                      excluded=list(loaded.excluded))
             return loaded
         if any_fatal:
             if error is not None:
@@ -131,19 +147,44 @@ def _complete_steps(storage: Storage, saved_world: int) -> dict[int, list[StepSt
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """How this rank reads a step for a reshard: who it is, and the caller's choices."""
+
+    rank: int
+    world: int
+    started: float
+    keep_missing: bool
+    in_flight: int
+    choices: Reshard
+    rng: bool
+    """The restore's ``restore_rng``."""
+
+
 def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, Any],
-          rank: int, started: float, keep_missing: bool, in_flight: int) -> Loaded:
+          reading: _Reading) -> Loaded:
     """This rank's tensors of one step, resharded, and checked against the live state.
     Worker thread."""
+    rank, choices = reading.rank, reading.choices
     contents = [decode_contents(s, r) for r, s in enumerate(statuses)]
-    tree, train_state = contents[0]
     step = statuses[0].step
-    _same_on_every_rank(contents, step, rank)
+    own = rank if len(statuses) == reading.world else None  # a mesh change: rank to rank
+    excluded = tuple(name for name in choices.exclude if name in contents[0][0])
+    trees = [{k: v for k, v in tree.items() if k not in choices.exclude}
+             for tree, _ in contents]
+    if own is None:
+        tree, train_state = _per_rank_values(trees, [ts for _, ts in contents], choices,
+                                             step, rank)
+        restore_rng = reading.rng and choices.rng == "rank0"
+    else:
+        tree, train_state = trees[own], contents[own][1]
+        restore_rng = reading.rng
+    wanted = _refs(tree)
     targets = live_targets(state, tree)
     readers: list[ShardRanges] = []
     try:
         for r, status in enumerate(statuses):
-            readers.append(ShardRanges(storage, status, r, bound=in_flight))
+            readers.append(ShardRanges(storage, status, r, bound=reading.in_flight))
         coarse = max(reader.block for reader in readers)
         if coarse > CHECKSUM_BLOCK_BYTES:
             _log.info("ckpt.recovery.reshard_coarse_checksums", step=step, rank=rank,
@@ -151,44 +192,86 @@ def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, 
                       hint=f"these shards were checksummed in blocks of {coarse} bytes (an "
                            "older writer, or format 1): each range read reads and verifies "
                            "whole blocks, up to that much beyond each end of the range")
-        header = readers[0].header
-        tensors = [_tensor(index, record, targets.get(index), readers, rank, step)
+        plain_from = 0 if own is None else own
+        header = readers[plain_from].header
+        tensors = [_tensor(index, record, targets.get(index), readers, rank, step, plain_from)
+                   if index in wanted else torch.empty(0)
                    for index, record in enumerate(header.tensors)]
     finally:
         for reader in readers:
             reader.close()
-    left_out, kept = validate_state(state, tree, tensors, step=step, rank=rank,
-                                    keep_missing=keep_missing)
+    live = {k: v for k, v in state.items() if k not in excluded}
+    left_out, kept = validate_state(live, tree, tensors, step=step, rank=rank,
+                                    keep_missing=reading.keep_missing)
     return Loaded(step=step, save_id=statuses[0].save_id or "", path=statuses[0].path,
                   tree=tree, tensors=tensors, train_state=train_state,
-                  bytes=sum(r.bytes_read for r in readers), started=started, rejected=(),
-                  valid_by_rank={}, restore_rng=False, not_restored=left_out,
-                  not_in_checkpoint=kept, resharded_from=len(statuses),
+                  bytes=sum(r.bytes_read for r in readers), started=reading.started,
+                  rejected=(), valid_by_rank={}, restore_rng=restore_rng,
+                  not_restored=left_out, not_in_checkpoint=kept, excluded=excluded,
+                  resharded_from=len(statuses),
                   timeline=max(local_timeline(storage, r) for r in range(len(statuses))))
 
 
-def _same_on_every_rank(contents: Sequence[tuple[Any, Any]], step: int, rank: int) -> None:
-    """Refuse per-rank values: the plain parts of every saved rank's tree and TrainState
-    (less its RNG states) must be rank 0's."""
-    tree0, ts0 = contents[0]
-    skeleton0 = _skeleton(tree0)
-    for r, (tree, ts) in enumerate(contents[1:], start=1):
-        where = _first_difference(skeleton0, _skeleton(tree), "")
-        if where is not None:
-            path, mine, theirs = where
-            raise ReshardError(
-                f"{path or 'the state'}: saved rank {r} holds {theirs!r}, rank 0 {mine!r}; "
-                "a per-rank value cannot be mapped onto another number of ranks", step=step,
-                rank=rank, path=path, hint="restore with the world size that saved, or save per-rank "
-                                "values (a data loader's position) the same on every rank")
-        for name in ("consumed_train_samples", "skipped_train_samples", "extra"):
-            if getattr(ts, name) != getattr(ts0, name):
-                raise ReshardError(
-                    f"TrainState.{name} differs between saved ranks 0 and {r} "
-                    f"({getattr(ts0, name)!r} and {getattr(ts, name)!r}): a per-rank value "
-                    "cannot be mapped onto another number of ranks", step=step, rank=rank,
-                    hint="restore with the world size that saved, or keep per-rank values "
-                         "out of the TrainState")
+def _refs(node: Any) -> set[int]:
+    """The tensor indices a decoded tree refers to."""
+    if isinstance(node, TensorRef):
+        return {node.index}
+    if isinstance(node, dict):
+        return set().union(*map(_refs, node.values())) if node else set()
+    if isinstance(node, (list, tuple)):
+        return set().union(*map(_refs, node)) if node else set()
+    return set()
+
+
+def _per_rank_values(trees: Sequence[Any], train_states: Sequence[TrainState],
+                     choices: Reshard, step: int, rank: int) -> tuple[Any, TrainState]:
+    """Saved rank 0's tree and TrainState, with each plain value that differs between the
+    saved ranks replaced by what ``choices.per_rank`` makes of them; without it, a difference
+    is a ReshardError. The RNG states are rank 0's (restored only with ``rng="rank0"``)."""
+
+    def refuse(path: str, values: Sequence[Any], why: str) -> NoReturn:
+        shown = ", ".join(f"rank {r}: {v!r:.60}" for r, v in enumerate(values[:4]))
+        raise ReshardError(
+            f"{path or 'the state'}: the saved ranks hold different values ({shown}"
+            f"{', ...' if len(values) > 4 else ''}); {why}", step=step, rank=rank, path=path,
+            hint="restore with the world size that saved; or pass reshard=cp.Reshard("
+                 "exclude=(<top-level entry>,)) to keep the live values, or "
+                 "per_rank=<function(path, values)> to say what each rank restores")
+
+    def merge(nodes: Sequence[Any], path: str) -> Any:
+        first = nodes[0]
+        if all(_skeleton(n) == _skeleton(first) for n in nodes[1:]):
+            return first
+        if all(isinstance(n, dict) for n in nodes) and all(n.keys() == first.keys()
+                                                             for n in nodes):
+            return {k: merge([n[k] for n in nodes], join_path(path, k)) for k in first}
+        if all(type(n) is type(first) and isinstance(n, (list, tuple)) for n in nodes)                 and len({len(n) for n in nodes}) == 1:
+            return type(first)(merge([n[i] for n in nodes], join_path(path, i))
+                               for i in range(len(first)))
+        if any(_refs(n) for n in nodes):
+            refuse(path, nodes, "the values hold tensors, which cannot be mapped onto another "
+                                "number of ranks but by their DTensor layout")
+        if choices.per_rank is None:
+            refuse(path, nodes, "a per-rank value cannot be mapped onto another number of "
+                                "ranks")
+        try:
+            return choices.per_rank(path, tuple(nodes))
+        except Exception as exc:
+            raise ReshardError(f"{path}: Reshard.per_rank raised {type(exc).__name__}: {exc}",
+                               step=step, rank=rank, path=path) from exc
+
+    tree = merge(trees, "")
+    ts0 = train_states[0]
+    changes: dict[str, Any] = {}
+    for name in ("consumed_train_samples", "skipped_train_samples",
+                 "floating_point_operations_so_far", "extra"):
+        values = [getattr(ts, name) for ts in train_states]
+        if any(v != values[0] for v in values[1:]):
+            changes[name] = merge(values, f"train_state.{name}")
+    if "extra" in changes and not isinstance(changes["extra"], dict):
+        raise ReshardError("Reshard.per_rank returned a TrainState.extra that is not a map",
+                           step=step, rank=rank, path="train_state.extra")
+    return tree, dataclasses.replace(ts0, **changes) if changes else ts0
 
 
 def _skeleton(node: Any) -> Any:
@@ -199,23 +282,6 @@ def _skeleton(node: Any) -> Any:
     if isinstance(node, (list, tuple)):
         return type(node)(_skeleton(v) for v in node)
     return node
-
-
-def _first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
-    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
-        for key in a:
-            found = _first_difference(a[key], b[key], join_path(path, key))
-            if found is not None:
-                return found
-        return None
-    if (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b)
-            and len(a) == len(b)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            found = _first_difference(x, y, join_path(path, i))
-            if found is not None:
-                return found
-        return None
-    return None if a == b else (path, a, b)
 
 
 def live_targets(live: Mapping[str, Any], tree: Any) -> dict[int, torch.Tensor]:
@@ -266,8 +332,10 @@ def live_targets(live: Mapping[str, Any], tree: Any) -> dict[int, torch.Tensor]:
 
 
 def _tensor(index: int, record: TensorRecord, template: torch.Tensor | None,
-            readers: Sequence[ShardRanges], rank: int, step: int) -> torch.Tensor:
-    """Tensor ``index`` of saved rank 0's tree, as this rank needs it (module docstring)."""
+            readers: Sequence[ShardRanges], rank: int, step: int, plain_from: int
+            ) -> torch.Tensor:
+    """Tensor ``index`` of saved rank ``plain_from``'s tree, as this rank needs it (module
+    docstring); a plain tensor is that rank's."""
     path = record.path
     if record.dist is not None:
         records = [reader.records.get(path) for reader in readers]
@@ -287,11 +355,11 @@ def _tensor(index: int, record: TensorRecord, template: torch.Tensor | None,
                                    path=path)
             boxes.append((r, box))
         shape = record.dist.global_shape
-        chosen: list[TensorRecord] = [rec for rec in records if rec is not None]
+        chosen = {r: rec for r, rec in enumerate(records) if rec is not None}
     else:
         shape = record.shape
-        boxes = [(0, Box.full(shape))]
-        chosen = [record]
+        boxes = [(plain_from, Box.full(shape))]
+        chosen = {plain_from: record}
     need, live = _need(template, shape, path, step, rank)
     pieces = plan_box(SavedBoxes(path, shape, boxes), need, reader=rank)
     local = torch.empty(need.sizes, dtype=DTYPES[record.dtype])

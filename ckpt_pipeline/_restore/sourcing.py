@@ -94,7 +94,9 @@ class Loaded:
     timeline: int = 0
     """The timeline the run goes on as after this restore."""
     resharded_from: int | None = None
-    """The number of ranks that saved the step, when it is not this job's (``reshard.py``)."""
+    """The number of ranks that saved the step, when it was resharded (``reshard.py``)."""
+    excluded: tuple[str, ...] = ()
+    """Top-level entries a reshard leaves as they are (``Reshard.exclude``)."""
     rewound: frozenset[tuple[int, str]] = frozenset()
     """(step, directory) of this rank's valid steps that the restore abandons: moved aside
     as rewound (the others newer than the restored step as rejected)."""

@@ -17,6 +17,12 @@ parameter and moment equals ``saved.npz`` bit for bit, and the largest differenc
 restored onto another world size (``--live S0`` or ``S1`` for the matrix) through a storage
 that counts every byte read; ``--out`` gets, per saved shard file, the ranges read inside its
 data region, with each tensor's byte range there and the checksum block.
+
+``values-save`` / ``values-restore``: per-rank plain values (a loader position, TrainState
+counts and extra) and per-rank RNG streams beside a DTensor, restored onto another world size
+with ``--choice``: ``none`` (refused), ``exclude`` (the loader kept, the TrainState values
+mapped by a hook, rank 0's RNG streams), ``hook`` (everything mapped by a hook, the live RNG
+streams kept).
 """
 
 from __future__ import annotations
@@ -187,13 +193,15 @@ def volume_report(storage: CountingStorage, live: dict[str, Any]) -> dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=("save", "restore", "mesh-save", "mesh-restore",
-                                         "volume-save", "volume-restore"))
+                                         "volume-save", "volume-restore", "values-save",
+                                         "values-restore"))
     parser.add_argument("--root", required=True)
     parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp")
     parser.add_argument("--mesh", default="")
     parser.add_argument("--live", default="", help='mesh-restore: {"name": "S0,R", ...}')
     parser.add_argument("--out", default="")
     parser.add_argument("--shrink", default="", help="mesh-restore: one tensor a row shorter")
+    parser.add_argument("--choice", default="none", help="values-restore: none, exclude, hook")
     args = parser.parse_args()
     cp.enable_logging(logging.WARNING)
     dist.init_process_group("gloo")
@@ -249,6 +257,50 @@ def main() -> None:
             + len(name)) for name, shape in VOLUME.items())
         with open(args.out, "w") as f:
             json.dump(report, f)
+    elif args.mode == "values-save":
+        torch.manual_seed(100 + rank)
+        state = {"t": volume_state(None), "loader": {"position": 10 * rank, "epoch": 1}}
+        ts = cp.TrainState(step=3, consumed_train_samples=5 * (rank + 1),
+                           extra={"seen": rank, "lr": 0.5})
+        with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
+            pipe.save(3, state, ts).result(120)
+        if rank == 0:  # what rank 0's stream draws next
+            np.save(os.path.join(here, "rank0_draw.npy"), torch.rand(4).numpy())
+    elif args.mode == "values-restore":
+        torch.manual_seed(7 + rank)
+        live_draw = torch.rand(4)
+        torch.manual_seed(7 + rank)
+        live = {"t": volume_state("S0"), "loader": {"position": -1, "epoch": -1}}
+        calls: list[str] = []
+
+        def per_rank(path: str, values: tuple[Any, ...]) -> Any:
+            calls.append(path)
+            return sum(values) if isinstance(values[0], int) else values[0]
+
+        choices = {"none": None,
+                   "exclude": cp.Reshard(rng="rank0", exclude=("loader",), per_rank=per_rank),
+                   "hook": cp.Reshard(per_rank=per_rank)}[args.choice]
+        try:
+            with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
+                result = pipe.restore_latest(live, reshard=choices)
+            assert result is not None
+            out = {"loader": live["loader"], "excluded": list(result.excluded),
+                   "consumed": result.train_state.consumed_train_samples,
+                   "extra": dict(result.train_state.extra), "calls": sorted(calls),
+                   "rank0_stream": bool(np.array_equal(
+                       torch.rand(4).numpy(), np.load(os.path.join(here, "rank0_draw.npy")))),
+                   "rows_equal": bool(torch.equal(live["t"]["rows"].full_tensor(),
+                                                  torch.arange(float(np.prod(VOLUME["rows"])))
+                                                  .reshape(VOLUME["rows"]) + 4))}
+            torch.manual_seed(7 + rank)
+            out["live_stream"] = out["rank0_stream"] is False and bool(
+                torch.equal(torch.rand(4), live_draw))
+        except cp.CheckpointError as exc:
+            out = {"error": str(exc), "type": type(exc).__name__, "loader": live["loader"],
+                   "untouched": bool(torch.equal(live["t"]["rows"].to_local(),
+                                                 torch.zeros_like(live["t"]["rows"].to_local())))}
+        with open(args.out, "w") as f:
+            json.dump(out, f)
     elif args.mode == "mesh-save":
         mesh_shape = tuple(int(n) for n in args.mesh.split("x"))
         with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:

@@ -131,3 +131,30 @@ def test_a_reshard_reads_only_the_blocks_it_needs_each_once(tmp_path: Path, live
             rows_total = 4 * 4099 * 1024
             assert needed <= read <= rows_total + 4 * 1500 * 1024 + 2 * runs * block
     assert holders[0] != holders[1]
+
+
+def test_per_rank_values_are_refused_unless_excluded_or_mapped(tmp_path: Path) -> None:
+    """Saved on 4 ranks with a per-rank loader position, per-rank TrainState values and
+    per-rank RNG streams; restored on 2. Without a choice: refused on every rank, naming the
+    value, the live state untouched. ``exclude`` keeps the loader's live values and a hook maps
+    the TrainState's; ``rng="rank0"`` gives every rank saved rank 0's stream, the default
+    leaves the live streams."""
+    _run_ranks(WORKER, 4, "values-save", "--root", tmp_path / "ckpt")
+    refused = _restore(tmp_path, 2, "values-restore", "--choice", "none")
+    for r in refused:
+        assert r["type"] == "ReshardError" and "loader/position" in r["error"], r
+        assert "exclude" in r["error"] and r["untouched"]
+        assert r["loader"] == {"position": -1, "epoch": -1}
+    excluded = _restore(tmp_path, 2, "values-restore", "--choice", "exclude")
+    for r in excluded:
+        assert "error" not in r, r
+        assert r["rows_equal"] and r["excluded"] == ["loader"]
+        assert r["loader"] == {"position": -1, "epoch": -1}  # the live values, kept
+        assert r["consumed"] == 5 + 10 + 15 + 20 and r["extra"] == {"seen": 6, "lr": 0.5}
+        assert r["calls"] == ["train_state.consumed_train_samples", "train_state.extra/seen"]
+        assert r["rank0_stream"]
+    mapped = _restore(tmp_path, 2, "values-restore", "--choice", "hook")
+    for r in mapped:
+        assert "error" not in r, r
+        assert r["loader"] == {"position": 0 + 10 + 20 + 30, "epoch": 1}
+        assert "loader/position" in r["calls"] and r["live_stream"] and not r["rank0_stream"]
