@@ -28,7 +28,8 @@ def run_ranks(world: int, *args: str, port: int) -> None:
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONPATH": str(HERE.parent)}
+               "PYTHONPATH": os.pathsep.join(
+                   p for p in (str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env))
     codes = [p.wait(timeout=500) for p in procs]
     if any(codes):
