@@ -12,6 +12,7 @@ from ._threads import in_thread
 __all__ = ("first_leaf", "run_groups", "split_balanced", "tensor_chunks")
 
 R = TypeVar("R", bound=tuple[int, ...])
+G = TypeVar("G")
 
 
 def split_balanced(ranges: list[R], parts: int) -> list[list[R]]:
@@ -43,7 +44,7 @@ def tensor_chunks(offsets: list[int], sizes: tuple[int, ...] | list[int],
     return out
 
 
-async def run_groups(fn: Callable[[list[R]], None], groups: list[list[R]],
+async def run_groups(fn: Callable[[list[G]], None], groups: list[list[G]],
                      limiter: anyio.CapacityLimiter) -> None:
     """Run ``fn`` on each group in its own worker thread, all at once, under ``limiter``.
 

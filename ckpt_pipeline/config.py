@@ -83,11 +83,11 @@ class PipelineConfig:
     - ``chunk_bytes``: granularity of writes (and of checksums up to 4 MiB: a shard's data
       is checksummed in blocks of 4 MiB, or of the chunk when that is smaller).
     - ``io_threads``: worker threads for checksums and file I/O.
-    - ``reshard_bytes_in_flight``: a restore onto another world size or mesh reads each
-      saved shard's bytes a range at a time into host memory, then copies them into the
-      live tensors: the most bytes one range holds (each reader also keeps two verified
-      4 MiB checksum blocks). Larger ranges mean fewer reads; the live tensors themselves
-      are not counted.
+    - ``reshard_bytes_in_flight``: a restore onto another world size or mesh reads the saved
+      shards' bytes a range at a time into host memory, with ``io_threads`` threads, then
+      copies them into the live tensors: the bytes those ranges hold at once (each thread's
+      range at most this divided by ``io_threads``, but at least one checksum block; each
+      thread also keeps its last verified block). The live tensors themselves are not counted.
     - ``direct_io``: write shard data with ``O_DIRECT`` (no page cache: faster on large
       states, and no gigabytes of dirty pages competing with training for host memory); where
       the file system refuses it, writes go through the page cache as with ``False``.

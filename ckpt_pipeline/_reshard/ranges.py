@@ -1,23 +1,26 @@
-"""Verified byte ranges of one saved shard file.
+"""Verified byte ranges of saved shard files, read by several threads at once.
 
 A shard's data region is checksummed in blocks (``region_chunks``: cut at the multiples of the
 header's ``chunk_bytes``, 4 MiB as this library writes them, 64 MiB in shards written before
-it; each with its xxh3-64 in the header). A range read reads every block it touches whole,
-verifies it, and copies the range out of it; the last few blocks stay cached, so that
-neighbouring ranges (the pieces of one tensor, tensors next to each other) read a block once.
-What a range costs beyond its own bytes is therefore at most one block on each side, and a
-block shared with a neighbour is not read again.
+it; each with its xxh3-64 in the header). A range is read with the blocks it touches, whole, in
+one read call, each block verified before any of its bytes is used; the last block stays with
+the reading thread, so that the next range, which often starts in it, does not read it again.
+What a range costs beyond its own bytes is therefore at most one block on each side.
 
-``read_box`` copies one box of a saved tensor (its record's view of a storage: offset, shape,
-stride) into a destination tensor, one span at a time (``runs.spans``: gaps shorter than a
-block read through, at most ``bound`` bytes a span), each viewed with the record's strides.
+``ShardRanges`` is one saved rank's file (its header, its descriptor; shared by the threads).
+``Span`` is one range to copy into a destination tensor (``spans_of`` cuts a box of a saved
+tensor into them: ``runs.spans``). ``read_spans`` reads a list of spans with several threads,
+each taking a contiguous run of them in file order, cut only where two runs share no block, so
+that no block is read twice.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from bisect import bisect_right
-from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,17 +34,14 @@ from ..storage import Storage
 from .boxes import Box
 from .runs import spans
 
-__all__ = ("ShardRanges",)
-
-_CACHED_CHUNKS = 2
+__all__ = ("ShardRanges", "Span", "group_spans", "read_group", "spans_of")
 
 
 class ShardRanges:
-    """Range reads of one saved rank's shard of a step (see the module docstring). Not
-    thread-safe: one reader a thread."""
+    """One saved rank's shard file of a step, open for range reads (see the module
+    docstring); ``close`` once every reader is done."""
 
-    def __init__(self, storage: Storage, status: StepStatus, rank: int, *,
-                 bound: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, storage: Storage, status: StepStatus, rank: int) -> None:
         header = status.header
         if header is None:
             raise CheckpointIntegrityError("step was not validated", step=status.step,
@@ -55,65 +55,128 @@ class ShardRanges:
         self.starts = [start for start, _, _ in self.checks]
         self.block = max((end - start for start, end, _ in self.checks), default=0)
         """The largest checksummed range: what a range read may read beyond each end."""
-        self.bound = bound
-        """The most bytes one span of ``read_box`` copies at a time."""
         self.records = {record.path: record for record in header.tensors}
+        self._lock = threading.Lock()
         self.bytes_read = 0
-        self._cache: OrderedDict[int, bytearray] = OrderedDict()
         self._fd, _ = storage.open_read(self.rel, status.shard_size)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(str(self.status.path), os.path.basename(self.rel))
 
     def close(self) -> None:
         self.storage.close(self._fd)
-        self._cache.clear()
 
-    def read(self, start: int, end: int) -> bytearray:
-        """The file's bytes [start, end) of the data region, every chunk they touch verified."""
-        out = bytearray(end - start)
-        at = start
-        while at < end:
-            i = bisect_right(self.starts, at) - 1
-            if i < 0 or at >= self.checks[i][1]:
-                raise CheckpointIntegrityError(
-                    f"bytes {at}-{end} lie outside the shard's data region", step=self.status.step,
-                    rank=self.rank,
-                    path=os.path.join(str(self.status.path), os.path.basename(self.rel)))
-            lo, hi, _ = self.checks[i]
-            chunk = self._chunk(i)
-            stop = min(end, hi)
-            out[at - start:stop - start] = chunk[at - lo:stop - lo]
-            at = stop
-        return out
-
-    def _chunk(self, i: int) -> bytearray:
-        cached = self._cache.get(i)
-        if cached is not None:
-            self._cache.move_to_end(i)
-            return cached
-        lo, hi, expected = self.checks[i]
-        buf = bytearray(hi - lo)
-        self.storage.pread_into(self._fd, memoryview(buf), lo)
-        self.bytes_read += hi - lo
-        if checksum(memoryview(buf)) != expected:
+    def blocks(self, start: int, end: int) -> tuple[int, int]:
+        """The first and last block of the file's bytes [start, end) of the data region."""
+        first = bisect_right(self.starts, start) - 1
+        last = bisect_right(self.starts, end - 1) - 1
+        if first < 0 or end > self.checks[last][1] or end <= start:
             raise CheckpointIntegrityError(
-                f"checksum mismatch in bytes {lo}-{hi} of rank {self.rank}'s shard",
-                step=self.status.step, rank=self.rank,
-                path=os.path.join(str(self.status.path), os.path.basename(self.rel)),
-                hint="the shard is corrupt")
-        self._cache[i] = buf
-        if len(self._cache) > _CACHED_CHUNKS:
-            self._cache.popitem(last=False)
-        return buf
+                f"bytes {start}-{end} lie outside the shard's data region",
+                step=self.status.step, rank=self.rank, path=self.path)
+        return first, last
 
-    def read_box(self, record: TensorRecord, box: Box, out: torch.Tensor) -> None:
-        """Copy ``box`` (in the coordinates of the saved tensor ``record``) into ``out``."""
-        dtype = DTYPES[record.dtype]
-        item = dtype.itemsize
-        base = self.header.storages[record.storage].offset + record.byte_offset
-        for part in spans(box, record.stride, item, gap=self.block, bound=self.bound):
-            first = sum(o * s for o, s in zip(part.offsets, record.stride))
-            last = sum((o + n - 1) * s
-                       for o, n, s in zip(part.offsets, part.sizes, record.stride))
-            raw = self.read(base + first * item, base + (last + 1) * item)
-            flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-            out[part.relative_to(box).index()].copy_(flat.as_strided(part.sizes,
-                                                                     record.stride))
+    def read_blocks(self, first: int, last: int, into: memoryview) -> None:
+        """Read blocks ``first`` to ``last`` into ``into`` (their bytes, in one call) and
+        verify each."""
+        lo = self.checks[first][0]
+        self.storage.pread_into(self._fd, into, lo)
+        with self._lock:
+            self.bytes_read += len(into)
+        for a, b, expected in self.checks[first:last + 1]:
+            if checksum(into[a - lo:b - lo]) != expected:
+                raise CheckpointIntegrityError(
+                    f"checksum mismatch in bytes {a}-{b} of rank {self.rank}'s shard",
+                    step=self.status.step, rank=self.rank, path=self.path,
+                    hint="the shard is corrupt")
+
+
+class _Reader:
+    """One thread's reads of one shard: a span's blocks into a buffer the thread reuses, less
+    the first when the previous span ended in it (kept, verified)."""
+
+    def __init__(self, shard: ShardRanges) -> None:
+        self.shard = shard
+        self.buffer = bytearray()
+        self.kept: tuple[int, bytes] | None = None
+
+    def read(self, start: int, end: int) -> memoryview:
+        """The file's bytes [start, end), every block they touch verified."""
+        shard = self.shard
+        first, last = shard.blocks(start, end)
+        lo, hi = shard.checks[first][0], shard.checks[last][1]
+        if len(self.buffer) < hi - lo:
+            self.buffer = bytearray(hi - lo)
+        view = memoryview(self.buffer)[:hi - lo]
+        at = first
+        if self.kept is not None and self.kept[0] == first:
+            view[:len(self.kept[1])] = self.kept[1]
+            at += 1
+        if at <= last:
+            shard.read_blocks(at, last, view[shard.checks[at][0] - lo:])
+        tail = shard.checks[last][0]
+        self.kept = (last, bytes(view[tail - lo:]))
+        return view[start - lo:end - lo]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Copy the file bytes [start, end) of saved rank ``source``'s shard, viewed as ``sizes``
+    elements of ``dtype`` with ``stride``, into ``into``."""
+
+    source: int
+    start: int
+    end: int
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    stride: tuple[int, ...]
+    into: torch.Tensor
+
+
+def spans_of(shard: ShardRanges, source: int, record: TensorRecord, box: Box,
+             out: torch.Tensor, bound: int) -> Iterator[Span]:
+    """The spans that copy ``box`` (coordinates of the saved tensor ``record``) into ``out``."""
+    dtype = DTYPES[record.dtype]
+    item = dtype.itemsize
+    base = shard.header.storages[record.storage].offset + record.byte_offset
+    for part in spans(box, record.stride, item, gap=max(shard.block, 1), bound=bound):
+        first = sum(o * s for o, s in zip(part.offsets, record.stride))
+        last = sum((o + n - 1) * s for o, n, s in zip(part.offsets, part.sizes, record.stride))
+        yield Span(source, base + first * item, base + (last + 1) * item, dtype, part.sizes,
+                   tuple(record.stride), out[part.relative_to(box).index()])
+
+
+def group_spans(shards: Sequence[ShardRanges], all_spans: Sequence[Span], parts: int
+                ) -> list[list[Span]]:
+    """At most ``parts`` groups of similar bytes, each a run of the spans in file order (by
+    source, then offset), cut only between spans of one shard that share no block."""
+    order = sorted(all_spans, key=lambda s: (s.source, s.start))
+    total = sum(s.end - s.start for s in order)
+    target = max(1, total // max(1, parts))
+    groups: list[list[Span]] = []
+    acc = 0
+    previous: tuple[int, int] | None = None  # (source, last block) of the span before
+    for span in order:
+        first, last = shards[span.source].blocks(span.start, span.end)
+        same = previous is not None and previous[0] == span.source
+        shares = same and previous is not None and first <= previous[1]
+        if not groups or (acc >= target and not shares and len(groups) < parts):
+            groups.append([])
+            acc = 0
+        groups[-1].append(span)
+        acc += span.end - span.start
+        previous = (span.source, max(last, previous[1]) if same and previous else last)
+    return groups
+
+
+def read_group(shards: Sequence[ShardRanges], group: Sequence[Span]) -> None:
+    """Read and copy one group's spans (one thread)."""
+    readers: dict[int, _Reader] = {}
+    for span in group:
+        reader = readers.get(span.source)
+        if reader is None:
+            reader = readers[span.source] = _Reader(shards[span.source])
+        raw = reader.read(span.start, span.end)
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(span.dtype)
+        span.into.copy_(flat.as_strided(span.sizes, span.stride))

@@ -100,7 +100,8 @@ class Recovery:
                 self.storage, self.coordinator, state, limiter,
                 saved_world=changed.saved_world, step=step, started=started,
                 keep_missing=self.sourcing.keep_missing,
-                in_flight=self.config.reshard_bytes_in_flight, choices=choices, rng=rng)
+                in_flight=self.config.reshard_bytes_in_flight,
+                threads=self.config.io_threads, choices=choices, rng=rng)
 
         async def load(at: int, save_id: str
                        ) -> tuple[Loaded | None, CheckpointError | None, dict[str, Any]]:
@@ -121,7 +122,8 @@ class Recovery:
                 self.storage, self.coordinator, state, limiter,
                 saved_world=self.coordinator.world_size, step=step, started=started,
                 keep_missing=self.sourcing.keep_missing,
-                in_flight=self.config.reshard_bytes_in_flight, choices=choices, rng=rng)
+                in_flight=self.config.reshard_bytes_in_flight,
+                threads=self.config.io_threads, choices=choices, rng=rng)
         if found is None:
             return None
         loaded, extras, failed = found

@@ -13,7 +13,9 @@ every saved rank's files (one root the ranks share).
   box, each element read once (a replicated shard from one holder); a saved plain tensor from
   rank 0's shard (plain tensors of a data-parallel job are the same on every rank). Reads are
   byte ranges of the shard files, every checksum block they touch verified
-  (``_reshard.ranges``), at most ``reshard_bytes_in_flight`` a range.
+  (``_reshard.ranges``), planned first, then read by ``io_threads`` threads at once, straight
+  into the live tensors' memory (on their device), the ranges in flight holding at most
+  ``reshard_bytes_in_flight`` bytes in all.
 - **Everything else** is rank 0's: the tree's plain values and the TrainState must be the same
   on every saved rank, or the restore is refused (per-rank values cannot be mapped onto other
   ranks silently), unless ``Reshard.exclude`` leaves their entry as it is or
@@ -44,9 +46,10 @@ from .._format.limits import CHECKSUM_BLOCK_BYTES, DTYPES
 from .._format.scan import StepStatus, decode_contents, scan
 from .._lineage import current_steps, local_timeline
 from .._logging import log
+from .._parallel import run_groups
 from .._reshard.boxes import Box, saved_box
 from .._reshard.plan import ReshardError, SavedBoxes, plan_box
-from .._reshard.ranges import ShardRanges
+from .._reshard.ranges import ShardRanges, Span, group_spans, read_group, spans_of
 from .._threads import in_thread
 from .._tree import is_dtensor, is_stateful, join_path
 from ..coordination import Coordinator
@@ -66,7 +69,8 @@ _log = log
 async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapping[str, Any],
                          limiter: anyio.CapacityLimiter, *, saved_world: int,
                          step: int | None, started: float, keep_missing: bool,
-                         in_flight: int, choices: Reshard, rng: bool) -> Loaded:
+                         in_flight: int, threads: int, choices: Reshard, rng: bool
+                         ) -> Loaded:
     """The newest step saved by ``saved_world`` ranks that every rank can reshard, read for
     this rank and checked against ``state`` (see the module docstring). RestoreError when
     there is none; the ReshardError or StateError of a step that cannot be resharded."""
@@ -97,9 +101,8 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
         loaded: Loaded | None = None
         error: CheckpointError | None = None
         try:
-            loaded = await in_thread(limiter, functools.partial(
-                _load, storage, found[at], state, _Reading(rank, world, started, keep_missing,
-                                                           in_flight, choices, rng)))
+            loaded = await _load(storage, found[at], state, limiter, _Reading(
+                rank, world, started, keep_missing, in_flight, threads, choices, rng))
         except CheckpointError as exc:
             error = exc
         fatal = isinstance(error, (ReshardError, StateError))
@@ -156,15 +159,59 @@ class _Reading:
     started: float
     keep_missing: bool
     in_flight: int
+    threads: int
     choices: Reshard
     rng: bool
     """The restore's ``restore_rng``."""
 
 
-def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, Any],
-          reading: _Reading) -> Loaded:
-    """This rank's tensors of one step, resharded, and checked against the live state.
-    Worker thread."""
+@dataclass(slots=True)
+class _Plan:
+    """What one step's reshard reads on this rank, and what it becomes."""
+
+    step: int
+    tree: Any
+    train_state: TrainState
+    restore_rng: bool
+    excluded: tuple[str, ...]
+    shards: list[ShardRanges]
+    tensors: list[torch.Tensor]
+    spans: list[Span]
+
+
+async def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, Any],
+                limiter: anyio.CapacityLimiter, reading: _Reading) -> Loaded:
+    """This rank's tensors of one step, resharded (planned, then read by ``threads`` threads
+    at once), and checked against the live state."""
+    shards: list[ShardRanges] = []
+    try:
+        plan = await in_thread(limiter, _plan, storage, statuses, state, reading, shards)
+        await run_groups(functools.partial(read_group, shards),
+                         group_spans(shards, plan.spans, reading.threads), limiter)
+    finally:
+        await in_thread(limiter, _close, shards)
+    live = {k: v for k, v in state.items() if k not in plan.excluded}
+    left_out, kept = await in_thread(limiter, functools.partial(
+        validate_state, live, plan.tree, plan.tensors, step=plan.step, rank=reading.rank,
+        keep_missing=reading.keep_missing))
+    return Loaded(step=plan.step, save_id=statuses[0].save_id or "", path=statuses[0].path,
+                  tree=plan.tree, tensors=plan.tensors, train_state=plan.train_state,
+                  bytes=sum(r.bytes_read for r in shards), started=reading.started,
+                  rejected=(), valid_by_rank={}, restore_rng=plan.restore_rng,
+                  not_restored=left_out, not_in_checkpoint=kept, excluded=plan.excluded,
+                  resharded_from=len(statuses),
+                  timeline=max(local_timeline(storage, r) for r in range(len(statuses))))
+
+
+def _close(shards: Sequence[ShardRanges]) -> None:
+    for shard in shards:
+        shard.close()
+
+
+def _plan(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, Any],
+          reading: _Reading, shards: list[ShardRanges]) -> _Plan:
+    """Decode every saved rank's tree, choose the values this rank restores, open the shards
+    (into ``shards``, which the caller closes) and plan the spans to read. Worker thread."""
     rank, choices = reading.rank, reading.choices
     contents = [decode_contents(s, r) for r, s in enumerate(statuses)]
     step = statuses[0].step
@@ -181,35 +228,23 @@ def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, 
         restore_rng = reading.rng
     wanted = _refs(tree)
     targets = live_targets(state, tree)
-    readers: list[ShardRanges] = []
-    try:
-        for r, status in enumerate(statuses):
-            readers.append(ShardRanges(storage, status, r, bound=reading.in_flight))
-        coarse = max(reader.block for reader in readers)
-        if coarse > CHECKSUM_BLOCK_BYTES:
-            _log.info("ckpt.recovery.reshard_coarse_checksums", step=step, rank=rank,
-                      block_bytes=coarse,
-                      hint=f"these shards were checksummed in blocks of {coarse} bytes (an "
-                           "older writer, or format 1): each range read reads and verifies "
-                           "whole blocks, up to that much beyond each end of the range")
-        plain_from = 0 if own is None else own
-        header = readers[plain_from].header
-        tensors = [_tensor(index, record, targets.get(index), readers, rank, step, plain_from)
-                   if index in wanted else torch.empty(0)
-                   for index, record in enumerate(header.tensors)]
-    finally:
-        for reader in readers:
-            reader.close()
-    live = {k: v for k, v in state.items() if k not in excluded}
-    left_out, kept = validate_state(live, tree, tensors, step=step, rank=rank,
-                                    keep_missing=reading.keep_missing)
-    return Loaded(step=step, save_id=statuses[0].save_id or "", path=statuses[0].path,
-                  tree=tree, tensors=tensors, train_state=train_state,
-                  bytes=sum(r.bytes_read for r in readers), started=reading.started,
-                  rejected=(), valid_by_rank={}, restore_rng=restore_rng,
-                  not_restored=left_out, not_in_checkpoint=kept, excluded=excluded,
-                  resharded_from=len(statuses),
-                  timeline=max(local_timeline(storage, r) for r in range(len(statuses))))
+    for r, status in enumerate(statuses):
+        shards.append(ShardRanges(storage, status, r))
+    coarse = max(shard.block for shard in shards)
+    if coarse > CHECKSUM_BLOCK_BYTES:
+        _log.info("ckpt.recovery.reshard_coarse_checksums", step=step, rank=rank,
+                  block_bytes=coarse,
+                  hint=f"these shards were checksummed in blocks of {coarse} bytes (an older "
+                       "writer, or format 1): each range read reads and verifies whole "
+                       "blocks, up to that much beyond each end of the range")
+    plain_from = 0 if own is None else own
+    bound = max(coarse, reading.in_flight // max(1, reading.threads))
+    planned: list[Span] = []
+    tensors = [_tensor(index, record, targets.get(index), shards, rank, step, plain_from,
+                       bound, planned)
+               if index in wanted else torch.empty(0)
+               for index, record in enumerate(shards[plain_from].header.tensors)]
+    return _Plan(step, tree, train_state, restore_rng, excluded, shards, tensors, planned)
 
 
 def _refs(node: Any) -> set[int]:
@@ -332,13 +367,14 @@ def live_targets(live: Mapping[str, Any], tree: Any) -> dict[int, torch.Tensor]:
 
 
 def _tensor(index: int, record: TensorRecord, template: torch.Tensor | None,
-            readers: Sequence[ShardRanges], rank: int, step: int, plain_from: int
-            ) -> torch.Tensor:
+            shards: Sequence[ShardRanges], rank: int, step: int, plain_from: int, bound: int,
+            planned: list[Span]) -> torch.Tensor:
     """Tensor ``index`` of saved rank ``plain_from``'s tree, as this rank needs it (module
-    docstring); a plain tensor is that rank's."""
+    docstring; a plain tensor is that rank's): allocated, its spans added to ``planned``
+    (read later, into it)."""
     path = record.path
     if record.dist is not None:
-        records = [reader.records.get(path) for reader in readers]
+        records = [shard.records.get(path) for shard in shards]
         boxes: list[tuple[int, Box]] = []
         for r, rec in enumerate(records):
             if rec is None or rec.dist is None or rec.dist.global_shape != \
@@ -362,16 +398,18 @@ def _tensor(index: int, record: TensorRecord, template: torch.Tensor | None,
         chosen = {plain_from: record}
     need, live = _need(template, shape, path, step, rank)
     pieces = plan_box(SavedBoxes(path, shape, boxes), need, reader=rank)
-    local = torch.empty(need.sizes, dtype=DTYPES[record.dtype])
+    device = torch.device("cpu") if live is None else \
+        live.to_local().device  # type: ignore[attr-defined]
+    local = torch.empty(need.sizes, dtype=DTYPES[record.dtype], device=device)
     for piece in pieces:
-        readers[piece.source].read_box(chosen[piece.source], piece.region.relative_to(
-            piece.saved), local[piece.region.relative_to(need).index()])
+        planned.extend(spans_of(shards[piece.source], piece.source, chosen[piece.source],
+                                piece.region.relative_to(piece.saved),
+                                local[piece.region.relative_to(need).index()], bound))
     if live is None:
         return local
     from torch.distributed.tensor import DTensor
 
-    device = live.to_local().device  # type: ignore[attr-defined]
-    return DTensor.from_local(local.to(device), live.device_mesh,  # type: ignore[attr-defined]
+    return DTensor.from_local(local, live.device_mesh,  # type: ignore[attr-defined]
                               live.placements, run_check=False,  # type: ignore[attr-defined]
                               shape=live.shape, stride=live.stride())
 

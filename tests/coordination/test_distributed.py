@@ -308,7 +308,8 @@ def test_a_world_size_change_with_per_rank_values_is_refused_on_every_rank(
     for rank, out in phase(results, "restore").items():
         error = out["error"]
         assert error is not None and error["type"] == "ReshardError", (rank, out)
-        assert "meta/rank: saved rank 1 holds 1, rank 0 0" in error["message"], error
+        assert "meta/rank: the saved ranks hold different values (rank 0: 0, rank 1: 1)" \
+            in error["message"], error
         assert "per-rank value" in error["message"], error
     assert files(root) == before, "a refused restore moves nothing"
 
