@@ -21,6 +21,7 @@ import threading
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from .._format.limits import DTYPES
 from .._format.names import shard_name
 from .._format.region import checksum
 from .._format.scan import StepStatus
+from .._hostmem import byte_view
 from ..errors import CheckpointIntegrityError
 from ..storage import Storage
 from .boxes import Box
@@ -93,22 +95,25 @@ class ShardRanges:
 
 
 class _Reader:
-    """One thread's reads of one shard: a span's blocks into a buffer the thread reuses, less
+    """One thread's reads of one shard: a span's blocks into a buffer the caller gives, less
     the first when the previous span ended in it (kept, verified)."""
 
     def __init__(self, shard: ShardRanges) -> None:
         self.shard = shard
-        self.buffer = bytearray()
         self.kept: tuple[int, bytes] | None = None
 
-    def read(self, start: int, end: int) -> memoryview:
-        """The file's bytes [start, end), every block they touch verified."""
+    def extent(self, start: int, end: int) -> int:
+        """The bytes of the blocks [start, end) touches: the buffer ``read`` needs."""
+        first, last = self.shard.blocks(start, end)
+        return self.shard.checks[last][1] - self.shard.checks[first][0]
+
+    def read(self, start: int, end: int, view: memoryview) -> int:
+        """Read the blocks the file's bytes [start, end) touch into ``view``, every one
+        verified; returns where ``start`` is in it."""
         shard = self.shard
         first, last = shard.blocks(start, end)
         lo, hi = shard.checks[first][0], shard.checks[last][1]
-        if len(self.buffer) < hi - lo:
-            self.buffer = bytearray(hi - lo)
-        view = memoryview(self.buffer)[:hi - lo]
+        view = view[:hi - lo]
         at = first
         if self.kept is not None and self.kept[0] == first:
             view[:len(self.kept[1])] = self.kept[1]
@@ -117,7 +122,55 @@ class _Reader:
             shard.read_blocks(at, last, view[shard.checks[at][0] - lo:])
         tail = shard.checks[last][0]
         self.kept = (last, bytes(view[tail - lo:]))
-        return view[start - lo:end - lo]
+        return start - lo
+
+
+class _Staging:
+    """One thread's buffers: host memory it reuses for spans bound for host tensors; for a
+    GPU, two pinned buffers in turn, each span's copy to the device running on a side stream
+    while the next is read."""
+
+    def __init__(self) -> None:
+        self.host = torch.empty(0, dtype=torch.uint8)
+        self.pinned: list[torch.Tensor] = [self.host, self.host]
+        self.pending: list[Any] = [None, None]
+        self.stream: Any = None
+        self.turn = 0
+
+    def buffer(self, size: int, device: torch.device) -> torch.Tensor:
+        """A uint8 host tensor of ``size`` bytes to read a span bound for ``device`` into."""
+        if device.type != "cuda":
+            if self.host.numel() < size:
+                self.host = torch.empty(size, dtype=torch.uint8)
+            return self.host[:size]
+        slot = self.turn % 2
+        if self.pending[slot] is not None:
+            self.pending[slot].synchronize()
+            self.pending[slot] = None
+        if self.pinned[slot].numel() < size:
+            self.pinned[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return self.pinned[slot][:size]
+
+    def copy(self, into: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy ``source`` (a view of the last ``buffer``) into ``into``."""
+        if into.device.type != "cuda":
+            into.copy_(source)
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=into.device)
+        slot = self.turn % 2
+        self.turn += 1
+        with torch.cuda.stream(self.stream):
+            into.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.pending[slot] = event
+
+    def close(self) -> None:
+        """Wait for the copies still running."""
+        for event in self.pending:
+            if event is not None:
+                event.synchronize()
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +224,17 @@ def group_spans(shards: Sequence[ShardRanges], all_spans: Sequence[Span], parts:
 
 
 def read_group(shards: Sequence[ShardRanges], group: Sequence[Span]) -> None:
-    """Read and copy one group's spans (one thread)."""
+    """Read and copy one group's spans (one thread); every copy is done when it returns."""
     readers: dict[int, _Reader] = {}
-    for span in group:
-        reader = readers.get(span.source)
-        if reader is None:
-            reader = readers[span.source] = _Reader(shards[span.source])
-        raw = reader.read(span.start, span.end)
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(span.dtype)
-        span.into.copy_(flat.as_strided(span.sizes, span.stride))
+    staging = _Staging()
+    try:
+        for span in group:
+            reader = readers.get(span.source)
+            if reader is None:
+                reader = readers[span.source] = _Reader(shards[span.source])
+            buffer = staging.buffer(reader.extent(span.start, span.end), span.into.device)
+            at = reader.read(span.start, span.end, byte_view(buffer))
+            raw = buffer[at:at + span.end - span.start].view(span.dtype)
+            staging.copy(span.into, raw.as_strided(span.sizes, span.stride))
+    finally:
+        staging.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -58,7 +59,8 @@ from ..errors import CheckpointError, ConfigError, RestoreError, StateError
 from ..handle import Reshard
 from ..storage import Storage
 from ..train_state import TrainState
-from .sourcing import Loaded
+from .backups import BackupCopies
+from .sourcing import Loaded, prefetch_backup
 from .validate import validate_state
 
 __all__ = ("reshard_latest",)
@@ -184,11 +186,19 @@ async def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping
     """This rank's tensors of one step, resharded (planned, then read by ``threads`` threads
     at once), and checked against the live state."""
     shards: list[ShardRanges] = []
+    copies = BackupCopies()  # the rollback backup, copied while the shards are read
+    prefetch: threading.Thread | None = None
     try:
         plan = await in_thread(limiter, _plan, storage, statuses, state, reading, shards)
+        prefetch = threading.Thread(target=prefetch_backup,
+                                    args=(copies, state, reading.rank, {}),
+                                    name="ckpt-restore-backup", daemon=True)
+        prefetch.start()
         await run_groups(functools.partial(read_group, shards),
                          group_spans(shards, plan.spans, reading.threads), limiter)
     finally:
+        if prefetch is not None:
+            await in_thread(None, prefetch.join, abandon_on_cancel=True)
         await in_thread(limiter, _close, shards)
     live = {k: v for k, v in state.items() if k not in plan.excluded}
     left_out, kept = await in_thread(limiter, functools.partial(
@@ -197,7 +207,7 @@ async def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping
     return Loaded(step=plan.step, save_id=statuses[0].save_id or "", path=statuses[0].path,
                   tree=plan.tree, tensors=plan.tensors, train_state=plan.train_state,
                   bytes=sum(r.bytes_read for r in shards), started=reading.started,
-                  rejected=(), valid_by_rank={}, restore_rng=plan.restore_rng,
+                  rejected=(), valid_by_rank={}, restore_rng=plan.restore_rng, copies=copies,
                   not_restored=left_out, not_in_checkpoint=kept, excluded=plan.excluded,
                   resharded_from=len(statuses),
                   timeline=max(local_timeline(storage, r) for r in range(len(statuses))))

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .._tiers.persistent.promote import Promoter
     from .._tiers.replica.replication import Replication
 
-__all__ = ("Loaded", "Sourcing")
+__all__ = ("Loaded", "Sourcing", "prefetch_backup")
 
 _log = log
 
@@ -302,7 +302,8 @@ class Sourcing:
         # the restore almost nothing (see BackupCopies).
         copies = BackupCopies()
         reading = device_bytes(header, devices)  # GPU memory the read below allocates
-        prefetch = threading.Thread(target=_prefetch, args=(copies, state, self.rank, reading),
+        prefetch = threading.Thread(target=prefetch_backup,
+                                    args=(copies, state, self.rank, reading),
                                     name="ckpt-restore-backup", daemon=True)
         prefetch.start()
         try:
@@ -328,9 +329,11 @@ class Sourcing:
                       not_restored=left_out, not_in_checkpoint=kept)
 
 
-def _prefetch(copies: BackupCopies, state: Mapping[str, Any], rank: int,
-              reading: Mapping[int, int]) -> None:
-    """Best-effort: a failure here only means the backup is copied when it is taken."""
+def prefetch_backup(copies: BackupCopies, state: Mapping[str, Any], rank: int,
+                    reading: Mapping[int, int]) -> None:
+    """Copy the rollback backup of ``state`` into ``copies`` (a thread of its own, while a
+    restore reads). Best-effort: a failure here only means the backup is copied when it is
+    taken."""
     try:
         copies.prefetch(state, device_reserved=reading)
     except Exception as exc:
