@@ -226,7 +226,7 @@ def _plan(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, 
     contents = [decode_contents(s, r) for r, s in enumerate(statuses)]
     step = statuses[0].step
     own = rank if len(statuses) == reading.world else None  # a mesh change: rank to rank
-    excluded = tuple(name for name in choices.exclude if name in contents[0][0])
+    excluded = tuple(choices.exclude)  # every one a key of the live state (reshard_latest)
     trees = [{k: v for k, v in tree.items() if k not in choices.exclude}
              for tree, _ in contents]
     if own is None:

@@ -148,6 +148,7 @@ _CRASHING_CHILD = """
 """
 
 
+@pytest.mark.slow  # 3 s: a child process that crashes (the fast suite's minute)
 def test_a_crash_restores_the_newest_memory_step(tmp_path: Path, shm_dir: Path) -> None:
     done = _run_child(_CRASHING_CHILD, tmp_path / "root", shm_dir, 5)
     assert done.returncode == 0, done.stderr

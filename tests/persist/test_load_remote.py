@@ -90,6 +90,7 @@ def test_load_by_url_reads_a_persisted_step_after_the_local_root_is_gone(
     assert not (tmp_path / "local").exists()
 
 
+@pytest.mark.slow  # 2.5 s for the dir case (the fast suite's minute)
 @pytest.mark.timeout(120)
 def test_load_by_url_names_what_is_there_when_the_step_or_rank_is_not(
         tmp_path: Path, tier: tuple[str, dict[str, Any] | None], temp_dir: Path) -> None:
