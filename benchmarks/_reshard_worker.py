@@ -241,6 +241,18 @@ def save(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]:
     return {"ckpt_pipeline_save_s": ckpt_s, "dcp_save_s": dcp_s}
 
 
+def _profiler() -> Any:
+    """A started ``cProfile.Profile`` of the timed call where ``CKPT_BENCH_PROFILE`` names a
+    path prefix (the stats go to PREFIX.LIB.RANK; the figures are then not comparable)."""
+    if not os.environ.get("CKPT_BENCH_PROFILE"):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
+
+
 def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]:
     built = time.monotonic()
     model, tensors = build(specs, values=False)
@@ -278,9 +290,13 @@ def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]
         out["peak_reset"] = _reset_peak()
         out["hwm_before_kib"] = _status_kib("VmHWM")
         dist.barrier()
+        profile = _profiler()
         started = time.perf_counter()
         call()
         out["restore_s"] = time.perf_counter() - started
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(f"{os.environ['CKPT_BENCH_PROFILE']}.{args.lib}.{dist.get_rank()}")
         out["hwm_after_kib"] = _status_kib("VmHWM")
         out["rss_after_kib"] = _status_kib("VmRSS")
         dist.barrier()

@@ -119,6 +119,24 @@ def _fork_rank(argv: list[str], env: dict[str, str], log: Path) -> int:
         os._exit(code)
 
 
+def memory_speed(mib: int = 256) -> dict[str, Any]:
+    """GiB/s of writing ``mib`` MiB into memory this process never touched (a fresh
+    allocation: the kernel's first-touch page faults, and on a virtual machine whatever its
+    host does then) and into the same memory again (a copy into pages already there). A
+    restore that allocates what it reads into pays the first rate, one into live memory the
+    second."""
+    size = mib * MiB
+    source = torch.ones(size, dtype=torch.uint8)
+    started = time.perf_counter()
+    fresh = source.clone()
+    fresh_s = time.perf_counter() - started
+    started = time.perf_counter()
+    fresh.copy_(source)
+    again_s = time.perf_counter() - started
+    return {"mib": mib, "fresh_gib_s": round(size / fresh_s / (1 << 30), 2),
+            "touched_gib_s": round(size / again_s / (1 << 30), 2)}
+
+
 def run_job(world: int, args: list[str], logs: Path, timeout_s: float) -> list[dict[str, Any]]:
     """Run ``world`` ranks of the worker with ``args`` as one gloo job; what each wrote."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -282,6 +300,9 @@ def table(report: dict[str, Any]) -> str:
     gib = report["state"]["total_bytes"] / (1 << 30)
     lines = [f"{gib:.3f} GiB state; page cache: {report['page_cache']['mode']}; "
              f"max over ranks, median of {report['config']['repeats']}",
+             "memory: {fresh_gib_s} GiB/s into fresh pages, {touched_gib_s} GiB/s into "
+             "touched ones".format(**report["machine"].get(
+                 "memory_speed", {"fresh_gib_s": "?", "touched_gib_s": "?"})),
              f"{'case':<6} {'library':<14} {'median s':>9} {'GB/s':>6} {'peak/share':>10}"
              "  samples s"]
     for case, libs in report["samples"].items():
@@ -347,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     specs = worker.layout(args.total_bytes)
     report: dict[str, Any] = {
         "benchmark": "reshard_cpu", "command": " ".join([sys.executable, *sys.argv]),
-        "machine": machine_info(work), "ckpt_pipeline_from": worker.LIBRARY_FILE,
+        "machine": {**machine_info(work), "memory_speed": memory_speed()},
+        "ckpt_pipeline_from": worker.LIBRARY_FILE,
         "config": {"cases": cases, "repeats": args.repeats, "root": str(work),
                    "timeout_s": args.timeout_s, "omp_num_threads": 1,
                    "ckpt_pipeline": "CheckpointPipeline defaults (restore_latest timed, the "

@@ -149,6 +149,7 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         # Without device_staging: a bridge for the saves that find no host buffer made yet.
         self._bridge = (DeviceStaging(transient=True) if config.device_staging is None
                         else None)
+        self._pool_state: Mapping[str, Any] | None = None  # a restore's, for _pool_prep
         self._pool_prep = PoolPrep(self._pool, self.rank, config.host_buffer_bytes,
                                    made_by_tier=config.memory is not None
                                    and config.memory.slot_bytes is not None)
@@ -192,7 +193,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 self._recovery.use_memory(self.memory.storage)
             await self._pool_prep.from_roots(
                 self._limiter, [self.storage] + ([] if self.memory is None
-                                                 else [self.memory.storage]))
+                                                 else [self.memory.storage]),
+                self.coordinator.world_size)
             async with self.runner.running():
                 self.state = PipelineState.OPEN
                 try:
@@ -377,9 +379,11 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
         except BaseException:
             self.ledger.end_restore()
             raise
-        self._pool_prep.from_state(state)  # a fresh job's first size (see pool_prep)
         if loaded is None:
+            self._pool_prep.from_state(state)  # a fresh job's first size (see pool_prep)
             self.ledger.end_restore()
+        else:  # once the restore is done: making it would compete with the apply
+            self._pool_state = state
         return loaded
 
     def apply_restore(self, loaded: Loaded, state: MutableMapping[str, Any]
@@ -403,6 +407,9 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 await self.memory.after_restore(loaded.step)
         finally:
             self.ledger.end_restore(restored)
+            state, self._pool_state = self._pool_state, None
+            if state is not None:  # the first save's size (see pool_prep)
+                self._pool_prep.from_state(state)
         return result
 
     def abandon(self, job: SaveJob, error: CheckpointError) -> None:

@@ -145,11 +145,13 @@ async def persist_at_close(promoter: Promoter, coordinator: Coordinator,
         log.error("ckpt.persist.close_failed", rank=rank, url=promoter.url, error=exc.message)
 
 
-def newest_buffer_size(storages: Sequence[Storage], rank: int) -> tuple[int, bool] | None:
+def newest_buffer_size(storages: Sequence[Storage], rank: int, world_size: int
+                       ) -> tuple[int, bool] | None:
     """The host buffer the newest valid step of ``rank`` in ``storages`` needed (its data
     region's end) and whether it held CUDA tensors: the size to make the pool at open, before
-    the first save asks for it (a restart saves the same state). None: no such step. Worker
-    thread."""
+    the first save asks for it (a restart saves the same state). None: no such step, or one
+    saved by another number of ranks (a reshard: this rank's share differs; the restore's
+    live state gives the size). Worker thread."""
     best: tuple[int, StepStatus] | None = None
     for storage in storages:
         with contextlib.suppress(CheckpointError):
@@ -159,7 +161,7 @@ def newest_buffer_size(storages: Sequence[Storage], rank: int) -> tuple[int, boo
                 status = scan_files(storage, FileSet(rank), step, steps[step])
                 if status.valid and (best is None or step > best[0]):
                     best = (step, status)
-    if best is None or best[1].header is None:
+    if best is None or best[1].header is None or best[1].world_size not in (None, world_size):
         return None
     header = best[1].header
     cuda = any(record.device.startswith("cuda") for record in header.storages)

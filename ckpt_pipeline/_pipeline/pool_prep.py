@@ -46,11 +46,12 @@ class PoolPrep:
         self._started = made_by_tier
 
     async def from_roots(self, limiter: anyio.CapacityLimiter,
-                         roots: Sequence[Storage]) -> None:
-        """At open: the size of this rank's newest valid step, if there is one."""
+                         roots: Sequence[Storage], world_size: int) -> None:
+        """At open: the size of this rank's newest valid step, if there is one and this
+        many ranks saved it."""
         if self._started:
             return
-        found = await in_thread(limiter, newest_buffer_size, roots, self._rank)
+        found = await in_thread(limiter, newest_buffer_size, roots, self._rank, world_size)
         if found is not None:
             self._start(*found, source="newest step")
 

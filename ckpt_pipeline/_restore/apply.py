@@ -8,7 +8,9 @@ same later (another rank failed, the final agreement failed) and ``release()`` f
 copies.
 
 The rules for the live state: a tensor is loaded in place, bit for bit (``aliasing.copy_exact``;
-live tensors that share memory were checked to receive the same bytes where they overlap); an object with
+live tensors that share memory were checked to receive the same bytes where they overlap; a
+large one by an exchange of bits with the restored tensor, or by taking its memory: see
+``backups.py``); an object with
 ``state_dict()``/``load_state_dict()`` through ``load_state_dict``; a dict or list in place,
 slot by slot (a key only the checkpoint has is added to a dict; at the top level, it is left
 out); a tuple that holds tensors or stateful objects (or a namedtuple) is walked like a list and
@@ -18,7 +20,8 @@ other objects) is replaced by the checkpoint's value.
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping, MutableSequence, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import torch
@@ -37,8 +40,11 @@ from .backups import (
     RNGBackup,
     SlotBackup,
     StatefulBackup,
+    SwappedBackup,
     TensorBackup,
     adoptable,
+    restored_local,
+    swappable,
 )
 from .live import local_tensor, rebuild_tuple, walks_tuple
 from .rollback import AppliedState
@@ -47,11 +53,12 @@ __all__ = ("apply_state",)
 
 
 class _Applier:
-    def __init__(self, tensors: Sequence[torch.Tensor], journal: list[Backup],
+    def __init__(self, tree: Any, tensors: Sequence[torch.Tensor], journal: list[Backup],
                  copies: BackupCopies) -> None:
         self.tensors = list(tensors)
         self.journal = journal
         self.copies = copies
+        self.uses = Counter(_refs(tree))  # a restored tensor used twice is never swapped
 
     def slot(self, container: Any, key: Any, node: Any, path: str) -> None:
         """Load ``node`` into ``container[key]``; the slot changes only if its value does."""
@@ -94,8 +101,26 @@ class _Applier:
         if adoptable(live, new):
             self._adopt(live, new, path)
             return
+        if self._swap(live, node.index, path):
+            return
         self.journal.append(TensorBackup(live, path, self.copies))
         copy_exact(local_tensor(live), local_tensor(new))
+
+    def _swap(self, live: torch.Tensor, index: int, path: str) -> bool:
+        """Exchange the bits of ``live`` and of restored tensor ``index`` where they allow it
+        (``swappable``, and the tensor used once): ``live`` then holds the checkpoint's, and
+        the restored memory the old bits, its backup. Whether it did."""
+        if self.uses[index] != 1:
+            return False
+        target = _live_local(live)
+        new = restored_local(self.tensors[index])
+        if not swappable(target, new):
+            return False
+        backup = SwappedBackup(target, new, path)
+        self.journal.append(backup)
+        backup.swap()
+        self.copies.keep(target, backup.old)  # a StatefulBackup of ``live`` takes the old bits
+        return True
 
     def _adopt(self, live: torch.Tensor, new: torch.Tensor, path: str) -> None:
         """Give ``live`` the restored memory: no copy, and its old memory is the backup."""
@@ -109,14 +134,27 @@ class _Applier:
             obj.load_state_dict(materialize(node, self.tensors))
             return
         adopt = self._adoptions(obj, node) if isinstance(obj, torch.nn.Module) else []
+        tensors = self.tensors
+        if isinstance(obj, torch.nn.Module) and isinstance(node, dict):
+            # Large parameters and buffers that do not own their memory (an FSDP2 shard, a
+            # view): their bits are exchanged with the restored ones, which then hold the
+            # backup; load_state_dict is given the live tensor itself for them.
+            adopted = {id(live) for live, _new, _key in adopt}
+            for key, live in obj.state_dict(keep_vars=True).items():
+                ref = node.get(key)
+                if (isinstance(live, torch.Tensor) and isinstance(ref, TensorRef)
+                        and id(live) not in adopted
+                        and self._swap(live, ref.index, join_path(path, key))):
+                    tensors = tensors if tensors is not self.tensors else list(tensors)
+                    tensors[ref.index] = live
         for live, _new, _key in adopt:  # their old memory is their backup: not copied
             self.copies.keep(live, live.detach())
         self.journal.append(StatefulBackup(obj, path, self.copies))
         for live, new, key in adopt:
             self._adopt(live, new, join_path(path, key))
-        # load_state_dict still runs (its hooks, its checks); for an adopted tensor it copies
-        # the memory onto itself.
-        obj.load_state_dict(materialize(node, self.tensors))
+        # load_state_dict still runs (its hooks, its checks); for an adopted or exchanged
+        # tensor it copies the memory onto itself.
+        obj.load_state_dict(materialize(node, tensors))
 
     def _adoptions(self, module: torch.nn.Module, node: Any
                    ) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
@@ -143,6 +181,23 @@ class _Applier:
                              path=path) from exc
 
 
+def _live_local(t: torch.Tensor) -> torch.Tensor:
+    """The memory a live tensor is loaded into: a DTensor's local shard, or the tensor."""
+    return restored_local(t).detach()
+
+
+def _refs(node: Any, depth: int = 0) -> Iterator[int]:
+    """The tensor index of every TensorRef in a decoded tree, once per reference."""
+    if isinstance(node, TensorRef):
+        yield node.index
+    elif depth < 256 and isinstance(node, dict):
+        for value in node.values():
+            yield from _refs(value, depth + 1)
+    elif depth < 256 and isinstance(node, (list, tuple)):
+        for value in node:
+            yield from _refs(value, depth + 1)
+
+
 def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
                 tensors: Sequence[torch.Tensor], *, step: int, rank: int | None = None,
                 rng: RNGState | None = None, copies: BackupCopies | None = None,
@@ -157,7 +212,7 @@ def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
     rollback, never into a half-applied state.
     """
     journal: list[Backup] = []
-    applier = _Applier(tensors, journal, copies if copies is not None else BackupCopies())
+    applier = _Applier(tree, tensors, journal, copies if copies is not None else BackupCopies())
     stage = "state"
     try:
         for name in list(live):

@@ -1,8 +1,14 @@
 """The journal's entries: what undoes each change that a restore makes to the live state.
 
-Before the apply (``apply.py``) overwrites anything it appends a backup of it to the journal:
-a host copy of each live tensor (CUDA tensors are copied to host memory, so no GPU memory is
-doubled; ``BackupCopies`` takes those copies ahead of time, while the shard is read), a deep
+Before the apply (``apply.py``) overwrites anything it appends a backup of it to the journal.
+A large live tensor of contiguous memory that the restore's read memory can be exchanged with
+(``swappable``: a view, an FSDP2 shard, a DTensor's local shard, a module parameter that does
+not own its memory) gets the checkpoint's bits by an exchange, and the read memory, which then
+holds the old bits, is its backup (``SwappedBackup``): no copy to fresh memory, which costs more
+than the exchange wherever the kernel must first fault the pages in. A large CPU tensor that
+owns its memory is handed the read memory instead (``AdoptedBackup``). Else a host copy of each
+live tensor (CUDA tensors are copied to host memory, so no GPU memory is doubled;
+``BackupCopies`` takes those copies ahead of time, while the shard is read), a deep
 copy of ``obj.state_dict()`` (tensors on the host) before ``obj.load_state_dict`` (for a plain
 ``torch.optim`` optimizer, whose ``load_state_dict`` replaces its state rather than writing
 into it, the old state objects themselves: nothing is copied), the old value (or its absence)
@@ -23,12 +29,13 @@ import torch
 
 from .._tree import is_dtensor, is_stateful
 from ..train_state import RNGState
-from .aliasing import copy_exact, exact_clone, written
+from .aliasing import copy_exact, exact, exact_clone, written
 from .live import is_namedtuple, local_tensor, rebuild_tuple
 
 __all__ = ("ABSENT", "ADOPT_MIN_BYTES", "AdoptedBackup", "Backup", "BackupCopies",
-           "OptimizerBackup", "RNGBackup", "SlotBackup", "StatefulBackup", "TensorBackup",
-           "adoptable", "owns_memory")
+           "OptimizerBackup", "RNGBackup", "SlotBackup", "StatefulBackup", "SwappedBackup",
+           "TensorBackup", "adoptable", "owns_memory", "restored_local", "swap_candidate",
+           "swappable")
 
 
 # ---------------------------------------------------------------- copies
@@ -75,6 +82,51 @@ def adoptable(live: torch.Tensor, new: torch.Tensor) -> bool:
             and live.stride() == new.stride() and owns_memory(live) and owns_memory(new))
 
 
+def restored_local(t: torch.Tensor) -> torch.Tensor:
+    """The memory a restored tensor's bits are in: a DTensor's local shard (its own object,
+    not a ``to_local()`` view of it), or the tensor itself."""
+    if is_dtensor(t):
+        local: torch.Tensor = t._local_tensor  # type: ignore[attr-defined]
+        return local
+    return t
+
+
+def _private(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a tensor a restore read into, or ``DTensor.from_local``'s view of one)
+    is the only user of memory of exactly its size: no other tensor sees a write to it."""
+    expected = 1
+    base = t._base
+    if base is not None:  # from_local's view of the whole tensor read
+        if (base._base is not None or base.data_ptr() != t.data_ptr()
+                or base.shape != t.shape or base.stride() != t.stride()):
+            return False
+        expected = 2  # the view's and its base's references to the storage
+    if t.layout != torch.strided or t.storage_offset() != 0:
+        return False
+    storage = t.untyped_storage()
+    if (storage.nbytes() != t.numel() * t.element_size() or t.is_shared()
+            or getattr(storage, "filename", None) is not None):
+        return False
+    return _use_count(t) == expected
+
+
+def swap_candidate(t: torch.Tensor) -> bool:
+    """Whether a live tensor is laid out for ``SwappedBackup``: contiguous memory on the CPU or
+    a GPU, at least ``ADOPT_MIN_BYTES``, read as it is stored (no conjugate or negative
+    bit)."""
+    return (t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+            and t.numel() * t.element_size() >= ADOPT_MIN_BYTES and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
+def swappable(live: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether the apply may exchange the bits of the live tensor ``live`` and of the restored
+    ``new`` (both local tensors) instead of backing ``live`` up and copying: one dtype, shape
+    and device, both ``swap_candidate``, and ``new`` private to the restore."""
+    return (live.dtype == new.dtype and live.shape == new.shape and live.device == new.device
+            and swap_candidate(live) and swap_candidate(new) and _private(new))
+
+
 _DEVICE_MARGIN_BYTES = 1 << 30
 """GPU memory left free when backups are kept on the GPU (or a tenth of it, if more)."""
 
@@ -119,26 +171,31 @@ class BackupCopies:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def _walk(self, obj: Any, depth: int) -> None:
+    def _walk(self, obj: Any, depth: int, swapped: bool = True) -> None:
+        """``swapped``: whether the apply exchanges bits with the tensors found here (a
+        tensor of the state, a module's parameters and buffers), not copies them."""
         if depth > 256:
             return
         if isinstance(obj, torch.Tensor):
-            self._take(written(local_tensor(obj)))
+            self._take(written(local_tensor(obj)), swapped)
         elif is_stateful(obj):
             if not OptimizerBackup.applies_to(obj):
-                self._walk(obj.state_dict(), depth + 1)
+                self._walk(obj.state_dict(), depth + 1,
+                           swapped and isinstance(obj, torch.nn.Module))
         elif isinstance(obj, Mapping):
             for value in list(obj.values()):
-                self._walk(value, depth + 1)
+                self._walk(value, depth + 1, swapped)
         elif isinstance(obj, (list, tuple)):
             for value in list(obj):
-                self._walk(value, depth + 1)
+                self._walk(value, depth + 1, swapped)
 
-    def _take(self, t: torch.Tensor) -> None:
+    def _take(self, t: torch.Tensor, swapped: bool) -> None:
         if t.is_cpu and t.numel() * t.element_size() < ADOPT_MIN_BYTES:
             return  # copied when its backup is taken: cheaper than keying it here
         if owns_memory(t):
             return  # the restore will likely hand it the read memory: nothing to copy
+        if swapped and swap_candidate(t):
+            return  # the apply will likely exchange its bits with the read memory's
         t = t.detach()
         if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
             return
@@ -291,6 +348,50 @@ class TensorBackup(Backup):
 
     def undo(self) -> None:
         copy_exact(written(local_tensor(self.live)), self.old)
+
+
+SWAP_CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
+"""How much of a tensor each step of an exchange of bits moves through its scratch buffer."""
+
+
+class SwappedBackup(Backup):
+    """A live tensor whose bits were exchanged with the restored tensor's (``swap``): the
+    restored memory then holds the old bits and is the backup, so nothing is copied to fresh
+    memory. Both are contiguous, of one dtype, shape and device (``swappable``); the exchange
+    goes through a small scratch buffer, a chunk at a time, and ``undo`` exchanges back the
+    chunks done (also after an exchange that failed part way)."""
+
+    def __init__(self, live: torch.Tensor, new: torch.Tensor, path: str) -> None:
+        self.live = live.detach()
+        self.old = new.detach()  # the restored bits until ``swap``, the old ones after it
+        self.path = path
+        self.nbytes = new.numel() * new.element_size()
+        self._done = 0
+
+    def swap(self) -> None:
+        self._done = 0
+        self._exchange(self.nbytes, done=True)
+
+    def undo(self) -> None:
+        self._exchange(self._done, done=False)
+        self._done = 0
+
+    def _exchange(self, end: int, *, done: bool) -> None:
+        if end <= 0:
+            return
+        live = exact(self.live).reshape(-1).view(torch.uint8)
+        old = exact(self.old).reshape(-1).view(torch.uint8)
+        step = SWAP_CHUNK_BYTES.get(live.device.type, 4 << 20)
+        scratch = torch.empty(min(step, end), dtype=torch.uint8, device=live.device)
+        with torch.no_grad():
+            for start in range(0, end, step):
+                stop = min(start + step, end)
+                here = scratch[:stop - start]
+                here.copy_(live[start:stop])
+                live[start:stop].copy_(old[start:stop])
+                old[start:stop].copy_(here)
+                if done:
+                    self._done = stop
 
 
 class AdoptedBackup(Backup):

@@ -73,3 +73,19 @@ def test_a_state_that_cannot_be_saved_asks_for_no_buffer(
         assert pipe.restore_latest(good) is None
         assert reserved.seen.wait(30)
         assert [f["bytes"] for f in reserved.fields] == [_needed(good)]  # the first size
+
+
+def test_a_step_saved_by_another_number_of_ranks_gives_no_size_at_open(
+        tmp_path: Path) -> None:
+    """A reshard's rank holds another share than the saved rank of its number: the size comes
+    from the state it restores into, not from the saved step."""
+    from ckpt_pipeline._pipeline.opening import newest_buffer_size
+    from ckpt_pipeline.storage import LocalStorage
+
+    state = _state(1)
+    with cp.CheckpointPipeline(tmp_path / "root") as pipe:
+        pipe.save(1, state).result(30)
+    roots = [LocalStorage(tmp_path / "root")]
+    found = newest_buffer_size(roots, 0, 1)
+    assert found is not None and found[0] >= _needed(state) and found[1] is False
+    assert newest_buffer_size(roots, 0, 2) is None

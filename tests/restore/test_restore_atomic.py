@@ -715,23 +715,31 @@ def test_dtensor_and_plain_tensor_mismatch_is_refused_on_every_rank(tmp_path: Pa
 
 
 def test_prefetched_backup_copies_are_used_only_while_current() -> None:
-    """Large tensors that do not own their memory (views) are copied ahead of time; small CPU
-    tensors and tensors a restore will hand new memory are not."""
+    """Large tensors that neither own their memory nor are contiguous (strided views) are
+    copied ahead of time; small CPU tensors, tensors a restore will hand new memory and
+    contiguous ones whose bits it will exchange are not."""
     from ckpt_pipeline._restore.backups import BackupCopies
 
-    base = torch.arange(600_000.0)
+    base = torch.arange(1_200_000.0).view(1200, 1000)
     owner = torch.arange(300_000.0)
-    live = {"a": base[:400_000], "b": base[100_000:], "small": torch.arange(6.0),
-            "owner": owner}
+    module, stateful = nn.Linear(1000, 600), Flaky(1.0)
+    module.weight = nn.Parameter(torch.zeros(700, 1000)[:600])  # a view, contiguous
+    stateful.buf = base[300:700]  # a view, contiguous: loaded through load_state_dict
+    live = {"a": base[:800, :500], "b": base[200:, 300:], "small": torch.arange(6.0),
+            "owner": owner, "contiguous": base[100:900], "module": module,
+            "stateful": stateful}
     copies = BackupCopies()
     copies.prefetch(live)
-    assert len(copies._copies) == 2  # a and b
-    alias = base[:400_000]  # another alias of a's memory
+    held = {key[1:] for key in copies._copies}
+    expect = {(t.data_ptr(), t.dtype, t.shape, t.stride())
+              for t in (live["a"], live["b"], live["stateful"].buf)}
+    assert held == expect  # not the contiguous view, the module's own tensors nor the rest
+    alias = base[:800, :500]  # another alias of a's memory
     taken = copies.host_copy(alias)
     assert torch.equal(taken, live["a"]) and taken.data_ptr() != live["a"].data_ptr()
     with torch.no_grad():
         live["b"].add_(1)  # changed since the prefetch: its copy is stale
     fresh = copies.host_copy(live["b"])
-    assert torch.equal(fresh, torch.arange(100_000.0, 600_000.0) + 1)
+    assert torch.equal(fresh, torch.arange(1_200_000.0).view(1200, 1000)[200:, 300:] + 1)
     small = copies.host_copy(live["small"])
     assert torch.equal(small, live["small"]) and small.data_ptr() != live["small"].data_ptr()
