@@ -147,7 +147,7 @@ class BackupCopies:
     """
 
     def __init__(self) -> None:
-        self._copies: dict[tuple[Any, ...], tuple[int, torch.Tensor]] = {}
+        self._copies: dict[tuple[Any, ...], tuple[int | None, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._device_budget: dict[int, int] = {}
 
@@ -215,10 +215,14 @@ class BackupCopies:
             self._copies[key] = (version, copy_)
 
     def keep(self, t: torch.Tensor, old: torch.Tensor) -> None:
-        """``old`` holds ``t``'s values and nothing will write into it: ``host_copy(t)``
-        returns it instead of copying (``t`` is about to be given other memory)."""
+        """``old`` holds the values ``t``'s memory had before the restore wrote into it, and
+        nothing will write into ``old``: the next ``host_copy`` of that memory returns it
+        instead of copying. It is taken by the memory's key alone, never by its version
+        counter: the other views of it that a backup meets (a module's ``state_dict()``,
+        FSDP2's sharded parameters) can have counters of their own, and the exchange has
+        already written into it."""
         with self._lock:
-            self._copies[_view_key(t.detach())] = (t._version, old)
+            self._copies[_view_key(t.detach())] = (None, old)
 
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """The prefetched copy of ``t`` if it is still current, else a fresh one."""
@@ -227,7 +231,7 @@ class BackupCopies:
             return exact_clone(t)  # never prefetched nor kept (``_take``, ``keep``)
         with self._lock:
             found = self._copies.pop(_view_key(t), None) if t.layout == torch.strided else None
-        if found is not None and found[0] == t._version:
+        if found is not None and (found[0] is None or found[0] == t._version):
             return found[1]
         return _host_copy(t)
 

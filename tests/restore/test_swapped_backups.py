@@ -105,3 +105,41 @@ def test_a_restored_tensor_used_twice_is_copied_not_exchanged(root: Path) -> Non
         assert pipe.restore_latest(live) is not None
     assert torch.equal(live_base, base)
     assert live["a"] is live_tied and live["b"] is live_tied
+
+
+class _DataStateDict(nn.Linear):
+    """A module whose ``state_dict()`` gives its parameters' ``.data``: the same memory with a
+    version counter of its own (as FSDP2's sharded parameters do), so the counter an exchange
+    advances is not the one the backup reads."""
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        for name, param in self._parameters.items():
+            if param is not None:
+                destination[prefix + name] = param if keep_vars else param.data
+
+
+def test_a_module_whose_state_dict_has_other_version_counters_is_not_copied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def module(value: float) -> nn.Module:
+        flat = torch.full((ROWS * COLS + ROWS,), value)
+        m = _DataStateDict(COLS, ROWS)
+        m.weight = nn.Parameter(flat[:ROWS * COLS].view(ROWS, COLS))
+        m.bias = nn.Parameter(flat[ROWS * COLS:])
+        return m
+
+    saved = {"model": module(1.0)}
+    flat = flatten_state(saved, step=1)
+    live = {"model": module(2.0)}
+    before = Snapshot(live)
+    tensors = [t.clone() for t in flat.tensors]
+    validate_state(live, flat.skeleton, tensors, step=1)
+    clones = _clones(monkeypatch)
+    applied = apply_state(live, flat.skeleton, tensors, step=1)
+    assert [b.path for b in applied._journal if isinstance(b, backups.SwappedBackup)] == \
+        ["model/weight"]
+    # the weight's old bits are the exchanged memory: no copy of it, whatever its counter
+    assert [n for n in clones if n >= backups.ADOPT_MIN_BYTES] == []
+    assert Snapshot(live).values == Snapshot(saved).values
+    applied.undo()
+    before.assert_unchanged(live)
