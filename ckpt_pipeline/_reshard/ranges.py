@@ -7,7 +7,8 @@ one read call, each block verified before any of its bytes is used; the last blo
 the reading thread, so that the next range, which often starts in it, does not read it again.
 What a range costs beyond its own bytes is therefore at most one block on each side.
 
-``ShardRanges`` is one saved rank's file (its header, its descriptor; shared by the threads).
+``ShardRanges`` is one saved rank's file (its header, its descriptor; shared by the threads),
+in a root or still arriving from a shard source (a download: each read waits for its bytes).
 ``Span`` is one range to copy into a destination tensor (``spans_of`` cuts a box of a saved
 tensor into them: ``runs.spans``). ``read_spans`` reads a list of spans with several threads,
 each taking a contiguous run of them in file order, cut only where two runs share no block, so
@@ -19,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,9 @@ class ShardRanges:
     """One saved rank's shard file of a step, open for range reads (see the module
     docstring); ``close`` once every reader is done."""
 
-    def __init__(self, storage: Storage, status: StepStatus, rank: int) -> None:
+    def __init__(self, storage: Storage, status: StepStatus, rank: int, *,
+                 shard_file: str | None = None,
+                 arrived: Callable[[int, int], None] | None = None) -> None:
         header = status.header
         if header is None:
             raise CheckpointIntegrityError("step was not validated", step=status.step,
@@ -52,7 +55,10 @@ class ShardRanges:
         self.status = status
         self.rank = rank
         self.storage = storage
-        self.rel = os.path.join(status.dir_name, status.shard_file or shard_name(rank))
+        self.arrived = arrived
+        """A file still arriving (a download): blocks until bytes [start, end) are in."""
+        self.rel = os.path.join(status.dir_name,
+                                shard_file or status.shard_file or shard_name(rank))
         self.checks = header.checks()
         self.starts = [start for start, _, _ in self.checks]
         self.block = max((end - start for start, end, _ in self.checks), default=0)
@@ -83,6 +89,8 @@ class ShardRanges:
         """Read blocks ``first`` to ``last`` into ``into`` (their bytes, in one call) and
         verify each."""
         lo = self.checks[first][0]
+        if self.arrived is not None:
+            self.arrived(lo, lo + len(into))
         self.storage.pread_into(self._fd, into, lo)
         with self._lock:
             self.bytes_read += len(into)

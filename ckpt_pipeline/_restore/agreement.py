@@ -273,10 +273,18 @@ class Agreement:
         self._tier_listed = True
         return found
 
+    @property
+    def persisted(self) -> Mapping[int, StepRecord]:
+        """The persistent tier's complete steps that this rank listed in the last ``agree``
+        (none abandoned by a rewind); {} without a tier or when it could not be listed."""
+        return self._persisted
+
     def _check_world_size(self, agreed: Candidates) -> None:
-        """Refuse when the newest step any rank holds was saved by another world size."""
-        newest = max((s for steps in agreed.valid_by_rank.values() for s in steps),
-                     default=None)
+        """Refuse when the newest step any rank holds (in its root, in a copy, or in the
+        persistent tier: what the ranks exchanged, the same on every rank) was saved by
+        another world size."""
+        newest = max([*(s for steps in agreed.valid_by_rank.values() for s in steps),
+                      *(s for s, _ in agreed.persisted), *agreed.world_sizes], default=None)
         if newest is not None and newest in agreed.world_sizes:
             saved = agreed.world_sizes[newest]
             raise WorldSizeChanged(
@@ -284,7 +292,8 @@ class Agreement:
                 f"{self.coordinator.world_size}", step=newest, rank=self.rank,
                 path=str(self.storage.root), saved_world=saved,
                 hint=f"restore with {saved} ranks, or keep every rank's files of the step in "
-                     "one root that every rank reads (a shared root): that reshards")
+                     "one root that every rank reads (a shared root), or in the persistent "
+                     "tier: that reshards")
 
     async def _agree_timeline(self, statuses: list[StepStatus],
                               copies: list[StepStatus],

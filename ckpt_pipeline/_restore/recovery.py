@@ -35,7 +35,7 @@ from ..storage import Storage
 from .agreement import Agreement, WorldSizeChanged
 from .agreement import listing as _listing
 from .apply import apply_state
-from .reshard import reshard_latest
+from .reshard import TierSource, reshard_latest
 from .rewind import TimelineView
 from .rollback import AppliedState
 from .sourcing import Loaded, Sourcing
@@ -101,7 +101,8 @@ class Recovery:
                 saved_world=changed.saved_world, step=step, started=started,
                 keep_missing=self.sourcing.keep_missing,
                 in_flight=self.config.reshard_bytes_in_flight,
-                threads=self.config.io_threads, choices=choices, rng=rng)
+                threads=self.config.io_threads, choices=choices, rng=rng,
+                tier=self._tier_source())
 
         async def load(at: int, save_id: str
                        ) -> tuple[Loaded | None, CheckpointError | None, dict[str, Any]]:
@@ -123,7 +124,8 @@ class Recovery:
                 saved_world=self.coordinator.world_size, step=step, started=started,
                 keep_missing=self.sourcing.keep_missing,
                 in_flight=self.config.reshard_bytes_in_flight,
-                threads=self.config.io_threads, choices=choices, rng=rng)
+                threads=self.config.io_threads, choices=choices, rng=rng,
+                tier=self._tier_source())
         if found is None:
             return None
         loaded, extras, failed = found
@@ -145,6 +147,14 @@ class Recovery:
                      hint="saved entries the live state lacks are not restored; with "
                           "missing='keep' the live state's new entries keep their values")
         return loaded
+
+    def _tier_source(self) -> TierSource | None:
+        """The persistent tier as a reshard's source, with the steps the agreement listed
+        there (None without a tier, or when it could not be reached)."""
+        promoter = self.promoter
+        if promoter is None or promoter.remote is None or not self.agreement.persisted:
+            return None
+        return TierSource(promoter.url, promoter.remote, self.agreement.persisted)
 
     def apply(self, loaded: Loaded, state: MutableMapping[str, Any]) -> AppliedState:
         """Load into the live objects and the RNG states; runs on the caller's thread (its CUDA

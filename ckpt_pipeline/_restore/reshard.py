@@ -31,8 +31,11 @@ every saved rank's files (one root the ranks share).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
+import shutil
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,18 +55,23 @@ from .._reshard.boxes import Box, saved_box
 from .._reshard.plan import ReshardError, SavedBoxes, plan_box
 from .._reshard.ranges import ShardRanges, Span, group_spans, read_group, spans_of
 from .._threads import in_thread
+from .._tiers.base import LocatedShard
+from .._tiers.persistent.layout import StepRecord
+from .._tiers.persistent.remote import Remote
+from .._tiers.persistent.source import TierDownload
+from .._tiers.persistent.stream import ShardStream
 from .._tree import is_dtensor, is_stateful, join_path
 from ..coordination import Coordinator
 from ..coordination._agree import agree_outcome, gather_shared
 from ..errors import CheckpointError, ConfigError, RestoreError, StateError
 from ..handle import Reshard
-from ..storage import Storage
+from ..storage import LocalStorage, Storage
 from ..train_state import TrainState
 from .backups import BackupCopies
 from .sourcing import Loaded, prefetch_backup
 from .validate import validate_state
 
-__all__ = ("reshard_latest",)
+__all__ = ("FETCH_DIR", "TierSource", "reshard_latest")
 
 _log = log
 
@@ -71,11 +79,13 @@ _log = log
 async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapping[str, Any],
                          limiter: anyio.CapacityLimiter, *, saved_world: int,
                          step: int | None, started: float, keep_missing: bool,
-                         in_flight: int, threads: int, choices: Reshard, rng: bool
-                         ) -> Loaded:
+                         in_flight: int, threads: int, choices: Reshard, rng: bool,
+                         tier: TierSource | None = None) -> Loaded:
     """The newest step saved by ``saved_world`` ranks that every rank can reshard, read for
     this rank and checked against ``state`` (see the module docstring). RestoreError when
-    there is none; the ReshardError or StateError of a step that cannot be resharded."""
+    there is none; the ReshardError or StateError of a step that cannot be resharded.
+    ``tier``: the persistent tier's complete steps, read where the root lacks a saved rank's
+    files."""
     rank, world = coordinator.rank, coordinator.world_size
     unknown = [name for name in choices.exclude if name not in state]
     if unknown:
@@ -83,8 +93,11 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
                           f"have (its entries: {sorted(map(str, state))})", rank=rank,
                           hint="exclude top-level entries of the state passed to the restore")
     found = await in_thread(limiter, _complete_steps, storage, saved_world)
-    mine = sorted(((s, statuses[0].save_id or "") for s, statuses in found.items()
-                   if step is None or s == step), reverse=True)
+    in_tier = {} if tier is None else tier.steps(saved_world, exclude=found)
+    mine = sorted({(s, statuses[0].save_id or "") for s, statuses in found.items()
+                   if step is None or s == step}
+                  | {(s, record.save_id) for s, record in in_tier.items()
+                     if step is None or s == step}, reverse=True)
     answers = await gather_shared(coordinator, [list(c) for c in mine],
                                   what="reshard candidates")
     common = set(mine)
@@ -93,18 +106,28 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
     if not common:
         raise RestoreError(
             f"no step saved by {saved_world} rank(s) is complete in {storage.root} for every "
-            f"rank of this job ({world}): resharding reads every saved rank's files"
+            f"rank of this job ({world})" + ("" if tier is None else " nor in the persistent "
+                                             f"tier {tier.url}")
+            + ": resharding reads every saved rank's files"
             + ("" if step is None else f" (asked for step {step})"), step=step, rank=rank,
             path=str(storage.root),
             hint=f"restore with {saved_world} ranks, or gather every rank's files of the step "
-                 "into one root that every rank reads")
+                 "into one root that every rank reads, or configure the persistent tier that "
+                 "the step was promoted to")
     failures: dict[int, str] = {}
     for at, save_id in sorted(common, reverse=True):
         loaded: Loaded | None = None
         error: CheckpointError | None = None
+        reading = _Reading(rank, world, started, keep_missing, in_flight, threads, choices,
+                           rng)
         try:
-            loaded = await _load(storage, found[at], state, limiter, _Reading(
-                rank, world, started, keep_missing, in_flight, threads, choices, rng))
+            if at in found:
+                loaded = await _load([(storage, s) for s in found[at]], state, limiter,
+                                     reading, storage)
+            else:
+                assert tier is not None
+                loaded = await _load_from_tier(tier, in_tier[at], storage, state, limiter,
+                                               reading)
         except CheckpointError as exc:
             error = exc
         fatal = isinstance(error, (ReshardError, StateError))
@@ -181,15 +204,20 @@ class _Plan:
     spans: list[Span]
 
 
-async def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, Any],
-                limiter: anyio.CapacityLimiter, reading: _Reading) -> Loaded:
+async def _load(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any],
+                limiter: anyio.CapacityLimiter, reading: _Reading, root: Storage,
+                timeline: int = 0, arriving: Mapping[int, LocatedShard] | None = None
+                ) -> Loaded:
     """This rank's tensors of one step, resharded (planned, then read by ``threads`` threads
-    at once), and checked against the live state."""
+    at once), and checked against the live state. ``sources``: each saved rank's files (the
+    storage that holds them, their status); ``root``: this rank's root."""
+    statuses = [status for _, status in sources]
     shards: list[ShardRanges] = []
     copies = BackupCopies()  # the rollback backup, copied while the shards are read
     prefetch: threading.Thread | None = None
     try:
-        plan = await in_thread(limiter, _plan, storage, statuses, state, reading, shards)
+        plan = await in_thread(limiter, _plan, sources, state, reading, shards,
+                               arriving or {})
         prefetch = threading.Thread(target=prefetch_backup,
                                     args=(copies, state, reading.rank, {}),
                                     name="ckpt-restore-backup", daemon=True)
@@ -210,7 +238,88 @@ async def _load(storage: Storage, statuses: Sequence[StepStatus], state: Mapping
                   rejected=(), valid_by_rank={}, restore_rng=plan.restore_rng, copies=copies,
                   not_restored=left_out, not_in_checkpoint=kept, excluded=plan.excluded,
                   resharded_from=len(statuses),
-                  timeline=max(local_timeline(storage, r) for r in range(len(statuses))))
+                  timeline=max(timeline, *(local_timeline(root, r)
+                                           for r in range(len(statuses)))))
+
+
+FETCH_DIR = ".reshard-tier"
+"""The directory of the root that a reshard downloads saved ranks' files into from the
+persistent tier, removed once they are read (``step_dirs`` ignores it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierSource:
+    """The persistent tier as the source of a reshard: the complete steps this rank listed
+    there (``Agreement.persisted``) and the store to download saved ranks' files from."""
+
+    url: str
+    remote: Remote
+    records: Mapping[int, StepRecord]
+
+    def steps(self, saved_world: int, *, exclude: Mapping[int, Any]) -> dict[int, StepRecord]:
+        """The tier's steps of ``saved_world`` ranks, but those in ``exclude``."""
+        return {at: r for at, r in self.records.items()
+                if r.world_size == saved_world and at not in exclude}
+
+
+async def _load_from_tier(tier: TierSource, record: StepRecord, root: Storage,
+                          state: Mapping[str, Any], limiter: anyio.CapacityLimiter,
+                          reading: _Reading) -> Loaded:
+    """A step that the root does not hold whole: each saved rank's files that the root lacks
+    (of this save) come from the persistent tier, downloaded (a ``TierDownload``, the shard
+    source a same-size restore reads the tier through) into ``FETCH_DIR`` of the root while
+    the reshard reads them, and removed once it has: the step stays only in the tier."""
+    fetch_dir = os.path.join(str(root.root), FETCH_DIR)
+    await in_thread(limiter, _fresh_dir, fetch_dir)
+    fetched = LocalStorage(fetch_dir)
+    local = await in_thread(limiter, _local_files, root, record)
+    downloads: list[TierDownload] = []
+    sources: list[tuple[Storage, StepStatus]] = []
+    arriving: dict[int, LocatedShard] = {}
+    error: BaseException | None = None
+    try:
+        for r in range(record.world_size):
+            if r in local:
+                sources.append((root, local[r]))
+                continue
+            download = TierDownload(functools.partial(ShardStream, tier.remote, fetched,
+                                                      record, r), limiter, keep=False)
+            downloads.append(download)
+            shard = await download.open()
+            sources.append((fetched, shard.status))
+            arriving[r] = shard
+        _log.info("ckpt.recovery.reshard_downloading", step=record.step, rank=reading.rank,
+                  url=tier.url, saved_ranks=sorted(arriving),
+                  hint="the root lacks these saved ranks' files: they are downloaded whole "
+                       "from the persistent tier while the ranges needed are read")
+        return await _load(sources, state, limiter, reading, root,
+                           timeline=record.lineage.timeline if record.lineage else 0,
+                           arriving=arriving)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            for download in downloads:
+                with contextlib.suppress(Exception):
+                    await download.close(error)
+            await in_thread(limiter, shutil.rmtree, fetch_dir, True)
+
+
+def _fresh_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # what an interrupted reshard left
+    os.makedirs(path, exist_ok=True)
+
+
+def _local_files(root: Storage, record: StepRecord) -> dict[int, StepStatus]:
+    """The saved ranks whose valid files of ``record``'s save the root holds. Worker thread."""
+    out: dict[int, StepStatus] = {}
+    for r in range(record.world_size):
+        for status in scan(root, r):
+            if (status.step == record.step and status.valid
+                    and status.save_id == record.save_id):
+                out[r] = status
+    return out
 
 
 def _close(shards: Sequence[ShardRanges]) -> None:
@@ -218,11 +327,13 @@ def _close(shards: Sequence[ShardRanges]) -> None:
         shard.close()
 
 
-def _plan(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, Any],
-          reading: _Reading, shards: list[ShardRanges]) -> _Plan:
+def _plan(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any],
+          reading: _Reading, shards: list[ShardRanges],
+          arriving: Mapping[int, LocatedShard]) -> _Plan:
     """Decode every saved rank's tree, choose the values this rank restores, open the shards
     (into ``shards``, which the caller closes) and plan the spans to read. Worker thread."""
     rank, choices = reading.rank, reading.choices
+    statuses = [status for _, status in sources]
     contents = [decode_contents(s, r) for r, s in enumerate(statuses)]
     step = statuses[0].step
     own = rank if len(statuses) == reading.world else None  # a mesh change: rank to rank
@@ -238,8 +349,11 @@ def _plan(storage: Storage, statuses: Sequence[StepStatus], state: Mapping[str, 
         restore_rng = reading.rng
     wanted = _refs(tree)
     targets = live_targets(state, tree)
-    for r, status in enumerate(statuses):
-        shards.append(ShardRanges(storage, status, r))
+    for r, (holder, status) in enumerate(sources):
+        located = arriving.get(r)
+        shards.append(ShardRanges(holder, status, r) if located is None else
+                      ShardRanges(holder, status, r, shard_file=located.shard_file,
+                                  arrived=located.arrived))
     coarse = max(shard.block for shard in shards)
     if coarse > CHECKSUM_BLOCK_BYTES:
         _log.info("ckpt.recovery.reshard_coarse_checksums", step=step, rank=rank,

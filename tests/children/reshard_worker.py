@@ -202,14 +202,22 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--shrink", default="", help="mesh-restore: one tensor a row shorter")
     parser.add_argument("--choice", default="none", help="values-restore: none, exclude, hook")
+    parser.add_argument("--tier", default="", help="save, restore: a persistent tier's URL")
+    parser.add_argument("--own-roots", action="store_true",
+                        help="save, restore: each rank its own root, ROOT/rank-R (node-local)")
     args = parser.parse_args()
     cp.enable_logging(logging.WARNING)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     here = os.path.dirname(args.root)
+    if args.own_roots:
+        args.root = os.path.join(args.root, f"rank-{rank}")
+    tier: dict[str, Any] = {}
+    if args.tier:
+        tier["persistent"] = cp.PersistentConfig(args.tier, every=1, takeover=True)
     if args.mode == "save":
         model, opt = build(args.kind, seed=0)
-        with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
+        with cp.CheckpointPipeline(args.root, coordination_timeout_s=60, **tier) as pipe:
             for step in (1, 2):
                 train_step(model, opt, seed=step)
                 pipe.save(step, {"model": unwrapped(model), "optim": opt},
@@ -223,8 +231,13 @@ def main() -> None:
             np.savez(os.path.join(here, "next.npz"), **after)
     elif args.mode == "restore":
         model, opt = build(args.kind, seed=7)
-        with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
-            result = pipe.restore_latest({"model": unwrapped(model), "optim": opt})
+        try:
+            with cp.CheckpointPipeline(args.root, coordination_timeout_s=60, **tier) as pipe:
+                result = pipe.restore_latest({"model": unwrapped(model), "optim": opt})
+        except cp.CheckpointError as exc:
+            with open(args.out, "w") as f:
+                json.dump({"error": str(exc), "type": type(exc).__name__}, f)
+            raise SystemExit(0) from None
         assert result is not None
         saved = np.load(os.path.join(here, "saved.npz"))
         now = {**{f"p.{k}": v for k, v in params(model).items()},

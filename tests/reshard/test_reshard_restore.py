@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from ckpt_pipeline._restore.reshard import FETCH_DIR
 from tests._support.children import child_script
 from tests.coordination.test_distributed import flip_data_byte
 from tests.coordination.test_fsdp import _run_ranks
@@ -158,3 +159,26 @@ def test_per_rank_values_are_refused_unless_excluded_or_mapped(tmp_path: Path) -
         assert "error" not in r, r
         assert r["loader"] == {"position": 0 + 10 + 20 + 30, "epoch": 1}
         assert "loader/position" in r["calls"] and r["live_stream"] and not r["rank0_stream"]
+
+
+def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) -> None:
+    """Saved on 2 ranks, each into a root of its own (node-local disks) and promoted to a
+    persistent tier (a directory); restored on 3 ranks whose roots are the saved ones and one
+    new one. Without the tier no root holds every saved rank's files: refused on every rank,
+    saying what to do. With it, each rank downloads the saved ranks' files its root lacks
+    (ranks 0 and 1 read their own from their root) and reshards; nothing downloaded stays."""
+    tier = tmp_path / "tier"
+    _run_ranks(WORKER, 2, "save", "--root", tmp_path / "ckpt", "--own-roots", "--tier", tier)
+    for r in _restore(tmp_path, 3, "restore", "--own-roots"):
+        assert r.get("type") == "RestoreError", r
+        assert "no step saved by 2 rank(s) is complete" in r["error"], r
+        assert "persistent tier" in r["error"], r
+    for r in _restore(tmp_path, 3, "restore", "--own-roots", "--tier", str(tier)):
+        assert r.get("step") == 2 and r["resharded_from"] == 2, r
+        assert r["equal"], r["differ"]
+        assert r["next_step_max_diff"] < 1e-6, r
+    for rank in range(3):
+        assert not (tmp_path / "ckpt" / f"rank-{rank}" / FETCH_DIR).exists()
+    # the saved ranks' own files are untouched: rank 1's root still holds only its own
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "rank-1" / "step-0000000002").iterdir()
+                  ) == ["rank-00001.commit", "rank-00001.manifest", "rank-00001.shard"]
