@@ -1,9 +1,13 @@
 """Restoring a step saved by another number of ranks: each rank reads, from every saved rank's
 shard, only the boxes its live tensors need (planned by ``_reshard``), in a root that holds
-every saved rank's files (one root the ranks share).
+every saved rank's files (one root the ranks share), or in the persistent tier: the saved
+ranks' files a root lacks are downloaded from it whole (``TierSource``, through the
+``TierDownload`` shard source) into ``FETCH_DIR`` of the root while the ranges are read, and
+removed after.
 
 - **Which step.** Every live rank scans the saved ranks' files of each step (headers only) and
-  keeps the steps complete for all of them, of one save, that no rewind abandoned; the saves
+  keeps the steps complete for all of them, of one save, that no rewind abandoned, and adds the
+  persistent tier's complete steps of that world size that its root does not hold whole; the saves
   after the restore go on in the newest timeline the root names. The ranks agree on the newest step
   all of them found, and fall back together to the next when any rank's load fails.
 - **Tensors.** Each saved tensor's live counterpart says what this rank needs: a live DTensor
