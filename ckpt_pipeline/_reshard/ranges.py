@@ -3,8 +3,9 @@
 A shard's data region is checksummed in blocks (``region_chunks``: cut at the multiples of the
 header's ``chunk_bytes``, 4 MiB as this library writes them, 64 MiB in shards written before
 it; each with its xxh3-64 in the header). A range is read with the blocks it touches, whole, in
-one read call, each block verified before any of its bytes is used; the last block stays with
-the reading thread, so that the next range, which often starts in it, does not read it again.
+one read call, each block verified before any of its bytes is used; when the thread's next
+range starts in the last block, that block stays with the thread (a copy of it), so that it is
+not read again (and nothing is copied for a range whose successor starts further on).
 What a range costs beyond its own bytes is therefore at most one block on each side.
 
 ``ShardRanges`` is one saved rank's file (its header, its descriptor; shared by the threads),
@@ -115,9 +116,10 @@ class _Reader:
         first, last = self.shard.blocks(start, end)
         return self.shard.checks[last][1] - self.shard.checks[first][0]
 
-    def read(self, start: int, end: int, view: memoryview) -> int:
+    def read(self, start: int, end: int, view: memoryview, *, keep: bool = True) -> int:
         """Read the blocks the file's bytes [start, end) touch into ``view``, every one
-        verified; returns where ``start`` is in it."""
+        verified; returns where ``start`` is in it. ``keep``: keep the last block for the next
+        read (only worth its copy where the next read starts in it)."""
         shard = self.shard
         first, last = shard.blocks(start, end)
         lo, hi = shard.checks[first][0], shard.checks[last][1]
@@ -129,7 +131,7 @@ class _Reader:
         if at <= last:
             shard.read_blocks(at, last, view[shard.checks[at][0] - lo:])
         tail = shard.checks[last][0]
-        self.kept = (last, bytes(view[tail - lo:]))
+        self.kept = (last, bytes(view[tail - lo:])) if keep else None
         return start - lo
 
 
@@ -236,12 +238,17 @@ def read_group(shards: Sequence[ShardRanges], group: Sequence[Span]) -> None:
     readers: dict[int, _Reader] = {}
     staging = _Staging()
     try:
-        for span in group:
+        for i, span in enumerate(group):
             reader = readers.get(span.source)
             if reader is None:
                 reader = readers[span.source] = _Reader(shards[span.source])
             buffer = staging.buffer(reader.extent(span.start, span.end), span.into.device)
-            at = reader.read(span.start, span.end, byte_view(buffer))
+            after = group[i + 1] if i + 1 < len(group) else None
+            shard = shards[span.source]
+            keep = (after is not None and after.source == span.source
+                    and shard.blocks(after.start, after.end)[0]
+                    == shard.blocks(span.start, span.end)[1])
+            at = reader.read(span.start, span.end, byte_view(buffer), keep=keep)
             raw = buffer[at:at + span.end - span.start].view(span.dtype)
             staging.copy(span.into, raw.as_strided(span.sizes, span.stride))
     finally:
