@@ -38,6 +38,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -92,6 +93,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--loss-log", type=Path, default=None,
                         help="rank 0 appends `step loss` per step (mean over ranks, "
                              "float.hex()) to this file")
+    parser.add_argument("--sleep-per-step", type=float, default=0.0, metavar="SECONDS",
+                        help="slow training down, to have time to interrupt it (default: 0)")
     parser.add_argument("--fresh", action="store_true",
                         help="delete the checkpoints and the loss log first")
     args = parser.parse_args(argv)
@@ -339,6 +342,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
                     ended = f"stopped at step {step} on SIGTERM, its checkpoint committed"
                     break
                 ended = f"finished at step {step}"
+                if args.sleep_per_step > 0:
+                    time.sleep(args.sleep_per_step)
     return ended
 
 
