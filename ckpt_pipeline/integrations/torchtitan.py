@@ -105,7 +105,8 @@ class PipelineCheckpointManager:
         """Advance ``train_state`` to ``curr_step`` (``samples`` consumed by this step over
         all ranks, ``extra`` values such as the loss), and save if the step is due.
 
-        Returns the save's handle at once (None when nothing was saved). The last step
+        Returns the save's handle at once, or None when nothing was saved (torchtitan
+        returns a bool: the handle is true, None false). The last step
         (``last_step=True``) also waits for its commit, so that the process can exit
         right after; a failed save raises its ``CheckpointError`` there.
         """
@@ -123,8 +124,9 @@ class PipelineCheckpointManager:
         update in place (on CUDA a GPU-side wait; returns at once when nothing is copying)."""
         self.pipeline.wait_snapshot()
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every save in flight is committed; raise the first failure."""
+    def maybe_wait_for_saving(self, timeout: float | None = None) -> None:
+        """Block until every save in flight is committed (returns at once when none is);
+        raise the first failure since the last wait."""
         self.pipeline.wait(timeout)
 
     def latest_step(self) -> int | None:

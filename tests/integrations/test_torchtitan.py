@@ -60,7 +60,7 @@ def test_save_saves_only_interval_steps_and_the_last(tmp_path: Path) -> None:
             _train_step(states, manager)
             if manager.save(step, last_step=step == 7) is not None:
                 saved.append(step)
-        manager.wait()
+        manager.maybe_wait_for_saving()
 
     assert saved == [3, 6, 7]
     assert _committed_steps(tmp_path) == [3, 6, 7]
