@@ -35,8 +35,8 @@ import torch
 
 import ckpt_pipeline as cp
 
-__all__ = ("NotCheckpointableError", "ResumableLoader", "load_state", "save_state",
-           "step_after_snapshot")
+__all__ = ("NotCheckpointableError", "ResumableLoader", "accelerator_state", "load_state",
+           "save_state", "step_after_snapshot")
 
 _UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
 
@@ -153,6 +153,8 @@ class _LoaderPosition:
             loader.set_epoch(int(state["iteration"]))
         generator = _generator(loader)
         if generator is not None and state["generator"] is not None:
+            # A copy: restored small tensors are views into one packed storage, and
+            # Generator.set_state crashes the process on a view with a storage offset.
             generator.set_state(state["generator"].to(torch.uint8).clone())
         from accelerate.data_loader import get_sampler
 

@@ -32,14 +32,23 @@ CHILD = Path(__file__).with_name("accelerate_child.py")
 LAUNCH_DEADLINE_S = 150.0
 
 
-def test_resumed_run_continues_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
-    train(tmp_path / "straight", tmp_path / "straight.log")
-    # Stopped after step 10: the newest checkpoint is step 8, mid-epoch (6 batches an epoch).
-    train(tmp_path / "resumed", tmp_path / "resumed.log", stop_after=10)
+@pytest.fixture(scope="module")
+def straight_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The loss log of an uninterrupted run."""
+    where = tmp_path_factory.mktemp("straight")
+    train(where / "ckpt", where / "losses")
+    return where / "losses"
+
+
+# 6 batches an epoch, a save every 4 steps: step 8 is mid-epoch, step 12 an epoch's last batch.
+@pytest.mark.parametrize(("stop_after", "newest"), [(10, 8), (13, 12)])
+def test_resumed_run_continues_the_losses_of_an_uninterrupted_run(
+        tmp_path: Path, straight_log: Path, stop_after: int, newest: int) -> None:
+    train(tmp_path / "resumed", tmp_path / "resumed.log", stop_after=stop_after)
     restored = train(tmp_path / "resumed", tmp_path / "resumed.log")
 
-    assert restored == 8
-    straight = (tmp_path / "straight.log").read_text().splitlines()
+    assert restored == newest
+    straight = straight_log.read_text().splitlines()
     assert len(straight) == EPOCHS * SAMPLES // 8
     assert (tmp_path / "resumed.log").read_text().splitlines() == straight
 
@@ -135,8 +144,7 @@ def test_two_ranks_resume_with_the_losses_of_an_uninterrupted_run(tmp_path: Path
 
 @pytest.mark.slow
 def test_run_killed_mid_training_resumes_with_the_losses_of_an_uninterrupted_run(
-        tmp_path: Path) -> None:
-    train(tmp_path / "straight", tmp_path / "straight.losses")
+        tmp_path: Path, straight_log: Path) -> None:
     logs = tmp_path / "killed"
     ready = tmp_path / "ready"
     # Saves at 4 and 8, then at 9, which may or may not commit before the kill.
@@ -159,4 +167,4 @@ def test_run_killed_mid_training_resumes_with_the_losses_of_an_uninterrupted_run
 
     _finish(_launch(tmp_path / "ckpt", logs, logs, 1), logs)
     assert _lines(logs / "rank-0.restored")[0] in {str(2 * SAVE_EVERY), str(hang)}
-    assert _lines(logs / "rank-0.losses") == _lines(tmp_path / "straight.losses")
+    assert _lines(logs / "rank-0.losses") == _lines(straight_log)
