@@ -12,3 +12,5 @@
 They use only the package's public names, and nothing in the package imports them:
 ``import ckpt_pipeline`` never imports a framework. See ``docs/integrations.md``.
 """
+
+__all__ = ()

@@ -56,7 +56,7 @@ import ckpt_pipeline as cp
 from ckpt_pipeline.errors import ConfigError
 
 __all__ = ("TRAINER_STATE_KEY", "PipelineCallback", "PipelineTrainer", "PipelineTrainerMixin",
-           "ResumePoint")
+           "ResumePoint", "trainer_state_to_plain")
 
 logger = logging.getLogger("ckpt_pipeline.integrations.transformers")
 
