@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-__all__ = ("filesystem_of", "machine_info")
+__all__ = ("filesystem_of", "gpu_info", "machine_info")
 
 GB = 1e9
 REPO = Path(__file__).resolve().parents[1]
-
 
 
 def filesystem_of(path: Path) -> dict[str, Any]:
@@ -38,7 +37,29 @@ def filesystem_of(path: Path) -> dict[str, Any]:
     return best
 
 
-def machine_info(workdir: Path) -> dict[str, Any]:
+def gpu_info() -> dict[str, Any] | None:
+    """The GPU a CUDA benchmark ran on (the current device); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(device)
+    info: dict[str, Any] = {"name": torch.cuda.get_device_name(device),
+                            "count": torch.cuda.device_count(),
+                            "memory_gb": round(props.total_memory / GB, 1),
+                            "capability": f"{props.major}.{props.minor}",
+                            "torch_cuda": torch.version.cuda}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20)
+        if smi.returncode == 0:
+            info["nvidia_smi"] = smi.stdout.strip()
+    return info
+
+
+def machine_info(workdir: Path, *, gpu: bool = False) -> dict[str, Any]:
+    """``gpu``: record the GPU too (``gpu_info``); asked for, since it initialises CUDA in
+    this process, which a benchmark that forks CUDA workers later must not do."""
     info: dict[str, Any] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
@@ -60,7 +81,10 @@ def machine_info(workdir: Path) -> dict[str, Any]:
             if line.startswith("model name"):
                 info["cpu_model"] = line.split(":", 1)[1].strip()
                 break
-    for package in ("numpy", "aiofiles", "anyio", "msgpack", "xxhash"):
+    if gpu:
+        info["gpu"] = gpu_info()
+    for package in ("numpy", "aiofiles", "anyio", "msgpack", "xxhash", "lightning",
+                    "transformers", "accelerate"):
         with contextlib.suppress(Exception):
             info[package] = version(package)
     pinned = os.environ.get("CKPT_BENCH_COMMIT")

@@ -149,11 +149,17 @@ def _adopt_retention(options: PipelineOptions, callbacks: Iterable[Callback], is
     options["retention"] = policies
 
 
-def _real_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The finite real numbers among ``metrics`` (one-element tensors too), as floats: what a
-    save records in ``TrainState.extra`` for ``KeepBest``."""
+def _real_metrics(metrics: Mapping[str, Any], options: PipelineOptions) -> dict[str, float]:
+    """The values among ``metrics`` that the retention of ``options`` ranks steps by
+    (``KeepBest``), those that are finite real numbers (one-element tensors too), as floats:
+    what a save records in ``TrainState.extra``. Only those are read, since reading a CUDA
+    tensor's value waits for the GPU on the training thread."""
+    retention = {key: options[key] for key in ("keep_last", "retention")
+                 if key in options}
+    wanted = cp.PipelineConfig(**retention).retention_metrics  # type: ignore[arg-type]
     recorded: dict[str, float] = {}
-    for name, value in metrics.items():
+    for name in wanted:
+        value = metrics.get(name)
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 continue
@@ -216,8 +222,10 @@ class PipelineCheckpointIO(CheckpointIO):
                          "PipelineCheckpointIO", self.root)
 
     def record_metrics(self, metrics: Mapping[str, Any]) -> None:
-        """Values to store in the next save's ``TrainState.extra`` (real numbers only)."""
-        self._metrics = _real_metrics(metrics)
+        """Store in the next save's ``TrainState.extra`` the values of ``metrics`` that the
+        retention ranks steps by (``KeepBest``: a monitored ``ModelCheckpoint``); others are
+        not read."""
+        self._metrics = _real_metrics(metrics, self._options)
 
     def wait_snapshot(self) -> None:
         """Before an in-place update of saved tensors: the copies of a save in flight are done
@@ -530,7 +538,7 @@ class PipelineModelParallelStrategy(ModelParallelStrategy):
             pipe = self.pipeline
             if step != self._last_step:  # opening found it committed already otherwise
                 metrics = {} if self._metrics_source is None else _real_metrics(
-                    self._metrics_source.callback_metrics)
+                    self._metrics_source.callback_metrics, self._options)
                 pipe.save(step, state, cp.TrainState(step=step, extra=metrics))
                 self._last_step = step
         self._steps_by_path[name] = step

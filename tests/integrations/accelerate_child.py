@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +69,16 @@ def cut_log(log: Path, step: int) -> None:
 
 
 def train(root: Path, log: Path, *, stop_after: int | None = None,
-          hang_after: int | None = None, ready: Path | None = None) -> int | None:
+          hang_after: int | None = None, ready: Path | None = None, cpu: bool = True,
+          on_save: Callable[[int, nn.Module], None] | None = None) -> int | None:
     """Train (resuming from ``root`` when it holds a step) for ``EPOCHS`` epochs; return the
     restored step (None for a fresh start). ``stop_after`` returns after that step;
     ``hang_after`` saves at that step, writes ``ready`` once an earlier save committed, and
-    then blocks until killed."""
+    then blocks until killed. ``cpu=False``: on the accelerator's device (CUDA).
+    ``on_save(step, model)`` is called right after each save is handed to the pipeline, before
+    the next optimizer step: the model holds the values that step saved."""
     torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=cpu)
     data = torch.Generator().manual_seed(1)
     inputs = torch.randn(SAMPLES, 4, generator=data)
     targets = inputs.sum(dim=1, keepdim=True).sin()
@@ -111,6 +114,8 @@ def train(root: Path, log: Path, *, stop_after: int | None = None,
                     if step % SAVE_EVERY == 0 or step == hang_after:
                         committed.append(save_state(accelerator, pipe, step,
                                                     train_state=cp.TrainState(step=step)))
+                        if on_save is not None:
+                            on_save(step, accelerator.unwrap_model(model))
                     if step == hang_after:
                         for handle in committed[:-1]:  # all but this step's save
                             handle.result(timeout=60)

@@ -13,15 +13,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 import ckpt_pipeline as cp
 from tests.integrations.transformers_child import (
     MAX_STEPS,
+    StopAt,
     build_trainer,
     losses,
 )
@@ -29,17 +29,6 @@ from tests.integrations.transformers_child import (
 pytestmark = pytest.mark.timeout(120)
 
 CHILD = Path(__file__).with_name("transformers_child.py")
-
-
-class StopAt(TrainerCallback):
-    """Ends training after ``step`` (a crash without the crash: no save at that step)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 @pytest.fixture(scope="module")

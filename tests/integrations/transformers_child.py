@@ -30,12 +30,15 @@ MAX_STEPS = 18          # 12 steps an epoch: the run crosses an epoch boundary
 SAVE_STEPS = 5
 
 
-def build_model() -> GPT2LMHeadModel:
-    """Two layers of width 32, dropout on (its RNG must be restored for exact losses)."""
+def build_model(attn_implementation: str | None = None) -> GPT2LMHeadModel:
+    """Two layers of width 32, dropout on (its RNG must be restored for exact losses).
+    ``attn_implementation``: the model's attention kernels (``"eager"``: plain matmuls and
+    softmax, no fused kernel whose backward may accumulate with atomics); None: the default."""
     torch.manual_seed(SEED)
+    chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
-                        bos_token_id=0, eos_token_id=0)
+                        bos_token_id=0, eos_token_id=0, **chosen)
     return GPT2LMHeadModel(config)
 
 
@@ -59,10 +62,13 @@ def build_args(output_dir: str | os.PathLike[str], **overrides: Any) -> Training
 
 
 def build_trainer(output_dir: str | os.PathLike[str], *, callbacks: list[Any] | None = None,
-                  trainer_cls: type[Any] = PipelineTrainer, **overrides: Any) -> Any:
+                  trainer_cls: type[Any] = PipelineTrainer,
+                  attn_implementation: str | None = None, **overrides: Any) -> Any:
+    """A trainer of ``build_model(attn_implementation)``; ``overrides`` go to
+    ``TrainingArguments`` (``use_cpu=False`` trains on CUDA)."""
     args = build_args(output_dir, **overrides)
-    return trainer_cls(model=build_model(), args=args, train_dataset=build_dataset(),
-                       callbacks=callbacks)
+    return trainer_cls(model=build_model(attn_implementation), args=args,
+                       train_dataset=build_dataset(), callbacks=callbacks)
 
 
 def losses(trainer: Any) -> dict[int, float]:
@@ -84,6 +90,17 @@ class LossLog(TrainerCallback):
                 out.write(f"{state.global_step} {float(logs['loss']).hex()}\n")
                 out.flush()
                 os.fsync(out.fileno())
+
+
+class StopAt(TrainerCallback):
+    """Ends training after ``step`` (a crash without the crash: no save at that step)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            control.should_training_stop = True
 
 
 class HoldAt(TrainerCallback):
