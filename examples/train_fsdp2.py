@@ -7,8 +7,8 @@ cosine LR schedule, and a checkpoint manager called at torchtitan's points:
 ``optimizer.step()``, ``checkpoint.save(step)`` after every step. The manager here is
 ``ckpt_pipeline.integrations.torchtitan.PipelineCheckpointManager``: it saves every
 ``--save-every`` steps and at the last one, asynchronously, and every rank's shard of a step is
-committed together. Launch it with torchrun (gloo on the CPU, NCCL on one GPU per rank when
-CUDA is available), or as one plain process::
+committed together. Launch it with torchrun (NCCL on one GPU per rank when the node has a GPU
+for each of its ranks, else gloo on the CPU; ``--device`` chooses), or as one plain process::
 
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --ckpt-dir checkpoints/fsdp2
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --ckpt-dir checkpoints/fsdp2  # resumes
@@ -85,6 +85,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="peak learning rate (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=10,
                         help="linear warm-up steps, then cosine decay (default: %(default)s)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: CUDA when this node has a GPU for each of its ranks, "
+                             "else the CPU (default: %(default)s)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                         help="compute dtype: bf16 (fp32 reductions) or fp32 (default: bf16 on "
                              "CUDA, fp32 on the CPU)")
@@ -110,19 +113,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(choice: str) -> tuple[int, int, torch.device]:
     """Join torchrun's job (NCCL on one GPU per rank, or gloo on the CPU), or, started as a
-    plain process, make a one-rank group so that the same FSDP2 code runs."""
-    use_cuda = torch.cuda.is_available()
+    plain process, make a one-rank group so that the same FSDP2 code runs. ``choice``:
+    ``cuda``, ``cpu``, or ``auto`` (CUDA when this node has a GPU for each of its ranks)."""
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if torchrun else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_cuda = choice == "cuda" or (choice == "auto" and gpus >= local_ranks)
+    if use_cuda and gpus < local_ranks:
+        raise SystemExit(f"--device cuda needs a GPU for each of this node's {local_ranks} "
+                         f"ranks; it has {gpus}: start fewer ranks, or use --device cpu")
+    if choice == "auto" and 0 < gpus < local_ranks and local_rank == 0:
+        print(f"{local_ranks} ranks on this node and {gpus} GPU(s): training on the CPU "
+              f"(gloo)", flush=True)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
     backend = "nccl" if use_cuda else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-        if use_cuda:
-            torch.cuda.set_device(device)
+    if torchrun:
         dist.init_process_group(backend)
     else:
-        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -349,7 +361,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, world_size, device = init_distributed()
+    rank, world_size, device = init_distributed(args.device)
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     ended = train(args, rank, world_size, device)

@@ -153,7 +153,8 @@ STEPS = 30
 SAVE_EVERY = 5
 RUN_TIMEOUT_S = 150.0
 TINY = ("--dim", "32", "--layers", "2", "--heads", "2", "--vocab-size", "64",
-        "--seq-len", "16", "--batch-size", "4", "--dtype", "fp32", "--seed", "3")
+        "--seq-len", "16", "--batch-size", "4", "--dtype", "fp32", "--seed", "3",
+        "--device", "cpu")
 
 
 def _free_port() -> int:
