@@ -191,10 +191,6 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             if self.memory is not None:
                 await self.memory.open(_cuda_device())
                 self._recovery.use_memory(self.memory.storage)
-            await self._pool_prep.from_roots(
-                self._limiter, [self.storage] + ([] if self.memory is None
-                                                 else [self.memory.storage]),
-                self.coordinator.world_size)
             async with self.runner.running():
                 self.state = PipelineState.OPEN
                 try:

@@ -8,15 +8,12 @@ fails. ``persist_at_close`` is what the persistent tier does after the stages ha
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
 
-from .._format.filesets import FileSet
-from .._format.scan import StepStatus, scan_files
 from .._format.steps import committed_steps
 from .._format.tidy import scrub
 from .._lineage import Timeline, local_timeline, read_rewinds
@@ -33,7 +30,7 @@ from .admission import Admission
 from .ledger import Ledger
 from .rootlock import RootLock
 
-__all__ = ("OpenSequence", "newest_buffer_size", "persist_at_close")
+__all__ = ("OpenSequence", "persist_at_close")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,26 +140,3 @@ async def persist_at_close(promoter: Promoter, coordinator: Coordinator,
             await in_thread(None, promoter.release, abandon_on_cancel=True)
     except CheckpointError as exc:
         log.error("ckpt.persist.close_failed", rank=rank, url=promoter.url, error=exc.message)
-
-
-def newest_buffer_size(storages: Sequence[Storage], rank: int, world_size: int
-                       ) -> tuple[int, bool] | None:
-    """The host buffer the newest valid step of ``rank`` in ``storages`` needed (its data
-    region's end) and whether it held CUDA tensors: the size to make the pool at open, before
-    the first save asks for it (a restart saves the same state). None: no such step, or one
-    saved by another number of ranks (a reshard: this rank's share differs; the restore's
-    live state gives the size). Worker thread."""
-    best: tuple[int, StepStatus] | None = None
-    for storage in storages:
-        with contextlib.suppress(CheckpointError):
-            steps = committed_steps(storage, rank)
-            if steps:
-                step = max(steps)
-                status = scan_files(storage, FileSet(rank), step, steps[step])
-                if status.valid and (best is None or step > best[0]):
-                    best = (step, status)
-    if best is None or best[1].header is None or best[1].world_size not in (None, world_size):
-        return None
-    header = best[1].header
-    cuda = any(record.device.startswith("cuda") for record in header.storages)
-    return header.data_offset + header.data_length, cuda

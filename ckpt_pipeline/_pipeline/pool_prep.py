@@ -2,12 +2,15 @@
 
 Making gigabytes of page-locked memory takes seconds (on an H200, 1.5 s for 4.5 GiB mapped,
 populated and registered). Made by the first save, that time blocks the training thread. So
-the pool is made in a background thread as soon as a size is known:
+the pool is made in a background thread as soon as a size is known and nothing on the
+training thread's path would wait for it: once the first ``restore()`` or ``restore_latest()``
+is done, from the state passed in (a fresh job passes it too, and finds nothing to restore):
+the state's own layout; or at open from ``MemoryConfig(slot_bytes=)`` (made by the tier
+itself).
 
-- at open, from the newest step of this rank in the root or the memory tier (a restart saves
-  the state it restored), or from ``MemoryConfig(slot_bytes=)`` (made by the tier itself);
-- else at the first ``restore()`` or ``restore_latest()``, from the state passed in, which a
-  fresh job passes too (the restore then finds nothing): the state's own layout.
+Not at open from the newest step a restart finds: the restore that follows would compete with
+it. Registering pinned memory holds the CUDA driver, which stalls the restore's own copies to
+the GPU, and mapping it in takes the memory bandwidth the restore's reads need.
 
 A save that comes while its buffer is still being made waits for that buffer only (with
 device staging it does not wait: it copies to the GPU and returns, and the copy stage takes the
@@ -17,20 +20,15 @@ buffer when it is made).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
-
-import anyio
 
 from .._format.layout import plan_layout
 from .._logging import log
 from .._save.buffers import HostPool
 from .._save.shm_pool import MemoryPool
-from .._threads import in_thread
 from .._tree import flatten_state
 from ..errors import CheckpointError
-from ..storage import Storage
-from .opening import newest_buffer_size
 
 __all__ = ("PoolPrep",)
 
@@ -44,16 +42,6 @@ class PoolPrep:
         self._rank = rank
         self._cap = cap  # host_buffer_bytes: a streamed state's slots hold a piece only
         self._started = made_by_tier
-
-    async def from_roots(self, limiter: anyio.CapacityLimiter,
-                         roots: Sequence[Storage], world_size: int) -> None:
-        """At open: the size of this rank's newest valid step, if there is one and this
-        many ranks saved it."""
-        if self._started:
-            return
-        found = await in_thread(limiter, newest_buffer_size, roots, self._rank, world_size)
-        if found is not None:
-            self._start(*found, source="newest step")
 
     def from_state(self, state: Mapping[str, Any]) -> None:
         """At a restore: the size ``state`` would need (on the caller's thread: a layout of

@@ -1,6 +1,7 @@
 """The host buffers are made in the background before the first save asks for them
-(``_pipeline/pool_prep``): from the newest step at open, or from the state a fresh job passes
-to its first restore; then the first save finds its buffer made and allocates nothing."""
+(``_pipeline/pool_prep``): from the state passed to the first restore, once that restore is
+done (a fresh job's restore finds nothing, a restart's loads a step; neither competes with the
+making); then the first save finds its buffer made and allocates nothing."""
 
 from __future__ import annotations
 
@@ -48,18 +49,22 @@ def test_a_fresh_jobs_restore_makes_the_buffer_its_first_save_uses(
         assert pipe.host_memory_bytes == made  # the first save allocated nothing
 
 
-def test_a_restart_makes_the_buffer_at_open_from_its_newest_step(
+def test_a_restart_makes_the_buffer_once_its_restore_is_done(
         tmp_path: Path, reserved: LineWatch) -> None:
     with cp.CheckpointPipeline(tmp_path / "root") as pipe:
         pipe.save(1, _state(1)).result(30)
     reserved.clear()
     with cp.CheckpointPipeline(tmp_path / "root") as pipe:
-        assert reserved.seen.wait(30)  # at open, before any restore
-        assert reserved.fields[0]["source"] == "newest step"
+        # nothing at open: the making would compete with the restore
+        assert pipe.host_memory_bytes == 0 and not reserved.seen.is_set()
         live = {k: torch.zeros_like(v) for k, v in _state().items()}
         assert pipe.restore_latest(live) is not None
-        assert len(reserved.fields) == 1  # the restore's state asks for nothing more
+        assert reserved.seen.wait(30)
+        assert reserved.fields == [{"rank": 0, "bytes": _needed(live),
+                                    "source": "restore state"}]
         assert pipe.host_memory_bytes == align_up(_needed(live))
+        pipe.save(2, live).result(30)
+        assert pipe.host_memory_bytes == align_up(_needed(live))  # the save made none
 
 
 def test_a_state_that_cannot_be_saved_asks_for_no_buffer(
@@ -73,19 +78,3 @@ def test_a_state_that_cannot_be_saved_asks_for_no_buffer(
         assert pipe.restore_latest(good) is None
         assert reserved.seen.wait(30)
         assert [f["bytes"] for f in reserved.fields] == [_needed(good)]  # the first size
-
-
-def test_a_step_saved_by_another_number_of_ranks_gives_no_size_at_open(
-        tmp_path: Path) -> None:
-    """A reshard's rank holds another share than the saved rank of its number: the size comes
-    from the state it restores into, not from the saved step."""
-    from ckpt_pipeline._pipeline.opening import newest_buffer_size
-    from ckpt_pipeline.storage import LocalStorage
-
-    state = _state(1)
-    with cp.CheckpointPipeline(tmp_path / "root") as pipe:
-        pipe.save(1, state).result(30)
-    roots = [LocalStorage(tmp_path / "root")]
-    found = newest_buffer_size(roots, 0, 1)
-    assert found is not None and found[0] >= _needed(state) and found[1] is False
-    assert newest_buffer_size(roots, 0, 2) is None
