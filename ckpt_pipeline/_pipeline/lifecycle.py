@@ -216,8 +216,9 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
             if self.promoter is not None:
                 self.promoter.close()
             self.replication.close()
-            if self.memory is not None:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                await in_thread(None, self._pool_prep.wait)
+                if self.memory is not None:
                     await self.memory.close(self.storage)
             self._pool.close()
             for staging in (self._staging, self._bridge):

@@ -42,6 +42,7 @@ class PoolPrep:
         self._rank = rank
         self._cap = cap  # host_buffer_bytes: a streamed state's slots hold a piece only
         self._started = made_by_tier
+        self._thread: threading.Thread | None = None
 
     def from_state(self, state: Mapping[str, Any]) -> None:
         """At a restore: the size ``state`` would need (on the caller's thread: a layout of
@@ -72,4 +73,12 @@ class PoolPrep:
             else:
                 log.info("ckpt.pool.reserved", rank=rank, bytes=size, source=source)
 
-        threading.Thread(target=reserve, name="ckpt-pool-reserve", daemon=True).start()
+        self._thread = threading.Thread(target=reserve, name="ckpt-pool-reserve", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the making started here has ended (at close, before the pool closes: a
+        thread still inside torch's allocator when the interpreter exits aborts the
+        process). Worker thread."""
+        if self._thread is not None:
+            self._thread.join()

@@ -78,3 +78,28 @@ def test_a_state_that_cannot_be_saved_asks_for_no_buffer(
         assert pipe.restore_latest(good) is None
         assert reserved.seen.wait(30)
         assert [f["bytes"] for f in reserved.fields] == [_needed(good)]  # the first size
+
+
+def test_close_waits_for_a_buffer_still_being_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that closes right after its restore: the making started by the restore ends
+    before close() returns (a thread left inside torch's allocator at interpreter exit
+    aborted the process)."""
+    import threading
+
+    from tests._support.gate import gated_buffer_making
+
+    with cp.CheckpointPipeline(tmp_path / "root") as pipe:
+        pipe.save(1, _state(1)).result(30)
+    with gated_buffer_making(monkeypatch) as gate:
+        pipe = cp.CheckpointPipeline(tmp_path / "root").open()
+        assert pipe.restore_latest({k: torch.zeros_like(v) for k, v in _state().items()})
+        assert gate.entered.wait(30)  # the making has started and is held
+        closer = threading.Thread(target=pipe.close)
+        closer.start()
+        closer.join(0.5)
+        assert closer.is_alive()  # close() waits for the making
+        gate.opened.set()
+        closer.join(30)
+        assert not closer.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "ckpt-pool-reserve"]
