@@ -11,7 +11,7 @@ Bit for bit, since each of these runs is deterministic on one GPU in one process
 kernels on the same shapes on one stream, none of them accumulating with atomics (matmuls,
 elementwise ops, reductions, embedding lookups, fused or foreach AdamW). Lightning's run sets
 ``deterministic=True`` (torch's deterministic algorithms and ``CUBLAS_WORKSPACE_CONFIG``, put
-back after the test); GPT-2 runs with eager attention, since the fused attention's backward
+back after the test by ``conftest.py``); GPT-2 runs with eager attention, since the fused attention's backward
 may accumulate with atomics; dropout replays from the CUDA RNG state the step saved.
 
 The models, data and loss logs are those of the CPU tests (``*_child.py``). Each test runs on
@@ -22,8 +22,7 @@ cover its resume).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import lightning.pytorch as pl
-from accelerate.state import AcceleratorState, GradientState
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from transformers import TrainerCallback
 
@@ -49,34 +47,6 @@ pytestmark = pytest.mark.timeout(240)
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 CPU_SLOW = pytest.param("cpu", marks=pytest.mark.slow)
-
-
-@pytest.fixture(autouse=True)
-def _global_state_restored() -> Iterator[None]:
-    """Each run starts with torch's deterministic mode off and no Accelerate state, and puts
-    the flags back as they were (Lightning's ``deterministic=True``, and an ``Accelerator``'s
-    device, which a later ``Accelerator(cpu=...)`` would otherwise inherit, outlive a run)."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
-    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-
-    def reset() -> None:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-
-    torch.use_deterministic_algorithms(False)
-    reset()
-    try:
-        yield
-    finally:
-        reset()
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
-        if workspace is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
 def tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
