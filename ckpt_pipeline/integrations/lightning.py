@@ -406,7 +406,9 @@ class PipelineModelParallelStrategy(ModelParallelStrategy):
       states saved with it (unless ``restore_rng=False``), and returns the rest of the
       checkpoint for Lightning to restore (loops, callbacks, schedulers, precision). Only
       committed steps are loaded, the same on every rank; steps newer than a loaded older one
-      are moved aside, so that the run goes on from it.
+      are moved aside, so that the run goes on from it. A step saved by another number of
+      ranks (a root the ranks share) is resharded onto this job; the RNG states are then not
+      restored.
     - Retention: ``keep_last`` or ``retention`` among ``options``, else what the trainer's
       ``ModelCheckpoint(save_top_k=...)`` would keep (``retention_for``; the logged metrics
       are recorded with each save for a monitored one). ``remove_checkpoint`` removes nothing:
@@ -477,8 +479,15 @@ class PipelineModelParallelStrategy(ModelParallelStrategy):
 
     def latest(self) -> str | None:
         """The name of the newest committed step, for ``trainer.fit(ckpt_path=
-        strategy.latest())``; None when nothing is committed (the fit starts fresh)."""
-        return _latest_name(self.root, self.committed_steps())
+        strategy.latest())``; None when nothing is committed (the fit starts fresh).
+
+        Every rank must pass a path or none (a rank without one does not load, and the
+        others wait for it), and every rank loads the step rank 0 names. So the steps looked
+        at are this rank's and rank 0's, as far as this rank sees them: on a root the ranks
+        share, a job restarted on more ranks than saved the step (whose new ranks hold no
+        step of their own) loads it too, resharded."""
+        steps = set(self.committed_steps()) | set(_committed_steps(self.root, 0))
+        return _latest_name(self.root, sorted(steps))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

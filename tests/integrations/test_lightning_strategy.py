@@ -304,3 +304,78 @@ def test_ranks_killed_after_a_commit_resume_with_the_losses_of_an_uninterrupted_
     for rank in range(2):
         assert _lines(logs / f"rank-{rank}.resumed") == ["8"]
         assert _lines(logs / f"rank-{rank}.losses") == _lines(reference / f"rank-{rank}.losses")
+
+
+class _Restored(Callback):
+    """The full parameters and Adam moments as the fit starts training (after the load),
+    and the steps trained after it."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, torch.Tensor] = {}
+        self.moments: dict[str, torch.Tensor] = {}
+        self.started_at = -1
+        self.trained: list[int] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started_at = trainer.global_step
+        for name, p in pl_module.named_parameters():
+            self.params[name] = p.full_tensor().detach().clone()  # type: ignore[attr-defined]
+            state = trainer.optimizers[0].state.get(p, {})
+            if "exp_avg" in state:
+                self.moments[name] = state["exp_avg"].full_tensor().clone()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.trained.append(trainer.global_step)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.usefixtures("one_rank")
+def test_a_step_saved_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+    """An elastic restart: the strategy's restore reshards a step saved by two FSDP2 ranks
+    onto one (parameters and Adam's moments from both saved shards, Lightning's loops from the
+    step), and training goes on from it. Losses are not compared with the two-rank run's: one
+    rank sees other batches and reduces in another order."""
+    logs = tmp_path / "logs"
+    _finish(_launch(tmp_path, logs, steps=8), logs)
+    assert _committed(tmp_path / "ckpt", ranks=2) == [4, 8]
+    saved = cp.load(tmp_path / "ckpt", 8, consolidate=True).tree
+
+    strategy = PipelineModelParallelStrategy(tmp_path / "ckpt")
+    restored, log = _Restored(), LossLog()
+    trainer = make_trainer(strategy, 12, SAVE_EVERY, restored, log, devices=1,
+                           dirpath=tmp_path / "lightning")
+    trainer.fit(Sharded(), ckpt_path=strategy.latest())
+
+    assert restored.started_at == 8 and restored.trained == [9, 10, 11, 12]
+    assert restored.params.keys() == saved["state_dict"].keys()
+    for name, value in restored.params.items():
+        assert torch.equal(value, saved["state_dict"][name]), name
+    moments = saved["optimizer_states"][0]["state"]
+    assert restored.moments and all(torch.equal(value, moments[name]["exp_avg"])
+                                    for name, value in restored.moments.items())
+    assert all(torch.isfinite(torch.tensor(float.fromhex(h))) for h in log.losses.values())
+    assert _committed(tmp_path / "ckpt", ranks=1)[-1] == 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.usefixtures("one_rank")
+def test_a_step_saved_on_one_rank_resumes_on_two(tmp_path: Path) -> None:
+    """The other way: one rank saves, a job of two resumes from ``latest()``, which names
+    rank 0's step on the rank that holds none of its own."""
+    first = _fit(tmp_path, 4, LossLog())
+    assert first.committed_steps() == [2, 4]
+    saved = cp.load(tmp_path / "ckpt", 4).tree["state_dict"]
+
+    logs = tmp_path / "logs"
+    _finish(_launch(tmp_path, logs, steps=8), logs)
+    for rank in range(2):
+        assert _lines(logs / f"rank-{rank}.resumed") == ["4"]
+        assert [int(line.split()[0]) for line in _lines(logs / f"rank-{rank}.losses")
+                ] == [5, 6, 7, 8]  # Lightning's loops went on from the loaded step
+    assert _committed(tmp_path / "ckpt", ranks=2)[-1] == 8
+    resharded = cp.load(tmp_path / "ckpt", 8, consolidate=True).tree["state_dict"]
+    assert resharded.keys() == saved.keys()
+    assert all(resharded[name].shape == saved[name].shape for name in saved)
