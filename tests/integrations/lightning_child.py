@@ -25,7 +25,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ckpt_pipeline.integrations.lightning import PipelineCheckpointIO
+from ckpt_pipeline.integrations.lightning import (
+    PipelineCheckpointIO,
+    PipelineModelParallelStrategy,
+)
 
 BATCH = 16
 BATCHES_PER_EPOCH = 4
@@ -87,9 +90,11 @@ class LossLog(Callback):
 
 
 class HoldAfter(Callback):
-    """After step ``step``: wait for every save to commit, write ``ready``, block."""
+    """After step ``step``: wait for every save to commit (``io.committed_steps()``: a
+    ``PipelineCheckpointIO`` or a ``PipelineModelParallelStrategy``), write ``ready``, block."""
 
-    def __init__(self, io: PipelineCheckpointIO, step: int, ready: Path) -> None:
+    def __init__(self, io: PipelineCheckpointIO | PipelineModelParallelStrategy, step: int,
+                 ready: Path) -> None:
         self.io, self.step, self.ready = io, step, ready
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

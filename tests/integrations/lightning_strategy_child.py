@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from ckpt_pipeline.integrations.lightning import PipelineModelParallelStrategy
+from tests.integrations.lightning_child import HoldAfter, LossLog, rewind
 
 BATCH = 8
 SAMPLES = 64  # two ranks: four batches a rank an epoch
@@ -94,36 +94,6 @@ class Sharded(pl.LightningModule):
                           batch_size=BATCH, shuffle=False)
 
 
-class LossLog(Callback):
-    """Per-step losses (``float.hex``), in memory and (with ``path``) appended to a file."""
-
-    def __init__(self, path: Path | None = None) -> None:
-        self.losses: dict[int, str] = {}
-        self.path = path
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses[trainer.global_step] = float(loss).hex()
-        if self.path is not None:
-            with self.path.open("a") as log:
-                log.write(f"{trainer.global_step} {self.losses[trainer.global_step]}\n")
-
-
-class HoldAfter(Callback):
-    """After step ``step``: wait for every save to commit, write ``ready``, block."""
-
-    def __init__(self, strategy: PipelineModelParallelStrategy, step: int, ready: Path) -> None:
-        self.strategy, self.step, self.ready = strategy, step, ready
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
-            self.strategy.committed_steps()  # waits for the saves in flight
-            self.ready.write_text(str(self.step))
-            threading.Event().wait()  # until the test kills this process
-
-
 def make_trainer(strategy: PipelineModelParallelStrategy, steps: int, save_every: int,
                  *callbacks: Callback, devices: int = 2, top_k: int = -1,
                  save_last: bool = False,
@@ -134,15 +104,6 @@ def make_trainer(strategy: PipelineModelParallelStrategy, steps: int, save_every
                       logger=False, enable_progress_bar=False, enable_model_summary=False,
                       deterministic=True, callbacks=[checkpoint, *callbacks],
                       default_root_dir=dirpath)
-
-
-def rewind(path: Path, step: int) -> None:
-    """Drop the lines of steps after ``step`` (trained again) and a torn last line."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.endswith("\n") and int(line.split()[0]) <= step]
-    path.write_text("".join(kept))
 
 
 def main(argv: list[str]) -> int:
