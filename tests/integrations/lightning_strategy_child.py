@@ -96,11 +96,11 @@ class Sharded(pl.LightningModule):
 
 def make_trainer(strategy: PipelineModelParallelStrategy, steps: int, save_every: int,
                  *callbacks: Callback, devices: int = 2, top_k: int = -1,
-                 save_last: bool = False,
+                 save_last: bool = False, accelerator: str = "cpu",
                  dirpath: str | os.PathLike[str] | None = None) -> pl.Trainer:
     checkpoint = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=save_every,
                                  save_top_k=top_k, save_last=save_last)
-    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
+    return pl.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps,
                       logger=False, enable_progress_bar=False, enable_model_summary=False,
                       deterministic=True, callbacks=[checkpoint, *callbacks],
                       default_root_dir=dirpath)

@@ -158,11 +158,13 @@ def test_save_last_at_the_same_step_is_one_save_and_top_k_is_the_retention(
 
 
 def _fit(root: Path, steps: int, log: LossLog, ckpt_path: str | Path | None = None,
+         *callbacks: Callback, accelerator: str = "cpu",
          **options: Any) -> PipelineModelParallelStrategy:
     """A fit of one rank, saving every 2 steps; four batches an epoch, so that step 4 ends
     one (Lightning restarts an epoch resumed mid-way: the data loader holds no position)."""
     strategy = PipelineModelParallelStrategy(root / "ckpt", **options)
-    trainer = make_trainer(strategy, steps, 2, log, devices=1, dirpath=root / "lightning")
+    trainer = make_trainer(strategy, steps, 2, log, *callbacks, devices=1,
+                           accelerator=accelerator, dirpath=root / "lightning")
     trainer.fit(Sharded(samples=32), ckpt_path=ckpt_path)
     dist.destroy_process_group()  # the next fit starts its own
     return strategy
@@ -379,3 +381,27 @@ def test_a_step_saved_on_one_rank_resumes_on_two(tmp_path: Path) -> None:
     resharded = cp.load(tmp_path / "ckpt", 8, consolidate=True).tree["state_dict"]
     assert resharded.keys() == saved.keys()
     assert all(resharded[name].shape == saved[name].shape for name in saved)
+
+
+@pytest.mark.parametrize("accelerator", [pytest.param("gpu", marks=pytest.mark.gpu),
+                                         pytest.param("cpu", marks=pytest.mark.slow)])
+@pytest.mark.usefixtures("one_rank")
+def test_each_save_holds_its_steps_parameters_and_a_resume_continues_the_losses(
+        tmp_path: Path, accelerator: str) -> None:
+    """One rank on the device (NCCL on a GPU): the copies of each save, queued on the
+    pipeline's side stream, hold the sharded parameters of their step although the next
+    optimizer step follows at once; and a resume continues an uninterrupted run's losses bit
+    for bit (deterministic kernels: ``deterministic=True``, no atomics in these layers)."""
+    straight, first_log, resumed = LossLog(), LossLog(), LossLog()
+    _fit(tmp_path / "straight", 6, straight, None, accelerator=accelerator)
+    steps = _Steps([])
+    first = _fit(tmp_path, 4, first_log, None, steps, accelerator=accelerator)
+    assert _committed(tmp_path / "ckpt") == [2, 4]
+    for step in (2, 4):
+        saved = cp.load(tmp_path / "ckpt", step).tree["state_dict"]
+        assert _same(list(saved.values()), [p.cpu() for p in steps.params_after[step]]), step
+        assert all(p.device.type == ("cuda" if accelerator == "gpu" else "cpu")
+                   for p in steps.params_after[step])
+    _fit(tmp_path, 6, resumed, first.latest(), accelerator=accelerator)
+
+    assert resumed.losses == {step: straight.losses[step] for step in (5, 6)}
