@@ -7,6 +7,7 @@ ones (``logging_steps=1``), bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -124,3 +125,80 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
 
 def _read_log(path: Path) -> dict[int, str]:
     return dict(_read_lines(path))
+
+
+def _torchrun(*args: str) -> list[str]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(port), str(CHILD), *args]
+
+
+def _kill_ranks(pid_files: list[Path], timeout: float = 60.0) -> None:
+    """SIGKILL the ranks whose pids the files hold, and wait until they are gone (a rank
+    alive holds its root's lock; torchrun's agent dying does not end its ranks)."""
+    pids = [int(path.read_text()) for path in pid_files if path.exists()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid):
+            assert time.monotonic() < deadline, f"rank pid {pid} still alive"
+            time.sleep(0.05)  # a poll interval, not a synchronisation
+
+
+def _state(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "zombie"
+    return next((line for line in status.splitlines() if line.startswith("State:")), "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ddp_ranks_killed_after_a_commit_resume_with_the_losses_of_an_uninterrupted_run(
+        tmp_path: Path) -> None:
+    """Under DDP (two gloo ranks, torchrun) every rank saves its shard of each step through
+    the pipeline and the commit is agreed; both ranks SIGKILLed after step 13 resume from
+    the committed step 10 and log each step's loss as an uninterrupted two-rank run does."""
+    env = {**os.environ, "PYTHONPATH": str(CHILD.parents[2]), "OMP_NUM_THREADS": "1"}
+    subprocess.run(_torchrun(str(tmp_path / "straight"), str(tmp_path / "straight.log")),
+                   env=env, check=True, capture_output=True, timeout=240)
+    out, log, ready = tmp_path / "run", tmp_path / "run.log", tmp_path / "ready"
+    job = subprocess.Popen(_torchrun(str(out), str(log), "--hold-at", "13", str(ready)),
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        pid_files = [ready.with_suffix(f".pid{rank}") for rank in range(2)]
+        while not (ready.exists() and all(p.exists() for p in pid_files)):  # step 10 committed
+            assert job.poll() is None, job.stderr.read().decode() if job.stderr else ""
+            assert time.monotonic() < deadline, "the job never reached step 13"
+            time.sleep(0.05)
+        assert ready.read_text() == "10"
+    finally:
+        _kill_ranks([ready.with_suffix(f".pid{rank}") for rank in range(2)])
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+    resumed_job = subprocess.run(_torchrun(str(out), str(log), "--resume"), env=env,
+                                 capture_output=True, text=True, timeout=240, check=False)
+    assert resumed_job.returncode == 0, resumed_job.stderr[-4000:]
+
+    committed = sorted(cp.load(out / "ckpt_pipeline", step).world_size for step in (15, 18))
+    assert committed == [2, 2]
+    for rank in range(2):
+        lines = _read_lines(tmp_path / f"run.rank{rank}")
+        expected = _read_log(tmp_path / f"straight.rank{rank}")
+        assert sorted(expected) == list(range(1, MAX_STEPS + 1))
+        steps = [step for step, _ in lines]
+        cut = steps.index(11, steps.index(11) + 1)  # where the resumed run starts logging
+        killed, resumed = dict(lines[:cut]), dict(lines[cut:])
+        assert steps[:cut] == list(range(1, 14)), rank  # trained past the commit, then died
+        assert steps[cut:] == list(range(11, MAX_STEPS + 1)), rank  # from step 10
+        assert killed == {s: expected[s] for s in killed}, rank
+        assert resumed == {s: expected[s] for s in resumed}, rank

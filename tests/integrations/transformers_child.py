@@ -2,9 +2,11 @@
 script the kill test runs as a child process.
 
 ``python transformers_child.py OUTPUT_DIR LOSS_LOG [--resume] [--hold-at STEP READY_FILE]``
-trains to ``MAX_STEPS``, appending ``step loss.hex()`` per logged step to ``LOSS_LOG``. With
+trains to ``MAX_STEPS``, appending ``step loss.hex()`` per logged step to ``LOSS_LOG`` (started
+by torchrun: ``LOSS_LOG`` with the suffix ``.rankR``, a log a rank). With
 ``--hold-at``, once step ``STEP`` has ended it waits for the saves in flight to commit, writes
-``READY_FILE`` (the newest committed step) and blocks until it is killed.
+``READY_FILE`` (the newest committed step) and blocks until it is killed; a rank started by
+torchrun first writes its pid to ``READY_FILE`` with the suffix ``.pidR``.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ class HoldAt(TrainerCallback):
         if state.global_step == self.step:
             pipe = self.trainer.checkpoint_pipeline
             pipe.wait()
-            tmp = self.ready.with_suffix(".tmp")
+            if "RANK" in os.environ:  # torchrun's ranks: the test kills each by its pid
+                self.ready.with_suffix(f".pid{os.environ['RANK']}").write_text(str(os.getpid()))
+            tmp = self.ready.with_suffix(f".tmp{os.getpid()}")  # several ranks write it
             tmp.write_text(str(pipe.latest_step()))
             tmp.rename(self.ready)
             threading.Event().wait()  # until SIGKILL
@@ -128,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--hold-at", nargs=2, default=None)
     options = parser.parse_args(argv)
+    if "RANK" in os.environ:  # one of several ranks (torchrun): a log of its own
+        options.loss_log = options.loss_log.with_suffix(f".rank{os.environ['RANK']}")
     callbacks: list[Any] = [LossLog(options.loss_log)]
     hold = None
     if options.hold_at is not None:
