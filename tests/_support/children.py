@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -19,13 +20,22 @@ from typing import IO, Any
 
 from ckpt_pipeline.testing import CRASH_ENV
 
-__all__ = ("CHILDREN", "REPO", "Stream", "child_env", "child_script", "load_script",
-           "run_child", "spawn_child")
+__all__ = ("CHILDREN", "REPO", "Stream", "child_env", "child_script", "free_port",
+           "load_script", "run_child", "spawn_child")
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout: children run in it, and import ``ckpt_pipeline`` from it."""
 CHILDREN = REPO / "tests" / "children"
 """The scripts that tests run as child processes."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now, for a job's ``MASTER_PORT`` (another process may
+    take it before the job binds it: a small race every launcher of test jobs has)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def child_script(name: str) -> Path:

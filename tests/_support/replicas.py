@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -13,19 +12,12 @@ from typing import Any
 
 import pytest
 
-from tests._support.children import spawn_child
+from tests._support.children import free_port, spawn_child
 
 __all__ = ("DEADLINE_S", "WORKER", "assert_restored", "launch", "step_dir")
 
 WORKER = "replica_worker.py"
 DEADLINE_S = 150.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def launch(phase: str, root: Path, logs: Path, *, world: int = 4, nodes: int = 2,
@@ -35,7 +27,7 @@ def launch(phase: str, root: Path, logs: Path, *, world: int = 4, nodes: int = 2
     """Run one phase on every rank; each must exit with ``codes`` (default 0); return each
     rank's JSON (ranks that wrote none are missing)."""
     logs.mkdir(parents=True, exist_ok=True)
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": str(world)}
     procs: list[subprocess.Popen[bytes]] = []
     try:

@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests._support.children import child_script, load_script, spawn_child
+from tests._support.children import child_script, free_port, load_script, spawn_child
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +46,6 @@ STEP_DIR = f"step-{NEWER:010d}"
 
 # ---------------------------------------------------------------- launching ranks
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Ranks:
     """The processes of one launch: one ``dist_worker.py`` per rank, on a fresh port."""
 
@@ -63,7 +55,7 @@ class Ranks:
         logs.mkdir(parents=True, exist_ok=True)
         self.logs = logs
         self.started = time.monotonic()
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "WORLD_SIZE": str(world_size)}
         args = [scenario, "--phase", ",".join(phases), "--root", str(root),
                 "--coordination-timeout", str(coordination_timeout),

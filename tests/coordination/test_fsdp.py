@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -11,21 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests._support.children import child_script, spawn_child
+from tests._support.children import child_script, free_port, spawn_child
 
 WORKER = child_script("fsdp_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_ranks(script: Path, world: int, *args: object, per_rank: Any = None) -> None:
     """Run ``world`` processes of ``script`` as the ranks of one gloo/NCCL job and wait for
     all; ``per_rank(rank)`` gives a rank's extra arguments."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),

@@ -8,7 +8,6 @@ processes (one per rank, the environment ``torchrun`` would set) for the slow on
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from ckpt_pipeline.integrations.accelerate import (
     NotCheckpointableError,
     save_state,
 )
-from tests._support.children import spawn_child
+from tests._support.children import free_port, spawn_child
 from tests.integrations.accelerate_child import EPOCHS, SAMPLES, SAVE_EVERY, train
 
 pytestmark = pytest.mark.timeout(180)
@@ -75,20 +74,13 @@ def test_registered_object_without_state_dict_is_named_before_anything_is_writte
 
 # ---------------------------------------------------------------- child processes
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _launch(root: Path, logs: Path, losses: Path, world_size: int, *args: object,
             stdin: int | None = None) -> list[subprocess.Popen[bytes]]:
     """One child per rank, as torchrun starts them: rank r writes its output and restored
     step to ``logs/rank-r.*``, and its losses to ``losses/rank-r.losses``."""
     logs.mkdir(parents=True, exist_ok=True)
     losses.mkdir(parents=True, exist_ok=True)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
     processes = []
     for rank in range(world_size):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ pytest.importorskip("lightning")
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.integrations.lightning import PipelineCheckpointIO
-from tests._support.children import spawn_child
+from tests._support.children import free_port, spawn_child
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,13 +33,6 @@ SAVE_EVERY = 4
 LAUNCH_DEADLINE_S = 150.0  # a launch took up to ~45 s on the 2-core VM at load 10
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def _ranks(root: Path, out: Path, name: str, steps: int,
            *extra: object) -> Iterator[list[subprocess.Popen[bytes]]]:
@@ -48,7 +40,7 @@ def _ranks(root: Path, out: Path, name: str, steps: int,
     each rank's output goes to ``out/NAME-rank-R.out``. Ranks still running on the way out are
     killed."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(RANKS), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"}
     processes: list[subprocess.Popen[bytes]] = []
     try:

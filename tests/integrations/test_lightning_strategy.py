@@ -11,7 +11,6 @@ reductions in a fixed order, no dropout, data split by a DistributedSampler with
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -29,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.integrations.lightning import PipelineModelParallelStrategy
-from tests._support.children import spawn_child
+from tests._support.children import free_port, spawn_child
 from tests.integrations.lightning_strategy_child import LossLog, Sharded, make_trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,13 +36,6 @@ pytestmark = pytest.mark.timeout(120)
 CHILD = Path(__file__).with_name("lightning_strategy_child.py")
 LAUNCH_DEADLINE_S = 150.0
 KiB = 1024
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _committed(root: Path, ranks: int = 1) -> list[int]:
@@ -57,7 +49,7 @@ def _committed(root: Path, ranks: int = 1) -> list[int]:
 def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The environment of rank 0 of a job of one, started outside Lightning; the process
     group the strategy creates is destroyed afterwards."""
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                         "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
                         "NODE_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
@@ -221,7 +213,7 @@ def _launch(root: Path, logs: Path, *args: object, steps: int = STEPS
     """The two ranks of a job training to ``steps``, as a launcher outside Lightning starts
     them."""
     logs.mkdir(parents=True, exist_ok=True)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "NODE_RANK": "0", "OMP_NUM_THREADS": "1"}
     return [spawn_child(CHILD, root, logs, "--steps", steps, "--save-every", SAVE_EVERY, *args,
                         stdout=logs / f"rank-{rank}.out", stderr=subprocess.STDOUT,

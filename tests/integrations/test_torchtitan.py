@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from torch import nn
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.integrations.torchtitan import PipelineCheckpointManager
-from tests._support.children import REPO, child_env
+from tests._support.children import REPO, child_env, free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -157,16 +156,9 @@ TINY = ("--dim", "32", "--layers", "2", "--heads", "2", "--vocab-size", "64",
         "--device", "cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _command(ckpt: Path, loss_log: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             str(EXAMPLE), "--ckpt-dir", str(ckpt), "--loss-log", str(loss_log),
             "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *TINY, *extra]
 

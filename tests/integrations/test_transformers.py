@@ -20,6 +20,7 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 import ckpt_pipeline as cp
+from tests._support.children import free_port
 from tests.integrations.transformers_child import (
     MAX_STEPS,
     StopAt,
@@ -128,11 +129,7 @@ def _read_log(path: Path) -> dict[int, str]:
 
 
 def _torchrun(*args: str) -> list[str]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(port), str(CHILD), *args]
 

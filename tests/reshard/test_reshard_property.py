@@ -16,7 +16,6 @@ import json
 import math
 import queue
 import shutil
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,7 +27,7 @@ import pytest
 from hypothesis import given, note, seed, settings
 from hypothesis import strategies as st
 
-from tests._support.children import child_script, spawn_child
+from tests._support.children import child_script, free_port, spawn_child
 
 WORKER = child_script("reshard_property_worker.py")
 POOL = 4
@@ -100,7 +99,7 @@ class RankPool:
 
     def start(self) -> None:
         self.generation += 1
-        port = _free_port()
+        port = free_port()
         self.procs, self.replies = [], []
         for rank in range(POOL):
             env = {"RANK": str(rank), "WORLD_SIZE": str(POOL), "MASTER_ADDR": "127.0.0.1",
@@ -142,12 +141,6 @@ def _read_lines(proc: subprocess.Popen[str], into: queue.Queue[str | None]) -> N
     for line in proc.stdout:
         into.put(line)
     into.put(None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
