@@ -19,7 +19,7 @@ from ..errors import CheckpointIntegrityError, StateError, StorageError
 from ..storage import Storage
 from ..train_state import TrainState
 from .documents import CommitRecord, Manifest, decode_manifest, decode_tree
-from .filesets import FileSet, owned_sets
+from .filesets import FileSet, owned_sets, rank_sets
 from .header import ShardHeader
 from .region import checksum
 from .shard import PREAMBLE_SIZE, decode_header, decode_preamble
@@ -80,6 +80,20 @@ def scan(storage: Storage, rank: int) -> list[StepStatus]:
     out: list[StepStatus] = []
     for step, dir_name in sorted(step_dirs(storage).items(), reverse=True):
         out.append(scan_files(storage, FileSet(rank), step, dir_name))
+    return out
+
+
+def scan_any_copy(storage: Storage, rank: int) -> list[StepStatus]:
+    """``scan`` of ``rank``'s shard as the root holds it in any name, newest first: its own
+    files, else the first valid copy another rank holds of it (by holder); the reason of its
+    own files where none is valid. For a reshard, which reads other ranks' shards from
+    wherever the root has them. Worker thread."""
+    out: list[StepStatus] = []
+    for step, dir_name in sorted(step_dirs(storage).items(), reverse=True):
+        names = {e.name for e in storage.list_dir(dir_name)}
+        found = [scan_files(storage, files, step, dir_name, names)
+                 for files in rank_sets(names, rank)]
+        out.append(next((s for s in found if s.valid), found[0]))
     return out
 
 

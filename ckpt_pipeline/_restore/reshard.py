@@ -1,6 +1,7 @@
 """Restoring a step saved by another number of ranks: each rank reads, from every saved rank's
 shard, only the boxes its live tensors need (planned by ``_reshard``), in a root that holds
-every saved rank's files (one root the ranks share), or in the persistent tier: the saved
+every saved rank's files (one root the ranks share; a saved rank's files count under their own
+names or as a copy replication left in the root), or in the persistent tier: the saved
 ranks' files a root lacks are downloaded from it whole (``TierSource``, through the
 ``TierDownload`` shard source) into ``FETCH_DIR`` of the root while the ranges are read, and
 removed after.
@@ -51,7 +52,7 @@ import torch
 from .._format.documents import TensorRef
 from .._format.header import TensorRecord
 from .._format.limits import CHECKSUM_BLOCK_BYTES, DTYPES
-from .._format.scan import StepStatus, decode_contents, scan
+from .._format.scan import StepStatus, decode_contents, scan_any_copy
 from .._lineage import current_steps, local_timeline
 from .._logging import log
 from .._parallel import run_groups
@@ -165,10 +166,13 @@ def _listing(failures: Mapping[int, str]) -> str:
 def _complete_steps(storage: Storage, saved_world: int) -> dict[int, list[StepStatus]]:
     """{step: every saved rank's valid files of it} for the steps of ``saved_world`` ranks
     whose files are all in ``storage``, of one save, and that no rewind abandoned (as the
-    newest step of a restore at the same world size is picked). Worker thread."""
+    newest step of a restore at the same world size is picked). A saved rank's files are its
+    own, else a copy of them that replication left in the root (node-local roots: a node
+    holds the copies of another node's ranks). Worker thread."""
     by_rank: list[dict[int, StepStatus]] = []
     for r in range(saved_world):
-        valid = {s.step: s for s in scan(storage, r) if s.valid and s.world_size == saved_world}
+        valid = {s.step: s for s in scan_any_copy(storage, r)
+                 if s.valid and s.world_size == saved_world}
         current = current_steps(storage, r, {at: s.dir_name for at, s in valid.items()})
         by_rank.append({at: valid[at] for at in current})
     out: dict[int, list[StepStatus]] = {}
@@ -316,10 +320,11 @@ def _fresh_dir(path: str) -> None:
 
 
 def _local_files(root: Storage, record: StepRecord) -> dict[int, StepStatus]:
-    """The saved ranks whose valid files of ``record``'s save the root holds. Worker thread."""
+    """The saved ranks whose valid files (or a copy of them) of ``record``'s save the root
+    holds. Worker thread."""
     out: dict[int, StepStatus] = {}
     for r in range(record.world_size):
-        for status in scan(root, r):
+        for status in scan_any_copy(root, r):
             if (status.step == record.step and status.valid
                     and status.save_id == record.save_id):
                 out[r] = status

@@ -205,6 +205,9 @@ def main() -> None:
     parser.add_argument("--tier", default="", help="save, restore: a persistent tier's URL")
     parser.add_argument("--own-roots", action="store_true",
                         help="save, restore: each rank its own root, ROOT/rank-R (node-local)")
+    parser.add_argument("--copies", type=int, default=0,
+                        help="save, restore: replication copies, each rank on a node of its "
+                             "own (node-r)")
     args = parser.parse_args()
     cp.enable_logging(logging.WARNING)
     dist.init_process_group("gloo")
@@ -215,6 +218,8 @@ def main() -> None:
     tier: dict[str, Any] = {}
     if args.tier:
         tier["persistent"] = cp.PersistentConfig(args.tier, every=1, takeover=True)
+    if args.copies:
+        tier["replication"] = cp.ReplicationConfig(copies=args.copies, node_name=f"node-{rank}")
     if args.mode == "save":
         model, opt = build(args.kind, seed=0)
         with cp.CheckpointPipeline(args.root, coordination_timeout_s=60, **tier) as pipe:

@@ -182,3 +182,22 @@ def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) ->
     # the saved ranks' own files are untouched: rank 1's root still holds only its own
     assert sorted(p.name for p in (tmp_path / "ckpt" / "rank-1" / "step-0000000002").iterdir()
                   ) == ["rank-00001.commit", "rank-00001.manifest", "rank-00001.shard"]
+
+
+def test_a_node_that_is_lost_reshards_from_the_copies_on_the_node_left(tmp_path: Path) -> None:
+    """Saved on 2 ranks, each on a node of its own with a root of its own and one copy of its
+    shard on the other node (replication). Node 1 and its root are lost; the job restarts on
+    rank 0 alone: its root holds its own shard and the copy of rank 1's, so it reshards 2 -> 1
+    from the root, with no persistent tier, and the copy is left as it was."""
+    import shutil
+
+    _run_ranks(WORKER, 2, "save", "--root", tmp_path / "ckpt", "--own-roots", "--copies", "1")
+    step_dir = tmp_path / "ckpt" / "rank-0" / "step-0000000002"
+    held = sorted(p.name for p in step_dir.iterdir())
+    assert "replica-00001-on-00000.shard" in held, held
+    shutil.rmtree(tmp_path / "ckpt" / "rank-1")  # the node that was lost
+    [r] = _restore(tmp_path, 1, "restore", "--own-roots")
+    assert r.get("step") == 2 and r["resharded_from"] == 2, r
+    assert r["equal"], r["differ"]
+    assert r["next_step_max_diff"] < 1e-6, r
+    assert sorted(p.name for p in step_dir.iterdir()) == held
