@@ -8,7 +8,7 @@ plain values (None, bool, int, float, str, bytes).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = (
     "is_stateful",
     "join_path",
     "materialize",
+    "mesh_shapes",
     "nesting_error",
     "short_path",
     "to_dtensor",
@@ -308,6 +309,20 @@ def find_mesh(live: Mapping[str, Any], mesh_shape: tuple[int, ...]
               ) -> tuple[Any, torch.device] | None:
     """A DeviceMesh of this shape used by a DTensor of the live state, and the device of that
     DTensor's local shard on this rank (None if there is none)."""
+    for obj in _dtensors(live):
+        if tuple(obj.device_mesh.shape) == mesh_shape:
+            return obj.device_mesh, obj.to_local().device
+    return None
+
+
+def mesh_shapes(live: Mapping[str, Any]) -> set[tuple[int, ...]]:
+    """The shapes of the DeviceMeshes the live state's DTensors are on."""
+    return {tuple(obj.device_mesh.shape) for obj in _dtensors(live)}
+
+
+def _dtensors(live: Mapping[str, Any]) -> Iterator[Any]:
+    """The DTensors of a live state: its values, modules' parameters, optimizers' params,
+    nested in mappings, lists and tuples; each once."""
     stack: list[Any] = list(live.values())
     seen: set[int] = set()
     while stack:
@@ -316,8 +331,7 @@ def find_mesh(live: Mapping[str, Any], mesh_shape: tuple[int, ...]
             continue
         seen.add(id(obj))
         if is_dtensor(obj):
-            if tuple(obj.device_mesh.shape) == mesh_shape:
-                return obj.device_mesh, obj.to_local().device
+            yield obj
         elif isinstance(obj, torch.nn.Module):
             stack.extend(obj.parameters())
         elif isinstance(obj, torch.optim.Optimizer):
@@ -326,7 +340,6 @@ def find_mesh(live: Mapping[str, Any], mesh_shape: tuple[int, ...]
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
-    return None
 
 
 def to_dtensor(local: torch.Tensor, layout: DistLayout, mesh: Any,

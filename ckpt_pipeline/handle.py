@@ -27,8 +27,10 @@ class Reshard:
     differs between the saved ranks (a data loader's position, ``TrainState.extra``, the
     sample counts) has no such map: the restore refuses it, on every rank and before anything
     is applied, unless ``exclude`` names its top-level entry or ``per_rank`` says what each
-    rank restores. A restore onto the same number of ranks with another mesh maps rank to rank
-    (each rank restores its own saved values and RNG states) and needs none of this.
+    rank restores. A restore onto the same number of ranks, on meshes of the saved shapes with
+    other placements, maps rank to rank (each rank restores its own saved values and RNG
+    states) and needs none of this; on a mesh of another shape it needs it as on another
+    number of ranks (a rank's place in the data-parallel dimension may have changed).
     """
 
     rng: Literal["live", "rank0"] = "live"

@@ -35,7 +35,7 @@ from ..storage import Storage
 from .agreement import Agreement, WorldSizeChanged
 from .agreement import listing as _listing
 from .apply import apply_state
-from .reshard import TierSource, reshard_latest
+from .reshard import PeerSource, TierSource, reshard_latest
 from .rewind import TimelineView
 from .rollback import AppliedState
 from .sourcing import Loaded, Sourcing
@@ -102,7 +102,7 @@ class Recovery:
                 keep_missing=self.sourcing.keep_missing,
                 in_flight=self.config.reshard_bytes_in_flight,
                 threads=self.config.io_threads, choices=choices, rng=rng,
-                tier=self._tier_source())
+                tier=self._tier_source(), peers=self._peer_source())
 
         async def load(at: int, save_id: str
                        ) -> tuple[Loaded | None, CheckpointError | None, dict[str, Any]]:
@@ -125,7 +125,7 @@ class Recovery:
                 keep_missing=self.sourcing.keep_missing,
                 in_flight=self.config.reshard_bytes_in_flight,
                 threads=self.config.io_threads, choices=choices, rng=rng,
-                tier=self._tier_source())
+                tier=self._tier_source(), peers=self._peer_source())
         if found is None:
             return None
         loaded, extras, failed = found
@@ -147,6 +147,14 @@ class Recovery:
                      hint="saved entries the live state lacks are not restored; with "
                           "missing='keep' the live state's new entries keep their values")
         return loaded
+
+    def _peer_source(self) -> PeerSource | None:
+        """The live ranks' roots as a reshard's source, through replication's copy servers
+        (None in a single process, or without the opening's peers)."""
+        replication = self.replication
+        if replication is None or self.coordinator.world_size == 1:
+            return None
+        return PeerSource(replication.fetch_saved, serves=replication.server is not None)
 
     def _tier_source(self) -> TierSource | None:
         """The persistent tier as a reshard's source, with the steps the agreement listed
@@ -227,12 +235,13 @@ class Recovery:
     async def _clear_lacking_copies(self, loaded: Loaded, limiter: anyio.CapacityLimiter
                                     ) -> dict[int, tuple[int, ...]]:
         """{holder: sources} of the restored step's copies that their holders lack (see
-        ``Replication.copies_lacking``; the same on every rank). Before the barrier, so that
-        no copy is sent before its holder is ready: this rank, as a holder, moves aside what
-        it has of a copy it lacks a valid one of (a corrupt copy would block the new one's
-        names)."""
-        if self.replication is None:
-            return {}
+        ``Replication.copies_lacking``; the same on every rank; none for a step resharded
+        from another layout, whose copies stay as that job placed them). Before the barrier,
+        so that no copy is sent before its holder is ready: this rank, as a holder, moves
+        aside what it has of a copy it lacks a valid one of (a corrupt copy would block the
+        new one's names)."""
+        if self.replication is None or loaded.resharded_from is not None:
+            return {}  # a resharded step's copies are placed for the world that saved it
         lacking = self.replication.copies_lacking(loaded.step, loaded.held_copies or {})
         mine = [FileSet(src, self.rank) for src in lacking.get(self.rank, ())]
         if not mine:

@@ -1,16 +1,19 @@
 """Restoring a step saved by another number of ranks: each rank reads, from every saved rank's
 shard, only the boxes its live tensors need (planned by ``_reshard``), in a root that holds
 every saved rank's files (one root the ranks share; a saved rank's files count under their own
-names or as a copy replication left in the root), or in the persistent tier: the saved
-ranks' files a root lacks are downloaded from it whole (``TierSource``, through the
-``TierDownload`` shard source) into ``FETCH_DIR`` of the root while the ranges are read, and
-removed after.
+names or as a copy replication left in the root). Node-local roots: the saved ranks' files a
+root lacks are fetched whole from the live ranks whose roots hold them (``PeerSource``, through
+replication's copy servers), when the live roots hold the step whole between them; else
+downloaded whole from the persistent tier (``TierSource``, through the ``TierDownload`` shard
+source) while the ranges are read. Either way into ``FETCH_DIR`` of the root, removed after.
 
 - **Which step.** Every live rank scans the saved ranks' files of each step (headers only) and
-  keeps the steps complete for all of them, of one save, that no rewind abandoned, and adds the
-  persistent tier's complete steps of that world size that its root does not hold whole; the saves
-  after the restore go on in the newest timeline the root names. The ranks agree on the newest step
-  all of them found, and fall back together to the next when any rank's load fails.
+  keeps the steps complete for all of them, of one save, that no rewind abandoned, adds the
+  steps the live roots hold whole between them (each rank tells which saved ranks' files it
+  holds) and the persistent tier's complete steps of that world size that its root does not
+  hold whole; the saves after the restore go on in the newest timeline the root names. The
+  ranks agree on the newest step all of them found, and fall back together to the next when
+  any rank's load fails.
 - **Tensors.** Each saved tensor's live counterpart says what this rank needs: a live DTensor
   its own box (its mesh, placements and global shape may differ from the saved ones), a plain
   tensor the whole tensor. An optimizer's moments take the layout of their parameter when the
@@ -27,8 +30,11 @@ removed after.
   ``Reshard.per_rank`` says what each rank restores. The RNG states are per rank: by default
   they are not restored (the live ones stay); ``Reshard(rng="rank0")`` restores rank 0's on
   every rank.
-- **A mesh change at the same world size** (``LayoutChanged``) maps rank to rank: each rank
-  takes its own saved plain values, plain tensors and RNG states, and reshards the DTensors.
+- **A placement change at the same world size** (``LayoutChanged``, on meshes of the saved
+  shapes) maps rank to rank: each rank takes its own saved plain values, plain tensors and RNG
+  states, and reshards the DTensors. A mesh of another shape on as many ranks may move a rank
+  in the data-parallel dimension: its per-rank values are handled as on another world size
+  (``_same_roles``).
 - **Refused before anything is applied.** A layout that cannot be resharded (a gap, a global
   shape that differs) is a ``ReshardError`` on the rank that finds it, and every rank raises;
   the live state is checked (``validate_state``) before the apply, as in every restore.
@@ -42,7 +48,7 @@ import functools
 import os
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -50,9 +56,11 @@ import anyio
 import torch
 
 from .._format.documents import TensorRef
+from .._format.filesets import FileSet
 from .._format.header import TensorRecord
 from .._format.limits import CHECKSUM_BLOCK_BYTES, DTYPES
-from .._format.scan import StepStatus, decode_contents, scan_any_copy
+from .._format.names import step_dir_name
+from .._format.scan import StepStatus, decode_contents, scan_any_copy, scan_files
 from .._lineage import current_steps, local_timeline
 from .._logging import log
 from .._parallel import run_groups
@@ -65,10 +73,16 @@ from .._tiers.persistent.layout import StepRecord
 from .._tiers.persistent.remote import Remote
 from .._tiers.persistent.source import TierDownload
 from .._tiers.persistent.stream import ShardStream
-from .._tree import is_dtensor, is_stateful, join_path
+from .._tree import is_dtensor, is_stateful, join_path, mesh_shapes
 from ..coordination import Coordinator
 from ..coordination._agree import agree_outcome, gather_shared
-from ..errors import CheckpointError, ConfigError, RestoreError, StateError
+from ..errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    ConfigError,
+    RestoreError,
+    StateError,
+)
 from ..handle import Reshard
 from ..storage import LocalStorage, Storage
 from ..train_state import TrainState
@@ -76,7 +90,7 @@ from .backups import BackupCopies
 from .sourcing import Loaded, prefetch_backup
 from .validate import validate_state
 
-__all__ = ("FETCH_DIR", "TierSource", "reshard_latest")
+__all__ = ("FETCH_DIR", "FetchSaved", "PeerSource", "TierSource", "reshard_latest")
 
 _log = log
 
@@ -85,36 +99,47 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
                          limiter: anyio.CapacityLimiter, *, saved_world: int,
                          step: int | None, started: float, keep_missing: bool,
                          in_flight: int, threads: int, choices: Reshard, rng: bool,
-                         tier: TierSource | None = None) -> Loaded:
+                         tier: TierSource | None = None,
+                         peers: PeerSource | None = None) -> Loaded:
     """The newest step saved by ``saved_world`` ranks that every rank can reshard, read for
     this rank and checked against ``state`` (see the module docstring). RestoreError when
     there is none; the ReshardError or StateError of a step that cannot be resharded.
     ``tier``: the persistent tier's complete steps, read where the root lacks a saved rank's
-    files."""
+    files. ``peers``: fetches a saved rank's shard from the live rank whose root holds it
+    (replication's copy servers), for a step that no root holds whole but all of them
+    together do."""
     rank, world = coordinator.rank, coordinator.world_size
     unknown = [name for name in choices.exclude if name not in state]
     if unknown:
         raise ConfigError(f"Reshard(exclude=...) names {unknown}, which the state does not "
                           f"have (its entries: {sorted(map(str, state))})", rank=rank,
                           hint="exclude top-level entries of the state passed to the restore")
-    found = await in_thread(limiter, _complete_steps, storage, saved_world)
+    held = await in_thread(limiter, _held_steps, storage, saved_world)
+    found = _complete(held, saved_world)
     in_tier = {} if tier is None else tier.steps(saved_world, exclude=found)
     mine = sorted({(s, statuses[0].save_id or "") for s, statuses in found.items()
                    if step is None or s == step}
                   | {(s, record.save_id) for s, record in in_tier.items()
                      if step is None or s == step}, reverse=True)
-    answers = await gather_shared(coordinator, [list(c) for c in mine],
-                                  what="reshard candidates")
+    holding = [[s, i, sorted(ranks)] for (s, i), ranks in held.items()
+               if step is None or s == step]
+    answers = await gather_shared(coordinator, {
+        "whole": [list(c) for c in mine], "held": holding, "fetch": peers is not None,
+        "serves": peers is not None and peers.serves}, what="reshard candidates")
     common = set(mine)
     for answer in answers:
-        common &= {(int(s), str(i)) for s, i in (answer or [])}
+        common &= {(int(s), str(i)) for s, i in (answer or {}).get("whole", [])}
+    coverable, fetched = _spread(answers, saved_world, rank)
+    common |= coverable
     if not common:
         raise RestoreError(
             f"no step saved by {saved_world} rank(s) is complete in {storage.root} for every "
             f"rank of this job ({world})" + ("" if tier is None else " nor in the persistent "
                                              f"tier {tier.url}")
             + ": resharding reads every saved rank's files"
-            + ("" if step is None else f" (asked for step {step})"), step=step, rank=rank,
+            + ("" if step is None else f" (asked for step {step})")
+            + ("" if peers is None else ", and the live ranks' roots do not hold every saved "
+               "rank's files of one step between them"), step=step, rank=rank,
             path=str(storage.root),
             hint=f"restore with {saved_world} ranks, or gather every rank's files of the step "
                  "into one root that every rank reads, or configure the persistent tier that "
@@ -126,9 +151,15 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
         reading = _Reading(rank, world, started, keep_missing, in_flight, threads, choices,
                            rng)
         try:
-            if at in found:
+            if at in found and (found[at][0].save_id or "") == save_id:
                 loaded = await _load([(storage, s) for s in found[at]], state, limiter,
                                      reading, storage)
+            elif (at, save_id) in fetched:
+                assert peers is not None
+                loaded = await _load_from_peers(peers.fetch, at, save_id,
+                                                fetched[at, save_id],
+                                                held.get((at, save_id), {}), storage,
+                                                saved_world, state, limiter, reading)
             else:
                 assert tier is not None
                 loaded = await _load_from_tier(tier, in_tier[at], storage, state, limiter,
@@ -163,24 +194,67 @@ def _listing(failures: Mapping[int, str]) -> str:
     return "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
 
 
-def _complete_steps(storage: Storage, saved_world: int) -> dict[int, list[StepStatus]]:
-    """{step: every saved rank's valid files of it} for the steps of ``saved_world`` ranks
-    whose files are all in ``storage``, of one save, and that no rewind abandoned (as the
-    newest step of a restore at the same world size is picked). A saved rank's files are its
-    own, else a copy of them that replication left in the root (node-local roots: a node
-    holds the copies of another node's ranks). Worker thread."""
-    by_rank: list[dict[int, StepStatus]] = []
+def _held_steps(storage: Storage, saved_world: int
+                ) -> dict[tuple[int, str], dict[int, StepStatus]]:
+    """{(step, save id): {saved rank: its valid files}} of the steps of ``saved_world``
+    ranks that no rewind abandoned (as the newest step of a restore at the same world size is
+    picked), whole or not. A saved rank's files are its own, else a copy of them that
+    replication left in the root (node-local roots: a node holds the copies of another
+    node's ranks). Worker thread."""
+    out: dict[tuple[int, str], dict[int, StepStatus]] = {}
     for r in range(saved_world):
         valid = {s.step: s for s in scan_any_copy(storage, r)
                  if s.valid and s.world_size == saved_world}
-        current = current_steps(storage, r, {at: s.dir_name for at, s in valid.items()})
-        by_rank.append({at: valid[at] for at in current})
-    out: dict[int, list[StepStatus]] = {}
-    for at in set.intersection(*(set(d) for d in by_rank)):
-        statuses = [d[at] for d in by_rank]
-        if len({s.save_id for s in statuses}) == 1:
-            out[at] = statuses
+        for at in current_steps(storage, r, {at: s.dir_name for at, s in valid.items()}):
+            out.setdefault((at, valid[at].save_id or ""), {})[r] = valid[at]
     return out
+
+
+def _complete(held: Mapping[tuple[int, str], Mapping[int, StepStatus]], saved_world: int
+              ) -> dict[int, list[StepStatus]]:
+    """{step: every saved rank's files, in rank order} of the steps ``held`` whole, of one
+    save."""
+    return {at: [ranks[r] for r in range(saved_world)]
+            for (at, _), ranks in sorted(held.items())
+            if len(ranks) == saved_world}
+
+
+def _spread(answers: Sequence[Any], saved_world: int, rank: int
+             ) -> tuple[set[tuple[int, str]], dict[tuple[int, str], dict[int, tuple[int, ...]]]]:
+    """The (step, save id) that the live ranks' roots hold whole between them, when every
+    rank can fetch (the candidates' ``answers``; the same on every rank); and for each, what
+    this rank lacks: {saved rank: live ranks to fetch it from, the first to try first}. The
+    live ranks holding a saved rank take the fetches in turn (by the fetching rank), so that
+    no one of them serves every rank; a rank that runs no copy server holds only for
+    itself."""
+    holders: dict[tuple[int, str], dict[int, list[int]]] = {}
+    for live, answer in enumerate(answers):
+        answer = answer or {}
+        if not answer.get("fetch"):
+            return set(), {}  # a rank that cannot fetch: no step is had this way
+        if live != rank and not answer.get("serves"):
+            continue  # its root cannot be fetched from
+        for s, i, ranks in answer.get("held", []):
+            for r in ranks:
+                holders.setdefault((int(s), str(i)), {}).setdefault(int(r), []).append(live)
+    own = {(int(s), str(i)): {int(r) for r in ranks}
+           for s, i, ranks in (answers[rank] or {}).get("held", [])}
+    coverable: set[tuple[int, str]] = set()
+    out: dict[tuple[int, str], dict[int, tuple[int, ...]]] = {}
+    for key, by_saved in holders.items():
+        if len(by_saved) != saved_world:
+            continue  # not whole even between all the roots
+        coverable.add(key)
+        lacking = {}
+        for r, lives in by_saved.items():
+            if r in own.get(key, set()):
+                continue
+            others = sorted(live for live in lives if live != rank)
+            start = rank % len(others)
+            lacking[r] = tuple(others[start:] + others[:start])
+        if lacking:
+            out[key] = lacking
+    return coverable, out
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +388,78 @@ async def _load_from_tier(tier: TierSource, record: StepRecord, root: Storage,
             await in_thread(limiter, shutil.rmtree, fetch_dir, True)
 
 
+FetchSaved = Callable[[int, int, str, int, int, Storage], tuple[int, float]]
+"""``fetch(holder, step, save_id, source, saved_world, into) -> (bytes, seconds)``:
+``Replication.fetch_saved`` (worker thread)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSource:
+    """The live ranks' roots as the source of a reshard, through replication's copy
+    servers: ``fetch`` a saved rank's shard from a live rank; ``serves``: whether this rank
+    runs a copy server (only then do the others fetch from it)."""
+
+    fetch: FetchSaved
+    serves: bool
+
+
+async def _load_from_peers(fetch: FetchSaved, step: int, save_id: str,
+                           lacking: Mapping[int, tuple[int, ...]],
+                           local: Mapping[int, StepStatus], root: Storage, saved_world: int,
+                           state: Mapping[str, Any], limiter: anyio.CapacityLimiter,
+                           reading: _Reading) -> Loaded:
+    """A step that this rank's root does not hold whole, but the live ranks' roots do between
+    them: each saved rank's shard the root lacks (``lacking``: {saved rank: live ranks that
+    hold it}) is fetched whole from a live rank's copy server (its own files there, or a
+    copy), checked as a fetched copy is, into ``FETCH_DIR`` of the root, read, and removed
+    after: the step stays where it was."""
+    fetch_dir = os.path.join(str(root.root), FETCH_DIR)
+    await in_thread(limiter, _fresh_dir, fetch_dir)
+    into = LocalStorage(fetch_dir)
+    try:
+        statuses: dict[int, StepStatus] = dict(local)
+        _log.info("ckpt.recovery.reshard_fetching", step=step, rank=reading.rank,
+                  saved_ranks=sorted(lacking), holders={str(r): list(h)
+                                                        for r, h in sorted(lacking.items())},
+                  hint="this root lacks these saved ranks' files: they are fetched whole from "
+                       "the live ranks whose roots hold them, then the ranges needed are read")
+        errors: dict[int, str] = {}
+
+        async def one(source: int, holders: tuple[int, ...]) -> None:
+            for holder in holders:
+                try:
+                    size, seconds = await in_thread(limiter, fetch, holder, step, save_id,
+                                                    source, saved_world, into)
+                    status = await in_thread(limiter, scan_files, into, FileSet(source), step,
+                                             step_dir_name(step))
+                except CheckpointError as exc:
+                    errors[source] = f"from rank {holder}: {exc.message}"
+                    continue
+                if not status.valid:
+                    errors[source] = f"from rank {holder}: {status.reason}"
+                    continue
+                _log.info("ckpt.recovery.reshard_fetched", step=step, rank=reading.rank,
+                          source=source, peer=holder, bytes=size, seconds=round(seconds, 3))
+                statuses[source] = status
+                errors.pop(source, None)
+                return
+
+        async with anyio.create_task_group() as group:
+            for source, holders in sorted(lacking.items()):
+                group.start_soon(one, source, holders)
+        if errors:
+            raise CheckpointIntegrityError(
+                "saved rank(s) " + "; ".join(f"{r} ({e})" for r, e in sorted(errors.items()))
+                + " could not be fetched for the reshard", step=step, rank=reading.rank,
+                path=str(root.root))
+        sources = [(root if r in local else into, statuses[r]) for r in range(saved_world)]
+        timeline = max((s.lineage.timeline for s in statuses.values() if s.lineage), default=0)
+        return await _load(sources, state, limiter, reading, root, timeline=timeline)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await in_thread(limiter, shutil.rmtree, fetch_dir, True)
+
+
 def _fresh_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)  # what an interrupted reshard left
     os.makedirs(path, exist_ok=True)
@@ -345,8 +491,9 @@ def _plan(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any
     statuses = [status for _, status in sources]
     contents = [decode_contents(s, r) for r, s in enumerate(statuses)]
     step = statuses[0].step
-    own = rank if len(statuses) == reading.world else None  # a mesh change: rank to rank
     excluded = tuple(choices.exclude)  # every one a key of the live state (reshard_latest)
+    live = {k: v for k, v in state.items() if k not in choices.exclude}
+    own = rank if _same_roles(statuses, live, reading.world) else None
     trees = [{k: v for k, v in tree.items() if k not in choices.exclude}
              for tree, _ in contents]
     if own is None:
@@ -389,6 +536,22 @@ def _refs(node: Any) -> set[int]:
     if isinstance(node, (list, tuple)):
         return set().union(*map(_refs, node)) if node else set()
     return set()
+
+
+def _same_roles(statuses: Sequence[StepStatus], live: Mapping[str, Any], world: int) -> bool:
+    """Whether each live rank plays the part of the saved rank of its number, so that it may
+    restore that rank's per-rank values and RNG states: the same number of ranks, and the
+    live DTensors on meshes of the shapes the saved ones were on. A mesh of another shape at
+    the same world size (FSDP over 4 ranks to FSDP 2 x TP 2) changes the data-parallel
+    degree or a rank's place in it, and a loader position saved by rank 1 would then feed
+    another slice of the data: those values are handled as on another world size. The mesh
+    dimensions' names are not saved, so any change of shape counts. No DTensor at all (DDP,
+    plain tensors) counts as a 1-D mesh of the world: every rank a data-parallel rank."""
+    if len(statuses) != world:
+        return False
+    saved = {record.dist.mesh_shape for status in statuses if status.header is not None
+             for record in status.header.tensors if record.dist is not None}
+    return (saved or {(world,)}) == (mesh_shapes(live) or {(world,)})
 
 
 def _per_rank_values(trees: Sequence[Any], train_states: Sequence[TrainState],

@@ -20,9 +20,10 @@ data region, with each tensor's byte range there and the checksum block.
 
 ``values-save`` / ``values-restore``: per-rank plain values (a loader position, TrainState
 counts and extra) and per-rank RNG streams beside a DTensor, restored onto another world size
-with ``--choice``: ``none`` (refused), ``exclude`` (the loader kept, the TrainState values
-mapped by a hook, rank 0's RNG streams), ``hook`` (everything mapped by a hook, the live RNG
-streams kept).
+(or the same one on a mesh of another shape, ``--mesh 2x2``, or on the saved mesh with another
+placement, ``--live S1``) with ``--choice``: ``none`` (refused), ``exclude`` (the loader kept,
+the TrainState values mapped by a hook, rank 0's RNG streams), ``hook`` (everything mapped by
+a hook, the live RNG streams kept).
 """
 
 from __future__ import annotations
@@ -128,17 +129,19 @@ def mesh_state(mesh_shape: tuple[int, ...], live: dict[str, str] | None,
 VOLUME = {"rows": (4099, 1024), "rep": (1500, 1024)}  # rows: uneven over 4 and 2 ranks
 
 
-def volume_state(live: str | None) -> dict[str, Any]:
+def volume_state(live: str | None, mesh_shape: tuple[int, ...] = ()) -> dict[str, Any]:
     """VOLUME's tensors: their saved values (rows Shard(0), rep Replicate), or zeros with
-    rows placed as ``live`` says."""
+    rows placed as ``live`` says; on a 1-D mesh of the world, or of ``mesh_shape`` (rows
+    placed as ``live`` on its first dimension, replicated on the others)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", mesh_shape or (dist.get_world_size(),))
+    rest = ",R" * (len(mesh_shape) - 1) if mesh_shape else ""
     out = {}
     for name, shape in VOLUME.items():
         value = torch.arange(float(np.prod(shape))).reshape(shape) + len(name)
-        spec = "R" if name == "rep" else (live or "S0")
+        spec = ("R" if name == "rep" else (live or "S0")) + rest
         out[name] = distribute_tensor(value if live is None else torch.zeros(shape), mesh,
                                       placements(spec))
     return out
@@ -288,7 +291,9 @@ def main() -> None:
         torch.manual_seed(7 + rank)
         live_draw = torch.rand(4)
         torch.manual_seed(7 + rank)
-        live = {"t": volume_state("S0"), "loader": {"position": -1, "epoch": -1}}
+        mesh = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else ()
+        live = {"t": volume_state(args.live or "S0", mesh),
+                "loader": {"position": -1, "epoch": -1}}
         calls: list[str] = []
 
         def per_rank(path: str, values: tuple[Any, ...]) -> Any:

@@ -446,6 +446,33 @@ def test_fetch_of_a_copy_not_committed_is_refused(source: Source, holder: Holder
     assert [p.name for p in new_root.rglob("*")] == []
 
 
+@pytest.mark.timeout(60)
+def test_a_reshards_fetch_gets_a_saved_ranks_own_files_which_a_restores_fetch_does_not(
+        source: Source, holder: Holder, tmp_path: Path) -> None:
+    """The holder's root has saved rank 0's shard under its own names (no copy of it): a
+    reshard's fetch (``any_name``) gets it, checked and published under rank 0's names; the
+    fetch of a same-size restore asks for the copy held for rank 0 only, and is refused."""
+    step_dir = holder.root / STEP_DIR
+    step_dir.mkdir()
+    for kind in ("shard", "manifest", "commit"):
+        (step_dir / f"rank-00000.{kind}").write_bytes(
+            (source.root / STEP_DIR / f"rank-00000.{kind}").read_bytes())
+    new_root = tmp_path / "new"
+    new_root.mkdir()
+    with pytest.raises(CheckpointIntegrityError, match="holds no valid copy"):
+        fetch_shard(LocalStorage(new_root), holder.peer, token=TOKEN, step=STEP,
+                    save_id=source.save_id, rank=0, world_size=1, timeout_s=5)
+    size, _seconds = fetch_shard(LocalStorage(new_root), holder.peer, token=TOKEN, step=STEP,
+                                 save_id=source.save_id, rank=0, world_size=1, timeout_s=5,
+                                 any_name=True)
+    assert size == len(source.shard)
+    assert (new_root / STEP_DIR / "rank-00000.shard").read_bytes() == source.shard
+    with pytest.raises(CheckpointIntegrityError, match="holds no valid copy"):
+        fetch_shard(LocalStorage(tmp_path / "other"), holder.peer, token=TOKEN, step=STEP,
+                    save_id="not-this-save", rank=0, world_size=1, timeout_s=5,
+                    any_name=True)
+
+
 # ---------------------------------------------------------------------------- scrubbing
 
 

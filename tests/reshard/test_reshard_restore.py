@@ -161,14 +161,42 @@ def test_per_rank_values_are_refused_unless_excluded_or_mapped(tmp_path: Path) -
         assert "loader/position" in r["calls"] and r["live_stream"] and not r["rank0_stream"]
 
 
+def test_a_mesh_of_another_shape_on_as_many_ranks_asks_for_a_choice_on_per_rank_values(
+        tmp_path: Path) -> None:
+    """Saved on 4 ranks on a 1-D mesh; restored on 4 ranks on a 2x2 mesh, where a rank's
+    place in the data-parallel dimension changed: the per-rank loader positions are refused
+    as on another world size (the live state untouched), and a hook maps them. Restored on
+    the saved mesh shape with another placement, each rank keeps its own saved values."""
+    _run_ranks(WORKER, 4, "values-save", "--root", tmp_path / "ckpt")
+    for r in _restore(tmp_path, 4, "values-restore", "--mesh", "2x2", "--choice", "none"):
+        assert r.get("type") == "ReshardError" and "loader/position" in r["error"], r
+        assert r["untouched"] and r["loader"] == {"position": -1, "epoch": -1}, r
+    for r in _restore(tmp_path, 4, "values-restore", "--mesh", "2x2", "--choice", "hook"):
+        assert "error" not in r, r
+        assert r["rows_equal"] and r["loader"] == {"position": 0 + 10 + 20 + 30, "epoch": 1}
+    same = _restore(tmp_path, 4, "values-restore", "--live", "S1", "--choice", "none")
+    for rank, r in enumerate(same):
+        assert "error" not in r, r
+        assert r["rows_equal"] and r["loader"] == {"position": 10 * rank, "epoch": 1}, r
+        assert r["consumed"] == 5 * (rank + 1) and r["extra"] == {"seen": rank, "lr": 0.5}
+
+
 def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) -> None:
     """Saved on 2 ranks, each into a root of its own (node-local disks) and promoted to a
     persistent tier (a directory); restored on 3 ranks whose roots are the saved ones and one
-    new one. Without the tier no root holds every saved rank's files: refused on every rank,
-    saying what to do. With it, each rank downloads the saved ranks' files its root lacks
-    (ranks 0 and 1 read their own from their root) and reshards; nothing downloaded stays."""
+    new one. With both saved roots there, the live roots hold the step between them: ranks 0
+    and 1 serve their own files and every rank fetches what it lacks from them. With rank 1's
+    root lost, no root holds its files: refused on every rank without the tier, saying what
+    to do; with it, each rank downloads the saved ranks' files its root lacks and reshards.
+    Nothing fetched or downloaded stays."""
+    import shutil
+
     tier = tmp_path / "tier"
     _run_ranks(WORKER, 2, "save", "--root", tmp_path / "ckpt", "--own-roots", "--tier", tier)
+    for r in _restore(tmp_path, 3, "restore", "--own-roots"):
+        assert r.get("step") == 2 and r["resharded_from"] == 2, r
+        assert r["equal"], r["differ"]
+    shutil.rmtree(tmp_path / "ckpt" / "rank-1")  # a node lost, with its root
     for r in _restore(tmp_path, 3, "restore", "--own-roots"):
         assert r.get("type") == "RestoreError", r
         assert "no step saved by 2 rank(s) is complete" in r["error"], r
@@ -179,9 +207,9 @@ def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) ->
         assert r["next_step_max_diff"] < 1e-6, r
     for rank in range(3):
         assert not (tmp_path / "ckpt" / f"rank-{rank}" / FETCH_DIR).exists()
-    # the saved ranks' own files are untouched: rank 1's root still holds only its own
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "rank-1" / "step-0000000002").iterdir()
-                  ) == ["rank-00001.commit", "rank-00001.manifest", "rank-00001.shard"]
+    # the saved rank's own files are untouched: rank 0's root still holds only its own
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "rank-0" / "step-0000000002").iterdir()
+                  ) == ["rank-00000.commit", "rank-00000.manifest", "rank-00000.shard"]
 
 
 def test_a_node_that_is_lost_reshards_from_the_copies_on_the_node_left(tmp_path: Path) -> None:
@@ -201,3 +229,28 @@ def test_a_node_that_is_lost_reshards_from_the_copies_on_the_node_left(tmp_path:
     assert r["equal"], r["differ"]
     assert r["next_step_max_diff"] < 1e-6, r
     assert sorted(p.name for p in step_dir.iterdir()) == held
+
+
+def test_node_local_roots_reshard_from_the_copies_on_the_other_nodes(tmp_path: Path) -> None:
+    """Saved on 4 ranks, each on a node of its own with a root of its own and 2 copies of its
+    shard on the next nodes (rank r's on r+1 and r+2). Nodes 2 and 3 are lost; the job
+    restarts on 2 ranks: neither root holds every saved rank's shard (rank 0's lacks rank 1's,
+    rank 1's lacks rank 2's), both together do. Each rank fetches what it lacks from the
+    other's copy server (rank 1's own files; the copy on rank 0), reshards 4 -> 2, and
+    removes what it fetched: the roots are left as they were."""
+    import shutil
+
+    _run_ranks(WORKER, 4, "save", "--root", tmp_path / "ckpt", "--own-roots", "--copies", "2")
+    roots = [tmp_path / "ckpt" / f"rank-{r}" / "step-0000000002" for r in range(2)]
+    before = [sorted(p.name for p in root.iterdir()) for root in roots]
+    assert "replica-00001-on-00000.shard" not in before[0], before
+    assert "replica-00002-on-00001.shard" not in before[1], before
+    for lost in (2, 3):
+        shutil.rmtree(tmp_path / "ckpt" / f"rank-{lost}")
+    for r in _restore(tmp_path, 2, "restore", "--own-roots", "--copies", "1"):
+        assert r.get("step") == 2 and r["resharded_from"] == 4, r
+        assert r["equal"], r["differ"]
+        assert r["next_step_max_diff"] < 1e-6, r
+    assert [sorted(p.name for p in root.iterdir()) for root in roots] == before
+    for rank in range(2):
+        assert not (tmp_path / "ckpt" / f"rank-{rank}" / FETCH_DIR).exists()

@@ -5,7 +5,8 @@ Every pipeline has one (``replicas=0`` too): the lifecycle's opening agreement (
 with the run id) always exchanges each rank's node name and copy-server address, so that any
 rank can fetch a copy at restore; ``start`` takes what it agreed. A rank runs
 a copy server when the job asks for copies (``replicas > 0``) or when its root holds copies of
-other ranks' shards (they may be needed at restore); a single process never does.
+other ranks' shards or its own files of a step saved by another number of ranks (they may be
+needed at restore: a reshard reads every saved rank's shard); a single process never does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import anyio
 
 from ..._config_groups import ReplicationConfig
 from ..._format.documents import CommitRecord, encode_commit
-from ..._format.scan import scan_replicas
+from ..._format.scan import scan, scan_replicas
 from ..._format.timeline import Lineage
 from ..._logging import log
 from ..._threads import in_thread
@@ -60,8 +61,8 @@ class Replication:
         server)."""
         config = self.config
         serve = self.world_size > 1 and (
-            config.copies > 0 or bool(await in_thread(limiter, scan_replicas, self.storage,
-                                                        self.rank)))
+            config.copies > 0 or await in_thread(limiter, _holds_for_others, self.storage,
+                                                 self.rank, self.world_size))
         if serve:
             bind, advertise = local_addresses(config.host)
             self.server = CopyServer(self.storage, self.rank, bind_host=bind,
@@ -190,6 +191,29 @@ class Replication:
                            save_id=save_id, rank=self.rank,
                            world_size=self.world_size,
                            timeout_s=self.config.timeout_s)
+
+
+    def fetch_saved(self, holder: int, step: int, save_id: str, source: int,
+                    saved_world: int, into: Storage) -> tuple[int, float]:
+        """Fetch saved rank ``source``'s shard of ``step`` (saved by ``saved_world`` ranks)
+        from ``holder``, whose root holds it as its own files or as a copy, into ``into``
+        under ``source``'s names: a reshard's download (worker thread)."""
+        peer = self.peers.get(holder)
+        if peer is None or self.opening is None:
+            raise CheckpointError(f"rank {holder} holds rank {source}'s shard but runs no "
+                                  "copy server", step=step, rank=self.rank)
+        return fetch_shard(into, peer, token=self.opening.token, step=step, save_id=save_id,
+                           rank=source, world_size=saved_world,
+                           timeout_s=self.config.timeout_s, any_name=True)
+
+
+def _holds_for_others(storage: Storage, rank: int, world_size: int) -> bool:
+    """Whether this root holds what other ranks may fetch at restore: copies of their shards,
+    or this rank's own files of a step saved by another number of ranks (a reshard reads
+    every saved rank's shard, on whichever live rank's root it is). Worker thread."""
+    if scan_replicas(storage, rank):
+        return True
+    return any(s.valid and s.world_size != world_size for s in scan(storage, rank))
 
 
 def local_addresses(configured: str | None) -> tuple[str, str]:
