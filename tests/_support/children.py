@@ -56,10 +56,13 @@ def load_script(path: str | Path) -> ModuleType:
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A child's environment: this one's with the checkout first on ``PYTHONPATH`` and no
-    crash point armed (``CKPT_PIPELINE_CRASH_AT``), then ``extra``."""
+    """A child's environment: this one's with the checkout first on ``PYTHONPATH``, no crash
+    point armed (``CKPT_PIPELINE_CRASH_AT``) and Python's fault handler on (a child that
+    aborts, as a C++ thread of torch's can at interpreter exit, prints every thread's stack:
+    the log the failing test shows names the thread), then ``extra``."""
     env = dict(os.environ)
     env.pop(CRASH_ENV, None)
+    env["PYTHONFAULTHANDLER"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(extra or {})
     return env
