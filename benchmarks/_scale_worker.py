@@ -9,8 +9,9 @@ set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus ``SCALE_LAUNCHED_AT`` (the
 What it measures, in this order (every phase starts after a barrier of the default gloo group,
 so that the ranks start it together, as the collectives of a training step would align them):
 
-- ``construct_s``: ``CheckpointPipeline(...)``: creating the control plane's gloo group, a
-  collective of every rank;
+- ``construct_s``: ``CheckpointPipeline(...)``: creating the control plane's gloo group (the
+  hierarchical one's groups, and its check of the node layout, when ``LOCAL_WORLD_SIZE`` is
+  set), a collective of every rank;
 - ``open_s``: entering the pipeline: the start-up scan and scrub of the root and the start-up
   agreement (the run id, an all-gather of every rank);
 - per save (``saves``, the first one is the warm-up: the host buffer is allocated then):
@@ -153,6 +154,8 @@ def run(args: argparse.Namespace, rank: int, world: int, result: dict[str, Any])
         stack.enter_context(pipe)
         t2 = time.perf_counter()
         result["construct_s"], result["open_s"] = t1 - t0, t2 - t1
+        # Which control plane the pipeline chose (LOCAL_WORLD_SIZE: the hierarchical one).
+        result["coordinator"] = type(pipe._pipe.coordinator).__name__
 
         saves: list[dict[str, Any]] = []
         result["saves"] = saves

@@ -8,11 +8,16 @@ opens a ``CheckpointPipeline`` (which coordinates over a gloo group of its own),
 ``--saves`` times waiting for each commit, restores the latest step once and closes. Ranks are
 placed on ``ranks / --ranks-per-node`` pretend nodes (``node_name``), which is what replication
 places copies by. The state is small so that the figures are those of the coordination, not of
-the disk; ``--dir`` defaults to ``/dev/shm`` (tmpfs) for the same reason.
+the disk; ``--dir`` defaults to ``/dev/shm`` (tmpfs) for the same reason. ``--control`` chooses
+the control plane: ``flat`` (``DistributedCoordinator``, one all-gather of every rank) and/or
+``hier`` (``HierarchicalCoordinator``: the ranks get ``LOCAL_WORLD_SIZE=--ranks-per-node``, as
+torchrun would set it, and the pipeline agrees per node first), each run in turn.
 
     python benchmarks/bench_scale.py                                     # 8..64 ranks, 0 and 1 replicas
     python benchmarks/bench_scale.py --ranks 8,16 --replicas 0 --saves 5 --out /tmp/scale.json
     python benchmarks/bench_scale.py --ranks 4 --replicas 0 --saves 3 --out /tmp/s.json   # smoke
+    python benchmarks/bench_scale.py --ranks 8,16 --replicas 0 --ranks-per-node 4 \
+        --control flat,hier --out /tmp/scale-hier.json           # flat against per node first
 
 Per configuration the JSON holds, for every per-save figure, the median over the saves of each
 rank (the first save, the warm-up, left out), then the max, median and min of those over the
@@ -72,6 +77,13 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _controls(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("flat", "hier") for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected flat, hier or flat,hier")
+    return values
+
+
 def _meminfo_mib() -> dict[str, float]:
     out: dict[str, float] = {}
     with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
@@ -108,10 +120,10 @@ def default_timeout(ranks: int, saves: int) -> float:
 
 
 def run_config(args: argparse.Namespace, ranks: int, replicas: int, work: Path,
-               keep_logs: Path | None) -> dict[str, Any]:
+               keep_logs: Path | None, control: str = "flat") -> dict[str, Any]:
     """Start the ranks, wait for them (bounded), read what each wrote, aggregate."""
     timeout = args.timeout_s if args.timeout_s is not None else default_timeout(ranks, args.saves)
-    config: dict[str, Any] = {"ranks": ranks, "replicas": replicas,
+    config: dict[str, Any] = {"ranks": ranks, "replicas": replicas, "control": control,
                               "nodes": -(-ranks // args.ranks_per_node),
                               "timeout_s": timeout, "status": "failed"}
     if replicas > config["nodes"] - 1:
@@ -127,6 +139,9 @@ def run_config(args: argparse.Namespace, ranks: int, replicas: int, work: Path,
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(ranks), "SCALE_LAUNCHED_AT": repr(launched),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop("LOCAL_WORLD_SIZE", None)
+    if control == "hier":  # the pipeline then makes a HierarchicalCoordinator by itself
+        env["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
     common = ["--saves", str(args.saves), "--replicas", str(replicas),
               "--ranks-per-node", str(args.ranks_per_node), "--tensors", str(args.tensors),
               "--state-kib", str(args.state_kib), "--keep-last", str(args.keep_last),
@@ -208,12 +223,14 @@ def run_config(args: argparse.Namespace, ranks: int, replicas: int, work: Path,
         config["status"] = "ok"
     if results:
         config["library"] = sorted({str(res.get("library")) for res in results.values()})
+        config["coordinators"] = sorted({str(res.get("coordinator"))
+                                         for res in results.values()})
         config.update(aggregate(results, args.skip_first))
         config["memory"]["mem_available_min_mib"] = mem_available_min
         if args.raw:
             config["raw"] = {str(r): res for r, res in sorted(results.items())}
     if keep_logs is not None:
-        dest = keep_logs / f"ranks{ranks}-replicas{replicas}"
+        dest = keep_logs / f"ranks{ranks}-replicas{replicas}-{control}"
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(logs, dest)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -309,7 +326,8 @@ def _ms(value: float | None) -> str:
 
 def table(report: dict[str, Any]) -> str:
     head = (f"{'ranks':>5} {'repl':>4} {'status':>7} {'open':>8} {'block':>8} {'commit':>8} "
-            f"{'vote':>8} {'durable':>8} {'replic':>8} {'restore':>8} {'wall s':>7}")
+            f"{'vote':>8} {'durable':>8} {'replic':>8} {'restore':>8} {'wall s':>7} "
+            f"{'control':>7}")
     lines = ["ms; per-save figures: median over saves 2..N of each rank, then the max over "
              "ranks;", "vote: last rank's commit after the last shard was written (median)",
              head]
@@ -325,7 +343,7 @@ def table(report: dict[str, Any]) -> str:
             f"{c['ranks']:>5} {c['replicas']:>4} {c['status']:>7} {_ms(mx('open_s'))} "
             f"{_ms(mx('blocking_s'))} {_ms(mx('commit_stage_s'))} {_ms(vote)} "
             f"{_ms(mx('durable_s'))} {_ms(mx('replicate_s'))} {_ms(mx('restore_s'))} "
-            f"{c.get('wall_s', 0.0):7.1f}")
+            f"{c.get('wall_s', 0.0):7.1f} {c.get('control', 'flat'):>7}")
     return "\n".join(lines)
 
 
@@ -339,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="saves per configuration, the first one a warm-up (default 10)")
     parser.add_argument("--ranks-per-node", type=int, default=2,
                         help="ranks per pretend node (node_name), default 2")
+    parser.add_argument("--control", type=_controls, default=["flat"],
+                        help="control planes, comma-separated: flat (DistributedCoordinator), "
+                             "hier (HierarchicalCoordinator, nodes of --ranks-per-node); "
+                             "default flat")
     parser.add_argument("--tensors", type=int, default=4)
     parser.add_argument("--state-kib", type=int, default=1024,
                         help="state size per rank in KiB (default 1024)")
@@ -389,32 +411,34 @@ def main(argv: list[str] | None = None) -> int:
         args.keep_logs.mkdir(parents=True, exist_ok=True)
     rss_per_rank: float | None = None
     started = time.monotonic()
-    for replicas in args.replicas:
-        for ranks in args.ranks:
-            estimate = rss_per_rank if rss_per_rank is not None else RSS_GUESS_MIB
-            warning = memory_warning(ranks, estimate, rss_per_rank is not None)
-            if warning:
-                _log(f"warning: {warning}")
-            _log(f"ranks={ranks} replicas={replicas}: starting")
-            try:
-                config = run_config(args, ranks, replicas, work, args.keep_logs)
-            except Exception as exc:  # the harness itself: record it, go on
-                config = {"ranks": ranks, "replicas": replicas, "status": "failed",
-                          "error": f"harness: {type(exc).__name__}: {exc}"}
-            if warning:
-                config.setdefault("warnings", []).append(warning)
-            pss = config.get("memory", {}).get("pss_mib_max")
-            if pss is not None:  # PSS: what N ranks add up to (shared pages counted once)
-                rss_per_rank = max(rss_per_rank or 0.0, float(pss))
-            report["configs"].append(config)
-            agg = config.get("aggregates", {})
-            _log(f"ranks={ranks} replicas={replicas}: {config['status']} in "
-                 f"{config.get('wall_s', 0.0):.1f} s; commit stage max "
-                 f"{_ms(agg.get('commit_stage_s', {}).get('max_over_ranks')).strip()} ms")
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            report["total_wall_s"] = time.monotonic() - started
-            report["machine"]["loadavg_at_end"] = os.getloadavg()
-            args.out.write_text(json.dumps(report, indent=1) + "\n")  # after every config
+    plans = [(replicas, ranks, control) for replicas in args.replicas for ranks in args.ranks
+             for control in args.control]
+    for replicas, ranks, control in plans:
+        estimate = rss_per_rank if rss_per_rank is not None else RSS_GUESS_MIB
+        warning = memory_warning(ranks, estimate, rss_per_rank is not None)
+        if warning:
+            _log(f"warning: {warning}")
+        _log(f"ranks={ranks} replicas={replicas} control={control}: starting")
+        try:
+            config = run_config(args, ranks, replicas, work, args.keep_logs, control)
+        except Exception as exc:  # the harness itself: record it, go on
+            config = {"ranks": ranks, "replicas": replicas, "control": control,
+                      "status": "failed",
+                      "error": f"harness: {type(exc).__name__}: {exc}"}
+        if warning:
+            config.setdefault("warnings", []).append(warning)
+        pss = config.get("memory", {}).get("pss_mib_max")
+        if pss is not None:  # PSS: what N ranks add up to (shared pages counted once)
+            rss_per_rank = max(rss_per_rank or 0.0, float(pss))
+        report["configs"].append(config)
+        agg = config.get("aggregates", {})
+        _log(f"ranks={ranks} replicas={replicas} control={control}: {config['status']} in "
+             f"{config.get('wall_s', 0.0):.1f} s; commit stage max "
+             f"{_ms(agg.get('commit_stage_s', {}).get('max_over_ranks')).strip()} ms")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report["total_wall_s"] = time.monotonic() - started
+        report["machine"]["loadavg_at_end"] = os.getloadavg()
+        args.out.write_text(json.dumps(report, indent=1) + "\n")  # after every config
     libraries = sorted({lib for c in report["configs"] for lib in c.get("library", [])})
     repo = HERE.parent
     foreign = [lib for lib in libraries if not Path(lib).resolve().is_relative_to(repo)]

@@ -13,6 +13,7 @@ from .config import ReplicationConfig as ReplicationConfig
 from .config import SnapshotMode as SnapshotMode
 from .coordination import Coordinator as Coordinator
 from .coordination import DistributedCoordinator as DistributedCoordinator
+from .coordination import HierarchicalCoordinator as HierarchicalCoordinator
 from .coordination import LocalCoordinator as LocalCoordinator
 from .errors import CheckpointError as CheckpointError
 from .errors import CheckpointIntegrityError as CheckpointIntegrityError
@@ -108,6 +109,7 @@ __all__ = (
     "Event",
     "ForeignFilesSetAside",
     "ForkedProcessError",
+    "HierarchicalCoordinator",
     "KeepAny",
     "KeepBest",
     "KeepEvery",

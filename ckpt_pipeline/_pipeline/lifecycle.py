@@ -35,6 +35,8 @@ from .._tiers.persistent.urls import is_url
 from .._tiers.replica.replication import Replication
 from ..config import PipelineConfig
 from ..coordination import Coordinator, DistributedCoordinator, LocalCoordinator
+from ..coordination._control_plane import close_coordinator
+from ..coordination._hierarchy import job_coordinator
 from ..errors import (
     CheckpointError,
     ConfigError,
@@ -98,11 +100,12 @@ def _cuda_device() -> int | None:
 
 
 def default_coordinator(config: PipelineConfig) -> Coordinator:
-    """A DistributedCoordinator when torch.distributed is initialized, else a local one."""
+    """When torch.distributed is initialized, a HierarchicalCoordinator if LOCAL_WORLD_SIZE
+    makes more than one node, else a DistributedCoordinator; otherwise a local one."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return DistributedCoordinator(timeout_s=config.coordination_timeout_s)
+        return job_coordinator(timeout_s=config.coordination_timeout_s)
     return LocalCoordinator()
 
 
@@ -145,6 +148,10 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 memory_channel(self.coordinator), config.write, self.ledger, emit,
                 anyio.CapacityLimiter(config.io_threads),  # its own: a memory commit never
                 self.timeline, world_size=world_size)      # queues behind a disk write
+        made = [] if coordinator is not None else [self.coordinator]  # closed with the pipeline
+        if self.memory is not None and self.memory.coordinator is not self.coordinator:
+            made.append(self.memory.coordinator)
+        self._made_coordinators = made
         self._staging = DeviceStaging() if config.device_staging else None
         # Without device_staging: a bridge for the saves that find no host buffer made yet.
         self._bridge = (DeviceStaging(transient=True) if config.device_staging is None
@@ -220,6 +227,8 @@ class AsyncCheckpointPipeline(anyio.AsyncContextManagerMixin):
                 await in_thread(None, self._pool_prep.wait)
                 if self.memory is not None:
                     await self.memory.close(self.storage)
+            for made in self._made_coordinators:  # their gloo groups; never raises
+                close_coordinator(made)
             self._pool.close()
             for staging in (self._staging, self._bridge):
                 if staging is not None:

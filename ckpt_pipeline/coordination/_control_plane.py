@@ -13,6 +13,7 @@ the same order on every rank:
 group of torch.distributed (created for the purpose, so the control plane never waits behind
 NCCL work), with a timeout on every exchange: a dead or stuck rank becomes a CoordinationError
 naming the ranks that did not answer, never a process that waits forever.
+``HierarchicalCoordinator`` (``_hierarchy.py``) keeps that contract and agrees per node first.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .._hostmem import byte_view
+from .._logging import log
 from .._threads import in_thread
 from ..errors import ConfigError, CoordinationError
 
-__all__ = ("Coordinator", "DistributedCoordinator", "LocalCoordinator")
+__all__ = ("Coordinator", "DistributedCoordinator", "LocalCoordinator", "close_coordinator",
+           "default_store", "destroy_group", "gather_bytes")
 
 
 @runtime_checkable
@@ -77,6 +80,7 @@ class DistributedCoordinator:
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r} must be positive")
         self.timeout_s = float(timeout_s)
+        self._made_group = group is None
         if group is None:
             group = dist.new_group(backend="gloo",
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
@@ -85,9 +89,10 @@ class DistributedCoordinator:
                               hint="create it with torch.distributed.new_group(backend='gloo')")
         self._dist = dist
         self.group = group
+        self._keys = f"ckpt_pipeline/{getattr(group, 'group_name', 'control')}"
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._store = _default_store(dist)
+        self._store = default_store(dist)
         self._seq = 0
         self._broken: str | None = None
         self._lock = threading.Lock()
@@ -119,25 +124,23 @@ class DistributedCoordinator:
                      "checkpoint committed on every rank", ranks=tuple(missing))
             raise error from exc
 
+    def close(self) -> None:
+        """Destroy the gloo group this coordinator made (not one passed in); later exchanges
+        raise. Safe to call twice; never raises."""
+        group, self.group = self.group, None
+        if self._broken is None:
+            self._broken = "the coordinator was closed"
+        if self._made_group and group is not None:
+            destroy_group(self._dist, group)
+
     def _gather(self, payload: bytes, seq: int) -> list[bytes]:
-        dist = self._dist
         if self._store is not None:
             self._store.set(self._key(self.rank), str(seq))
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(max(longest, 1), dtype=torch.uint8)
-        if payload:
-            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.group)
-        return [bytes(byte_view(g, 0, int(s.item()))) if int(s.item()) else b""
-                for g, s in zip(gathered, sizes, strict=True)]
+        return gather_bytes(self._dist, self.group, payload, self.world_size)
 
     def _key(self, rank: int) -> str:
         """One key per rank in the job's store: the number of its latest exchange."""
-        return f"ckpt_pipeline/{getattr(self.group, 'group_name', 'control')}/{rank}"
+        return f"{self._keys}/{rank}"
 
     def _missing(self, seq: int) -> list[int]:
         """Ranks that never entered exchange ``seq`` (best effort, through the default store)."""
@@ -154,9 +157,49 @@ class DistributedCoordinator:
         return missing
 
 
-def _default_store(dist: Any) -> Any:
+def default_store(dist: Any) -> Any:
+    """The job's c10d store (a TCPStore served by rank 0 under env://), None without one."""
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     try:
         return getter() if getter is not None else None
     except Exception:
         return None
+
+
+def gather_bytes(dist: Any, group: Any, payload: bytes, size: int) -> list[bytes]:
+    """Every member's ``payload`` on a gloo ``group`` of ``size`` members, by group rank: an
+    all-gather of the lengths, then one of the payloads padded to the longest."""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n.item()) for n in lengths]
+    mine = torch.zeros(max(*sizes, 1), dtype=torch.uint8)
+    if payload:
+        mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    return [bytes(byte_view(g, 0, n)) if n else b"" for g, n in zip(gathered, sizes, strict=True)]
+
+
+def close_coordinator(coordinator: Coordinator) -> None:
+    """Release what ``coordinator`` holds (its gloo groups), when it has a ``close()``; a
+    failure to is logged, never raised (it runs while a pipeline closes)."""
+    close = getattr(coordinator, "close", None)
+    if not callable(close):
+        return
+    try:
+        close()
+    except Exception as exc:
+        log.warning("ckpt.control.close_failed", rank=getattr(coordinator, "rank", None),
+                    error=f"{type(exc).__name__}: {exc}")
+
+
+def destroy_group(dist: Any, group: Any) -> None:
+    """Destroy one gloo group of this process (its connections close; the C++ worker threads
+    are joined once the last reference to it goes, which the caller drops)."""
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    try:
+        dist.destroy_process_group(group)
+    except Exception as exc:  # already destroyed, or torch.distributed torn down first
+        log.debug("ckpt.control.group_gone", error=f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,479 @@
+"""The control plane in two levels: the ranks of each node agree first, then the nodes' leaders.
+
+``HierarchicalCoordinator`` keeps the contract of ``DistributedCoordinator`` (every rank's
+payload, indexed by global rank, identical on every rank; a CoordinationError naming the ranks
+that did not answer) and changes how an exchange travels. Each exchange runs three stages, on
+gloo groups made for them at construction:
+
+1. **node**: an all-gather among the ranks of each node (``timeout_s``);
+2. **leaders**: the nodes' leaders (the lowest rank of each node) all-gather their nodes'
+   payloads, framed (``pack_relay``; ``timeout_s + grace_s``). A leader whose node stage
+   failed still takes part, with its failure in place of its node's payloads, so that every
+   node learns of it at once;
+3. **relay**: each leader broadcasts the whole result, or the failure, to the ranks of its node
+   (``timeout_s + 2 grace_s``).
+
+Each later stage waits ``grace_s`` longer than the one before, so that a failure found by a
+stage's timeout still travels through the next stages in time. The good path writes nothing
+to the job's store. Once a stage fails, every live rank says in the store that it reached the
+exchange, and waits until all ranks did or ``fail_bound_s`` (``timeout_s + 3 grace_s``) passed
+since its exchange began; the ranks that said nothing are the missing ones.
+
+Which ranks share a node comes from ``LOCAL_WORLD_SIZE`` (torchrun sets it; node = rank //
+LOCAL_WORLD_SIZE), or is given (``nodes=``, ``node_size=``). The ranks check at construction,
+over a flat gloo group made and destroyed for the purpose, that they all see the same layout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import struct
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._hostmem import byte_view
+from .._threads import in_thread
+from ..errors import ConfigError, CoordinationError
+from ._control_plane import DistributedCoordinator, default_store, destroy_group, gather_bytes
+
+__all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "node_ids",
+           "node_size_from_env", "pack_frames", "pack_relay", "unpack_frames", "unpack_relay")
+
+_COUNT = struct.Struct("<I")
+_RELAYED, _FAILED = 0, 1
+_REASON_CHARS = 400
+"""How much of one failure's text travels to the other ranks."""
+
+
+# ---------------------------------------------------------------- framing (no pickle)
+
+def pack_frames(items: Sequence[bytes]) -> bytes:
+    """``items`` as one message: their count, each length (little-endian u32), the bytes."""
+    lengths = [len(item) for item in items]
+    if any(n >= 1 << 32 for n in lengths) or len(items) >= 1 << 32:
+        raise ValueError("a frame holds at most 2**32 - 1 items of at most 2**32 - 1 bytes")
+    return b"".join([struct.pack(f"<I{len(items)}I", len(items), *lengths), *items])
+
+
+def unpack_frames(data: bytes) -> list[bytes]:
+    """The items ``pack_frames`` packed; ValueError for anything else (short, trailing bytes)."""
+    if len(data) < _COUNT.size:
+        raise ValueError(f"a frame of {len(data)} bytes has no item count")
+    (count,) = _COUNT.unpack_from(data)
+    head = _COUNT.size * (1 + count)
+    if len(data) < head:
+        raise ValueError(f"a frame of {len(data)} bytes is too short for {count} lengths")
+    lengths = struct.unpack_from(f"<{count}I", data, _COUNT.size)
+    if head + sum(lengths) != len(data):
+        raise ValueError(f"a frame's {count} items take {sum(lengths)} bytes, not the "
+                         f"{len(data) - head} it holds")
+    out, at = [], head
+    for n in lengths:
+        out.append(data[at:at + n])
+        at += n
+    return out
+
+
+def pack_relay(items: Sequence[bytes] | None, failure: str | None = None) -> bytes:
+    """What a stage passes on: ``items`` (framed), or ``failure`` (why there are none)."""
+    if (items is None) == (failure is None):
+        raise ValueError("a relay holds either items or a failure")
+    if failure is not None:
+        return bytes([_FAILED]) + failure.encode("utf-8", "replace")
+    assert items is not None
+    return bytes([_RELAYED]) + pack_frames(items)
+
+
+def unpack_relay(data: bytes) -> tuple[list[bytes] | None, str | None]:
+    """(items, None) or (None, failure) of a ``pack_relay`` message; ValueError otherwise."""
+    if not data or data[0] not in (_RELAYED, _FAILED):
+        raise ValueError("a relay message starts with its kind (0: items, 1: a failure)")
+    if data[0] == _FAILED:
+        return None, bytes(data[1:]).decode("utf-8", "replace")
+    return unpack_frames(data[1:]), None
+
+
+# ---------------------------------------------------------------- which ranks share a node
+
+@dataclass(frozen=True, slots=True)
+class NodeLayout:
+    """Which ranks share a node: ``nodes`` in the order of their leaders (each node's lowest
+    rank), each node's ranks ascending."""
+
+    nodes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_ids(cls, ids: Sequence[int]) -> NodeLayout:
+        """The layout of one node id per rank."""
+        members: dict[int, list[int]] = {}
+        for rank, node in enumerate(ids):
+            members.setdefault(node, []).append(rank)
+        return cls(tuple(sorted(tuple(m) for m in members.values())))
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        return tuple(node[0] for node in self.nodes)
+
+    def node_of(self, rank: int) -> tuple[int, ...]:
+        return next(node for node in self.nodes if rank in node)
+
+
+def node_ids(world_size: int, *, nodes: Sequence[int] | None = None,
+             node_size: int | None = None,
+             environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
+    """The node of every rank: ``nodes`` (one id per rank), else ``node_size`` consecutive
+    ranks a node, else ``LOCAL_WORLD_SIZE`` of them. ValueError says what is wrong."""
+    if nodes is not None and node_size is not None:
+        raise ValueError("give nodes= or node_size=, not both")
+    if nodes is not None:
+        ids = tuple(nodes)
+        if len(ids) != world_size:
+            raise ValueError(f"nodes= has {len(ids)} entries for {world_size} ranks")
+        if not all(type(i) is int and 0 <= i < 1 << 62 for i in ids):
+            raise ValueError("nodes= holds a node id that is not a non-negative int")
+        return ids
+    if node_size is None:
+        text = environ.get("LOCAL_WORLD_SIZE")
+        if text is None:
+            raise ValueError("LOCAL_WORLD_SIZE is not set, and neither nodes= nor node_size= "
+                             "was given")
+        try:
+            node_size = int(text)
+        except ValueError:
+            raise ValueError(f"LOCAL_WORLD_SIZE={text!r} is not an integer") from None
+    if type(node_size) is not int or node_size < 1 or world_size % node_size:
+        raise ValueError(f"a node size of {node_size!r} does not divide the {world_size} ranks")
+    return tuple(rank // node_size for rank in range(world_size))
+
+
+def node_size_from_env(world_size: int, environ: Mapping[str, str] = os.environ) -> int | None:
+    """``LOCAL_WORLD_SIZE`` when it is set, divides ``world_size`` and makes more than one
+    node of more than one rank; else None. (Nodes of one rank would gain nothing: the leaders'
+    stage would be the flat all-gather. Some launchers set LOCAL_WORLD_SIZE=1 by default.)"""
+    try:
+        size = int(environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return None
+    return size if 1 < size < world_size and world_size % size == 0 else None
+
+
+def job_coordinator(*, timeout_s: float) -> DistributedCoordinator | HierarchicalCoordinator:
+    """The coordinator a pipeline makes for an initialized torch.distributed job: per node
+    first when ``LOCAL_WORLD_SIZE`` makes more than one node (``node_size_from_env``), else
+    flat."""
+    import torch.distributed as dist
+
+    node_size = node_size_from_env(dist.get_world_size())
+    if node_size is not None:
+        return HierarchicalCoordinator(node_size=node_size, timeout_s=timeout_s)
+    return DistributedCoordinator(timeout_s=timeout_s)
+
+
+# ---------------------------------------------------------------- the coordinator
+
+class _StageFailed(Exception):
+    """A stage of an exchange failed here, or another rank's failure was relayed here."""
+
+    def __init__(self, stage: str, reason: str) -> None:
+        super().__init__(reason)
+        self.stage = stage
+
+
+class HierarchicalCoordinator:
+    """All-gathers per node first, then across the nodes' leaders (see the module docstring).
+
+    Construct it on every rank at the same point, after ``init_process_group`` (making its
+    groups is a collective of the default group). ``nodes``: the node id of every rank;
+    ``node_size``: ranks per node, consecutive; neither: ``LOCAL_WORLD_SIZE``. ``timeout_s``
+    bounds how late a rank may come to an exchange; ``grace_s`` (default: a tenth of it,
+    between 1 and 30 s) is the margin each later stage and the naming of missing ranks add.
+    A layout the ranks disagree on is a ConfigError on every rank.
+    """
+
+    def __init__(self, *, nodes: Sequence[int] | None = None, node_size: int | None = None,
+                 timeout_s: float = 300.0, grace_s: float | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialized",
+                              hint="call torch.distributed.init_process_group first, or use "
+                                   "LocalCoordinator for a single process")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s!r} must be positive")
+        if grace_s is None:
+            grace_s = min(max(1.0, timeout_s / 10), 30.0)
+        if not grace_s > 0:
+            raise ConfigError(f"grace_s={grace_s!r} must be positive")
+        self._dist = dist
+        self.timeout_s = float(timeout_s)
+        self.grace_s = float(grace_s)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.layout, name = self._agree_layout(nodes, node_size)
+        self._keys = f"ckpt_pipeline/{name}"
+        self._node = self.layout.node_of(self.rank)
+        self._leaders = self.layout.leaders
+        self._leader = self._node[0]
+        self._groups: list[Any] = []
+        self._node_group = self._own_group(self.layout.nodes, self.timeout_s)
+        self._leaders_group = self._own_group((self._leaders,), self.timeout_s + self.grace_s)
+        self._relay_group = self._own_group(self.layout.nodes,
+                                            self.timeout_s + 2 * self.grace_s)
+        self._store = default_store(dist)
+        self._seq = 0
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def fail_bound_s(self) -> float:
+        """How long after an exchange began a live rank raises, when one rank dies or hangs."""
+        return self.timeout_s + 3 * self.grace_s
+
+    def channel(self, name: str) -> HierarchicalCoordinator:
+        """An independent coordinator of the same ranks and layout (the memory tier's), made
+        on every rank at the same point."""
+        ids = [0] * self.world_size
+        for index, node in enumerate(self.layout.nodes):
+            for rank in node:
+                ids[rank] = index
+        return HierarchicalCoordinator(nodes=ids, timeout_s=self.timeout_s,
+                                       grace_s=self.grace_s)
+
+    def close(self) -> None:
+        """Destroy this coordinator's gloo groups; later exchanges raise. Safe to call twice;
+        never raises."""
+        groups, self._groups = self._groups, []
+        self._node_group = self._leaders_group = self._relay_group = None
+        if self._broken is None:
+            self._broken = "the coordinator was closed"
+        for group in groups:
+            destroy_group(self._dist, group)
+
+    # ------------------------------------------------------------ an exchange
+
+    async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
+                         ) -> list[bytes]:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        if self._broken is not None:
+            raise CoordinationError(
+                f"{what}: the control plane failed earlier ({self._broken})", step=step,
+                rank=self.rank, hint="restart the job; checkpoints committed so far are intact")
+        started = time.monotonic()
+        try:
+            return await in_thread(None, self._gather, payload)
+        except Exception as exc:
+            failed_after = time.monotonic() - started
+            stage = exc.stage if isinstance(exc, _StageFailed) else "exchange"
+            self._broken = f"{what} at step {step}: the {stage} stage failed"
+            missing = await in_thread(None, self._missing, seq, started)
+            who = ("the exchange failed (the job's store, served by rank 0, did not answer: "
+                   "rank 0 may be gone)" if missing is None
+                   else f"rank(s) {_ranks_text(missing)} did not take part" if missing
+                   else "the exchange failed")
+            raise CoordinationError(
+                f"{what}: {who} (the {stage} stage failed after {failed_after:.1f} s: "
+                f"{_short(exc)})", step=step, rank=self.rank,
+                hint="a rank died or is stuck; restart the job, it resumes from the newest "
+                     "checkpoint committed on every rank", ranks=tuple(missing or ())) from exc
+
+    def _gather(self, payload: bytes) -> list[bytes]:
+        """The three stages, on this rank's part of the layout. Raises _StageFailed, or the
+        error of the stage that failed here."""
+        ours: list[bytes] | None = None
+        failure = None
+        try:
+            ours = self._stage(self._node_group, len(self._node), payload)
+        except Exception as exc:
+            failure = f"node of rank(s) {_ranks_text(self._node)}: {_short(exc)}"
+        if self.rank != self._leader:
+            if failure is not None:
+                raise _StageFailed("node", failure)
+            try:
+                relayed = _relay(self._dist, self._relay_group, None, self._leader)
+            except Exception as exc:
+                raise _StageFailed("relay", _short(exc)) from exc
+            return self._result(relayed)
+        relayed, result, why = self._across_nodes(ours, failure)
+        # The node's other ranks wait in the relay stage; those of a failed node do not.
+        if failure is None and self._relay_group is not None:
+            try:
+                _relay(self._dist, self._relay_group, relayed, self._leader)
+            except Exception as exc:
+                raise _StageFailed("relay", _short(exc)) from exc
+        if result is None:
+            raise _StageFailed("node" if failure is not None else "leaders", why or "")
+        return result
+
+    def _stage(self, group: Any, size: int, payload: bytes) -> list[bytes]:
+        if group is None:  # a group of one rank: this one
+            return [payload]
+        return gather_bytes(self._dist, group, payload, size)
+
+    def _across_nodes(self, ours: list[bytes] | None, failure: str | None
+                      ) -> tuple[bytes, list[bytes] | None, str | None]:
+        """The leaders' stage: (what this leader relays to its node, the result or None, why
+        not). Never raises: whatever happens, the node hears of it."""
+        try:
+            frames = self._stage(self._leaders_group, len(self._leaders),
+                                 pack_relay(ours, failure))
+        except Exception as exc:
+            why = f"leaders: {_short(exc)}"
+            return pack_relay(None, why), None, why
+        result: list[bytes] = [b""] * self.world_size
+        failures = []
+        for node, frame in zip(self.layout.nodes, frames, strict=True):
+            try:
+                items, failed = unpack_relay(frame)
+                if items is not None and len(items) != len(node):
+                    raise ValueError(f"{len(items)} payloads for {len(node)} ranks")
+            except ValueError as exc:
+                items, failed = None, f"leader {node[0]} sent a malformed message ({exc})"
+            if items is None:
+                failures.append(failed or "")
+                continue
+            for rank, item in zip(node, items, strict=True):
+                result[rank] = item
+        if failures:
+            why = "; ".join(failures)
+            return pack_relay(None, why), None, why
+        return pack_relay(result), result, None
+
+    def _result(self, relayed: bytes) -> list[bytes]:
+        try:
+            items, failure = unpack_relay(relayed)
+        except ValueError as exc:
+            raise _StageFailed("relay", f"leader {self._leader} sent a malformed message "
+                                        f"({exc})") from exc
+        if items is None:
+            raise _StageFailed("leaders", failure or "")
+        if len(items) != self.world_size:
+            raise _StageFailed("relay", f"leader {self._leader} relayed {len(items)} payloads "
+                                        f"for {self.world_size} ranks")
+        return items
+
+    def _missing(self, seq: int, started: float) -> list[int] | None:
+        """The ranks that never reached exchange ``seq``: every live rank says it did, in the
+        job's store, and waits for the others until ``fail_bound_s`` after ``started``. None
+        when the store does not answer (rank 0 serves it), [] without a store."""
+        if self._store is None:
+            return []
+        reached = f"{self._keys}/reached/{seq}"
+        everyone = f"{reached}/all"
+        try:
+            self._store.set(f"{reached}/{self.rank}", b"1")
+            if self._store.add(reached, 1) >= self.world_size:
+                self._store.set(everyone, b"1")
+                return []
+            left = max(started + self.fail_bound_s - time.monotonic(), 0.1)
+            try:
+                self._store.wait([everyone], datetime.timedelta(seconds=left))
+                return []
+            except Exception:  # the wait ran out: somebody never came
+                pass
+            return [rank for rank in range(self.world_size)
+                    if not self._store.check([f"{reached}/{rank}"])]
+        except Exception:
+            return None
+
+    # ------------------------------------------------------------ construction
+
+    def _agree_layout(self, nodes: Sequence[int] | None, node_size: int | None
+                      ) -> tuple[NodeLayout, str]:
+        """Every rank's node, checked over a flat gloo group (made for this, then destroyed):
+        every rank must see the same layout, or every rank raises ConfigError. Also the flat
+        group's name, the same on every rank, which keys this coordinator's store entries."""
+        dist = self._dist
+        reason = None
+        try:
+            ids = node_ids(self.world_size, nodes=nodes, node_size=node_size)
+        except ValueError as exc:
+            ids, reason = (), str(exc)
+        digest = int.from_bytes(
+            hashlib.blake2b(struct.pack(f"<{len(ids)}q", *ids), digest_size=8).digest(),
+            "little", signed=True)
+        mine = torch.tensor([ids[self.rank] if ids else -1, digest, int(reason is None)],
+                            dtype=torch.int64)
+        rows = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world_size)]
+        flat = dist.new_group(backend="gloo",
+                              timeout=datetime.timedelta(seconds=self.timeout_s))
+        name = str(getattr(flat, "group_name", "hierarchy"))
+        try:
+            dist.all_gather(rows, mine, group=flat)
+        except Exception as exc:
+            raise CoordinationError(
+                f"the control plane's node layout could not be exchanged ({_short(exc)})",
+                rank=self.rank, hint="every rank must construct the coordinator at the same "
+                                     "point") from exc
+        finally:
+            destroy_group(dist, flat)
+        seen = [row.tolist() for row in rows]
+        unset = [rank for rank, row in enumerate(seen) if not row[2]]
+        if unset:
+            raise ConfigError(
+                f"rank(s) {_ranks_text(unset)} have no node layout for the control plane"
+                + (f": {reason}" if reason else ""), rank=self.rank,
+                hint="set LOCAL_WORLD_SIZE (torchrun does), or pass nodes= or node_size= "
+                     "alike on every rank")
+        views: dict[int, list[int]] = {}
+        for rank, row in enumerate(seen):
+            views.setdefault(row[1], []).append(rank)
+        if len(views) > 1:
+            groups = " | ".join(_ranks_text(ranks) for ranks in views.values())
+            raise ConfigError(
+                f"the ranks disagree on which ranks share a node: {len(views)} layouts, seen "
+                f"by ranks {groups}", rank=self.rank,
+                hint="give every rank the same LOCAL_WORLD_SIZE, nodes= or node_size=")
+        return NodeLayout.from_ids(ids), name
+
+    def _own_group(self, members: Sequence[tuple[int, ...]], timeout_s: float) -> Any:
+        """One gloo group per entry of ``members`` of more than one rank, made by every rank
+        in the same order; returns (and keeps) the one this rank belongs to, else None."""
+        own = None
+        for ranks in members:
+            if len(ranks) == 1:
+                continue
+            group = self._dist.new_group(ranks=list(ranks), backend="gloo",
+                                         timeout=datetime.timedelta(seconds=timeout_s))
+            if self.rank in ranks:
+                own = group
+                self._groups.append(group)
+        return own
+
+
+def _relay(dist: Any, group: Any, payload: bytes | None, leader: int) -> bytes:
+    """The leader's ``payload`` on every rank of its node's relay ``group`` (the leader passes
+    it, the others None): a broadcast of its length, then of the bytes."""
+    length = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
+    dist.broadcast(length, src=leader, group=group)
+    size = int(length.item())
+    data = torch.zeros(max(size, 1), dtype=torch.uint8)
+    if payload:
+        data[:size] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dist.broadcast(data, src=leader, group=group)
+    return bytes(byte_view(data, 0, size)) if size else b""
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _StageFailed) else str(exc)
+    text = " ".join(text.split())
+    return text if len(text) <= _REASON_CHARS else text[:_REASON_CHARS - 3] + "..."
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2, 5, 7-8``."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -1,0 +1,124 @@
+"""What the hierarchical control plane puts on the wire, and how it reads a job's node layout:
+the framing (length-prefixed, no pickle) read back strictly, the relay messages, and the
+layout from ``LOCAL_WORLD_SIZE``, ``node_size=`` or ``nodes=``. In-process, no gloo."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ckpt_pipeline.coordination._hierarchy import (
+    NodeLayout,
+    node_ids,
+    node_size_from_env,
+    pack_frames,
+    pack_relay,
+    unpack_frames,
+    unpack_relay,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+PAYLOADS = [b"", b"a", b"\x00" * 3, bytes(range(256)), b"", b"\xff" * 1000]
+
+
+@given(st.lists(st.binary(max_size=300), max_size=40))
+def test_frames_round_trip(items: list[bytes]) -> None:
+    assert unpack_frames(pack_frames(items)) == items
+
+
+def test_frames_keep_empty_payloads_and_their_order() -> None:
+    packed = pack_frames(PAYLOADS)
+    assert unpack_frames(packed) == PAYLOADS
+    assert len(packed) == 4 * (1 + len(PAYLOADS)) + sum(map(len, PAYLOADS))
+
+
+def test_every_truncated_frame_is_refused() -> None:
+    packed = pack_frames(PAYLOADS)
+    for end in range(len(packed)):
+        with pytest.raises(ValueError):
+            unpack_frames(packed[:end])
+
+
+def test_a_frame_with_trailing_bytes_is_refused() -> None:
+    with pytest.raises(ValueError, match="not the"):
+        unpack_frames(pack_frames([b"ab"]) + b"!")
+
+
+def test_a_frame_claiming_more_lengths_than_it_holds_is_refused() -> None:
+    with pytest.raises(ValueError, match="too short"):
+        unpack_frames(struct.pack("<I", 1_000_000) + b"\x00" * 8)
+
+
+@pytest.mark.parametrize("items", [[], [b""], PAYLOADS])
+def test_a_relay_of_items_round_trips(items: list[bytes]) -> None:
+    assert unpack_relay(pack_relay(items)) == (items, None)
+
+
+def test_a_relay_of_a_failure_round_trips() -> None:
+    why = "node of rank(s) 4-7: RuntimeError: Connection reset by peer \u2014 rank 5"
+    assert unpack_relay(pack_relay(None, why)) == (None, why)
+
+
+@pytest.mark.parametrize("data", [b"", b"\x02", b"\x07abc", b"\x00\x01"])
+def test_a_malformed_relay_is_refused(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        unpack_relay(data)
+
+
+def test_a_relay_holds_items_or_a_failure_never_both() -> None:
+    with pytest.raises(ValueError):
+        pack_relay([b"x"], "and a failure")
+    with pytest.raises(ValueError):
+        pack_relay(None)
+
+
+# ---------------------------------------------------------------- the node layout
+
+def test_local_world_size_makes_nodes_of_consecutive_ranks() -> None:
+    assert node_ids(8, environ={"LOCAL_WORLD_SIZE": "4"}) == (0, 0, 0, 0, 1, 1, 1, 1)
+
+
+def test_node_size_and_nodes_override_the_environment() -> None:
+    env = {"LOCAL_WORLD_SIZE": "4"}
+    assert node_ids(4, node_size=2, environ=env) == (0, 0, 1, 1)
+    assert node_ids(4, nodes=[7, 3, 7, 3], environ=env) == (7, 3, 7, 3)
+
+
+@pytest.mark.parametrize(("kwargs", "env", "match"), [
+    ({}, {}, "LOCAL_WORLD_SIZE is not set"),
+    ({}, {"LOCAL_WORLD_SIZE": "four"}, "not an integer"),
+    ({}, {"LOCAL_WORLD_SIZE": "3"}, "does not divide"),
+    ({"node_size": 0}, {}, "does not divide"),
+    ({"nodes": [0, 0, 1]}, {}, "3 entries for 4 ranks"),
+    ({"nodes": [0, 0, -1, 1]}, {}, "not a non-negative int"),
+    ({"nodes": [0, 0, 1, 1], "node_size": 2}, {}, "not both"),
+])
+def test_an_unusable_layout_says_what_is_wrong(kwargs: dict[str, object], env: dict[str, str],
+                                               match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        node_ids(4, environ=env, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, None),
+    ({"LOCAL_WORLD_SIZE": "x"}, None),
+    ({"LOCAL_WORLD_SIZE": "16"}, None),  # one node: the flat coordinator is enough
+    ({"LOCAL_WORLD_SIZE": "5"}, None),  # does not divide 16
+    ({"LOCAL_WORLD_SIZE": "0"}, None),
+    ({"LOCAL_WORLD_SIZE": "1"}, None),  # nodes of one rank: nothing to agree per node
+    ({"LOCAL_WORLD_SIZE": "4"}, 4),
+])
+def test_a_job_is_split_into_nodes_only_when_local_world_size_makes_several(
+        env: dict[str, str], expected: int | None) -> None:
+    assert node_size_from_env(16, env) == expected
+
+
+def test_a_layout_orders_nodes_by_their_leader_whatever_their_ids() -> None:
+    layout = NodeLayout.from_ids([9, 2, 9, 2, 5])
+    assert layout.nodes == ((0, 2), (1, 3), (4,))
+    assert layout.leaders == (0, 1, 4)
+    assert layout.node_of(3) == (1, 3)
