@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .._hostmem import byte_view
+from .._logging import log
 from .._threads import in_thread
 from ..errors import ConfigError, CoordinationError
 from ._control_plane import DistributedCoordinator, default_store, destroy_group, gather_bytes
@@ -166,14 +167,32 @@ def node_size_from_env(world_size: int, environ: Mapping[str, str] = os.environ)
 
 def job_coordinator(*, timeout_s: float) -> DistributedCoordinator | HierarchicalCoordinator:
     """The coordinator a pipeline makes for an initialized torch.distributed job: per node
-    first when ``LOCAL_WORLD_SIZE`` makes more than one node (``node_size_from_env``), else
-    flat."""
+    first when ``LOCAL_WORLD_SIZE`` makes more than one node (``node_size_from_env``) on every
+    rank alike, else flat.
+
+    The ranks decide together: each makes the flat coordinator (a collective every rank
+    makes), then they exchange what ``LOCAL_WORLD_SIZE`` says on each. A rank that decided
+    alone could make the hierarchical groups while another made the flat one (a launcher
+    that sets another node size on some ranks), and their collectives would not match."""
     import torch.distributed as dist
 
-    node_size = node_size_from_env(dist.get_world_size())
-    if node_size is not None:
-        return HierarchicalCoordinator(node_size=node_size, timeout_s=timeout_s)
-    return DistributedCoordinator(timeout_s=timeout_s)
+    flat = DistributedCoordinator(timeout_s=timeout_s)
+    mine = node_size_from_env(dist.get_world_size())
+    try:
+        sizes = gather_bytes(dist, flat.group, str(mine or 0).encode(), flat.world_size)
+    except Exception as exc:  # a dead rank at open: the flat coordinator reports it later
+        log.warning("ckpt.control.layout_unknown", rank=flat.rank,
+                    error=f"{type(exc).__name__}: {exc}", hint="the flat control plane is used")
+        return flat
+    if mine is not None and all(size == str(mine).encode() for size in sizes):
+        flat.close()
+        return HierarchicalCoordinator(node_size=mine, timeout_s=timeout_s)
+    if len(set(sizes)) > 1:
+        log.warning("ckpt.control.node_sizes_differ", rank=flat.rank,
+                    sizes=sorted({s.decode(errors="replace") for s in sizes}),
+                    hint="LOCAL_WORLD_SIZE differs between the ranks: the flat control plane "
+                         "is used")
+    return flat
 
 
 # ---------------------------------------------------------------- the coordinator

@@ -292,3 +292,23 @@ def test_ranks_that_see_different_nodes_all_refuse_the_coordinator(
     for rank, out in phase(ranks.results(), "layout").items():
         assert out["layout"] is None and out["error"]["type"] == "ConfigError", (rank, out)
         assert re.search(match, out["error"]["message"]), (rank, out["error"]["message"])
+
+
+@pytest.mark.timeout(240)
+def test_a_pipeline_whose_ranks_see_different_node_sizes_agrees_on_the_flat_one(
+        tmp_path: Path) -> None:
+    """4 ranks, three told nodes of 2 and rank 3 nodes of 4 (no node layout for it): the
+    pipelines choose together, every rank makes the flat coordinator, and every save
+    commits (a rank that chose alone would make other groups than the rest)."""
+    nodes_of_2 = {"LOCAL_WORLD_SIZE": "2"}
+    ranks = Ranks("plain", ["save"], tmp_path / "root", tmp_path / "logs", world=4,
+                  env_of={0: nodes_of_2, 1: nodes_of_2, 2: nodes_of_2,
+                          3: {"LOCAL_WORLD_SIZE": "4"}})
+    try:
+        codes = ranks.wait()
+    finally:
+        ranks.kill()
+    assert codes == dict.fromkeys(range(4), 0), ranks.describe()
+    for rank, out in phase(ranks.results(), "save").items():
+        assert out["coordinator"] == "DistributedCoordinator", (rank, out)
+        assert all(s["ok"] for s in out["saves"]), (rank, out["saves"])
