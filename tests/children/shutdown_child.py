@@ -324,6 +324,10 @@ def main() -> int:
     # This process is the application: it may configure logging (the library never does).
     cp.enable_logging(logging.INFO, fmt="json")
     torch.set_num_threads(1)
+    # Ctrl-C as an interactive Python has it, however the tests were started: a shell that
+    # starts a job in the background without job control leaves SIGINT ignored in it and its
+    # children, and Python then never raises KeyboardInterrupt (the SIGINT cases hung so).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     orders = json.loads(sys.argv[1])
     if orders["case"] == "async":
         return asyncio.run(run_async(orders))
