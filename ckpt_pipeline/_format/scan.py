@@ -84,17 +84,22 @@ def scan(storage: Storage, rank: int) -> list[StepStatus]:
 
 
 def scan_any_copy(storage: Storage, rank: int) -> list[StepStatus]:
-    """``scan`` of ``rank``'s shard as the root holds it in any name, newest first: its own
-    files, else the first valid copy another rank holds of it (by holder); the reason of its
-    own files where none is valid. For a reshard, which reads other ranks' shards from
+    """``scan`` of ``rank``'s shard as the root holds it in any name, newest first
+    (``scan_any_name`` of every step). For a reshard, which reads other ranks' shards from
     wherever the root has them. Worker thread."""
-    out: list[StepStatus] = []
-    for step, dir_name in sorted(step_dirs(storage).items(), reverse=True):
-        names = {e.name for e in storage.list_dir(dir_name)}
-        found = [scan_files(storage, files, step, dir_name, names)
-                 for files in rank_sets(names, rank)]
-        out.append(next((s for s in found if s.valid), found[0]))
-    return out
+    return [scan_any_name(storage, rank, step, dir_name)
+            for step, dir_name in sorted(step_dirs(storage).items(), reverse=True)]
+
+
+def scan_any_name(storage: Storage, rank: int, step: int, dir_name: str,
+                  save_id: str | None = None) -> StepStatus:
+    """``rank``'s files of one step under any name the root holds them: its own, else the
+    first valid copy another rank holds of it (by holder); of save ``save_id`` when given. The
+    status of its own files (which says why not) where none is valid. Worker thread."""
+    names = {e.name for e in storage.list_dir(dir_name)}
+    found = [scan_files(storage, files, step, dir_name, names)
+             for files in rank_sets(names, rank)]
+    return next((s for s in found if s.valid and save_id in (None, s.save_id)), found[0])
 
 
 def scan_replicas(storage: Storage, rank: int) -> list[StepStatus]:

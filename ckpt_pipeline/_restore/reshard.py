@@ -48,7 +48,7 @@ import functools
 import os
 import shutil
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -162,8 +162,8 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
                                                 saved_world, state, limiter, reading)
             else:
                 assert tier is not None
-                loaded = await _load_from_tier(tier, in_tier[at], storage, state, limiter,
-                                               reading)
+                loaded = await _load_from_tier(tier, in_tier[at], held.get((at, save_id), {}),
+                                               storage, state, limiter, reading)
         except CheckpointError as exc:
             error = exc
         fatal = isinstance(error, (ReshardError, StateError))
@@ -344,48 +344,46 @@ class TierSource:
                 if r.world_size == saved_world and at not in exclude}
 
 
-async def _load_from_tier(tier: TierSource, record: StepRecord, root: Storage,
+async def _load_from_tier(tier: TierSource, record: StepRecord,
+                          local: Mapping[int, StepStatus], root: Storage,
                           state: Mapping[str, Any], limiter: anyio.CapacityLimiter,
                           reading: _Reading) -> Loaded:
     """A step that the root does not hold whole: each saved rank's files that the root lacks
-    (of this save) come from the persistent tier, downloaded (a ``TierDownload``, the shard
-    source a same-size restore reads the tier through) into ``FETCH_DIR`` of the root while
-    the reshard reads them, and removed once it has: the step stays only in the tier."""
-    fetch_dir = os.path.join(str(root.root), FETCH_DIR)
-    await in_thread(limiter, _fresh_dir, fetch_dir)
-    fetched = LocalStorage(fetch_dir)
-    local = await in_thread(limiter, _local_files, root, record)
+    (``local``: those it holds of this save) come from the persistent tier, downloaded (a
+    ``TierDownload``, the shard source a same-size restore reads the tier through) into
+    ``FETCH_DIR`` of the root while the reshard reads them, and removed once it has: the step
+    stays only in the tier."""
     downloads: list[TierDownload] = []
     sources: list[tuple[Storage, StepStatus]] = []
     arriving: dict[int, LocatedShard] = {}
     error: BaseException | None = None
-    try:
-        for r in range(record.world_size):
-            if r in local:
-                sources.append((root, local[r]))
-                continue
-            download = TierDownload(functools.partial(ShardStream, tier.remote, fetched,
-                                                      record, r), limiter, keep=False)
-            downloads.append(download)
-            shard = await download.open()
-            sources.append((fetched, shard.status))
-            arriving[r] = shard
-        _log.info("ckpt.recovery.reshard_downloading", step=record.step, rank=reading.rank,
-                  url=tier.url, saved_ranks=sorted(arriving),
-                  hint="the root lacks these saved ranks' files: they are downloaded whole "
-                       "from the persistent tier while the ranges needed are read")
-        return await _load(sources, state, limiter, reading, root,
-                           timeline=record.lineage.timeline if record.lineage else 0,
-                           arriving=arriving)
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        with anyio.CancelScope(shield=True):
-            for download in downloads:
-                with contextlib.suppress(Exception):
-                    await download.close(error)
-            await in_thread(limiter, shutil.rmtree, fetch_dir, True)
+    async with _fetch_dir(root, limiter) as fetched:
+        try:
+            for r in range(record.world_size):
+                if r in local:
+                    sources.append((root, local[r]))
+                    continue
+                download = TierDownload(functools.partial(ShardStream, tier.remote, fetched,
+                                                          record, r), limiter, keep=False)
+                downloads.append(download)
+                shard = await download.open()
+                sources.append((fetched, shard.status))
+                arriving[r] = shard
+            _log.info("ckpt.recovery.reshard_downloading", step=record.step,
+                      rank=reading.rank, url=tier.url, saved_ranks=sorted(arriving),
+                      hint="the root lacks these saved ranks' files: they are downloaded "
+                           "whole from the persistent tier while the ranges needed are read")
+            return await _load(sources, state, limiter, reading, root,
+                               timeline=record.lineage.timeline if record.lineage else 0,
+                               arriving=arriving)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                for download in downloads:
+                    with contextlib.suppress(Exception):
+                        await download.close(error)
 
 
 FetchSaved = Callable[[int, int, str, int, int, Storage], tuple[int, float]]
@@ -413,10 +411,7 @@ async def _load_from_peers(fetch: FetchSaved, step: int, save_id: str,
     hold it}) is fetched whole from a live rank's copy server (its own files there, or a
     copy), checked as a fetched copy is, into ``FETCH_DIR`` of the root, read, and removed
     after: the step stays where it was."""
-    fetch_dir = os.path.join(str(root.root), FETCH_DIR)
-    await in_thread(limiter, _fresh_dir, fetch_dir)
-    into = LocalStorage(fetch_dir)
-    try:
+    async with _fetch_dir(root, limiter) as into:
         statuses: dict[int, StepStatus] = dict(local)
         _log.info("ckpt.recovery.reshard_fetching", step=step, rank=reading.rank,
                   saved_ranks=sorted(lacking), holders={str(r): list(h)
@@ -455,26 +450,26 @@ async def _load_from_peers(fetch: FetchSaved, step: int, save_id: str,
         sources = [(root if r in local else into, statuses[r]) for r in range(saved_world)]
         timeline = max((s.lineage.timeline for s in statuses.values() if s.lineage), default=0)
         return await _load(sources, state, limiter, reading, root, timeline=timeline)
+
+
+@contextlib.asynccontextmanager
+async def _fetch_dir(root: Storage, limiter: anyio.CapacityLimiter
+                     ) -> AsyncIterator[LocalStorage]:
+    """``FETCH_DIR`` of ``root``, fresh (what an interrupted reshard left is removed), as a
+    storage that shards fetched or downloaded for one step land in; removed on leaving,
+    whatever happened."""
+    path = os.path.join(str(root.root), FETCH_DIR)
+    await in_thread(limiter, _fresh_dir, path)
+    try:
+        yield LocalStorage(path)
     finally:
         with anyio.CancelScope(shield=True):
-            await in_thread(limiter, shutil.rmtree, fetch_dir, True)
+            await in_thread(limiter, shutil.rmtree, path, True)
 
 
 def _fresh_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)  # what an interrupted reshard left
+    shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path, exist_ok=True)
-
-
-def _local_files(root: Storage, record: StepRecord) -> dict[int, StepStatus]:
-    """The saved ranks whose valid files (or a copy of them) of ``record``'s save the root
-    holds. Worker thread."""
-    out: dict[int, StepStatus] = {}
-    for r in range(record.world_size):
-        for status in scan_any_copy(root, r):
-            if (status.step == record.step and status.valid
-                    and status.save_id == record.save_id):
-                out[r] = status
-    return out
 
 
 def _close(shards: Sequence[ShardRanges]) -> None:

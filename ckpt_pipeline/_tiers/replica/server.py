@@ -34,14 +34,14 @@ from typing import Any
 
 from ..._crash import crash_point
 from ..._format.documents import decode_commit
-from ..._format.filesets import FileSet, rank_sets
+from ..._format.filesets import FileSet
 from ..._format.limits import MAX_SMALL_FILE_BYTES
 from ..._format.names import step_dir_name
 from ..._format.region import checksum
-from ..._format.scan import StepStatus, scan_files
+from ..._format.scan import scan_any_name, scan_files
 from ..._format.steps import read_small
 from ..._logging import log
-from ...errors import CheckpointError, ConfigError, StorageError
+from ...errors import CheckpointError, ConfigError
 from ...events import Event, ReplicaStored
 from ...storage import Storage
 from .incoming import Incoming
@@ -348,29 +348,15 @@ class CopyServer:
             raise ProtocolError(f"the commit record pushed with rank {source}'s copy of step "
                                 f"{step} is for another save")
 
-    def _any_set(self, source: int, step: int, save_id: str, dir_name: str
-                 ) -> tuple[FileSet, StepStatus]:
-        """Rank ``source``'s files of ``step`` as this root holds them: its own names (the
-        saved rank of that number, at a reshard), else a copy, the first valid one of save
-        ``save_id``; else the first set's status, which says why not."""
-        try:
-            names = {e.name for e in self.storage.list_dir(dir_name)}
-        except StorageError as exc:
-            raise ProtocolError(f"rank {self.rank} holds no step {step}: {exc}") from exc
-        found = [(files, scan_files(self.storage, files, step, dir_name, names))
-                 for files in rank_sets(names, source)]
-        return next(((f, s) for f, s in found if s.valid and s.save_id == save_id), found[0])
-
     def _send_copy(self, conn: socket.socket, hello: dict[str, Any]) -> None:
         step, save_id, source = (hello.get(k) for k in ("step", "save_id", "source"))
         if not (isinstance(step, int) and isinstance(save_id, str) and isinstance(source, int)):
             raise ProtocolError("a fetch without step, save id and source")
         dir_name = step_dir_name(step)
-        if hello.get("any") is True:  # a reshard: the shard under any name the root has it
-            files, status = self._any_set(source, step, save_id, dir_name)
-        else:
-            files = FileSet(source, self.rank)
-            status = scan_files(self.storage, files, step, dir_name)
+        status = (scan_any_name(self.storage, source, step, dir_name, save_id)
+                  if hello.get("any") is True  # a reshard: under any name the root has it
+                  else scan_files(self.storage, FileSet(source, self.rank), step, dir_name))
+        files = status.files or FileSet(source)
         if not status.valid or status.save_id != save_id or status.header is None:
             raise ProtocolError(f"rank {self.rank} holds no valid copy of rank {source}'s "
                                 f"shard of step {step} (save {save_id}): "
