@@ -16,17 +16,30 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from ckpt_pipeline.testing import CRASH_ENV
 
-__all__ = ("CHILDREN", "REPO", "Stream", "child_env", "child_script", "free_port",
-           "load_script", "run_child", "spawn_child")
+__all__ = ("CHILDREN", "REPO", "Stream", "child_env", "child_script", "exit_without_teardown",
+           "free_port", "load_script", "run_child", "spawn_child")
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout: children run in it, and import ``ckpt_pipeline`` from it."""
 CHILDREN = REPO / "tests" / "children"
 """The scripts that tests run as child processes."""
+
+
+def exit_without_teardown(code: int = 0) -> NoReturn:
+    """End a child that used DTensors or ``fully_shard`` on gloo once every result is written:
+    flush stdout and stderr and leave without the interpreter's teardown.
+
+    Their collectives keep the gloo group alive past ``destroy_process_group`` (torch 2.13: its
+    worker threads still run after it); torn down during the interpreter's exit, it at times
+    aborts the process ("terminate called without an active exception", SIGABRT) after all the
+    work is done. Seen twice on CI in the reshard tests' save children."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def free_port() -> int:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckpt_pipeline as cp
+from tests._support.children import exit_without_teardown
 
 PLACEMENTS = {
     "rows_and_cols": ((7, 5), (Shard(0), Shard(1))),  # uneven both ways (TP x FSDP)
@@ -55,3 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt_pipeline as cp
+from tests._support.children import exit_without_teardown
 
 
 def shapes(mib: int) -> dict[str, tuple[tuple[int, int], str]]:
@@ -120,3 +121,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ckpt_pipeline as cp
+from tests._support.children import exit_without_teardown
 
 SCENARIOS = ("rank1-apply-fails-plain", "rank1-apply-fails-fsdp", "dtensor-mismatch")
 FAILING_RANK = 1
@@ -231,7 +232,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip the interpreter's teardown of torch (every result is written)
+    exit_without_teardown(main())
