@@ -64,8 +64,15 @@ RESTORE_EXCHANGES = (("restore timeline", 76), ("restore candidates", 83),
                      ("restore load", 94), ("restore apply", 56), ("restore done", 1))
 """(what, bytes of one rank's message): traced at 2388dbc with a recording coordinator
 (replicas=0, keep_last=2); the same on every rank, so the padding adds nothing."""
-SUMMARY_HEADER_BYTES = 64
-FAILURE_BYTES = 48
+SUMMARY_HEADER_BYTES = 100
+"""A node's (and the job's) relay when every rank votes alike: one run and one commit vote
+(``pack_distinct``; 100 bytes measured by bench_vote_decode.py)."""
+FAILURE_BYTES = 48 + 16
+"""Each rank that votes otherwise: its message (about 48 bytes of error) and two runs."""
+PER_RANK_S = 0.18e-6
+"""The built protocol's work per rank of the job that is not a decode: the leader's packing
+(one dict lookup a rank), a rank's unpacking (a list of shared references) and the tally's
+loop over the answers; bench_vote_decode.py, 16,000 ranks voting alike, 2.85 ms in all."""
 
 # Measured on the 2-core development VM (torch 2.13 CPU, Python 3.11, under a CI load; the
 # least of 7 repeats), not on the 32-core host of scale.json: see PARAMETER_SOURCES.
@@ -92,6 +99,8 @@ PARAMETER_SOURCES = {
                "leader one hop as the one-host benchmark measured it, and one decode",
     "alpha_leader_s": "alpha_s: a step of the leaders' all-gather costs what a step cost on "
                       "the benchmark's host (no extra for the network)",
+    "per_rank_s": "measured: bench_vote_decode.py, 16,000 ranks voting alike, unpack and tally "
+                  "2.85 ms and the leader's pack 1.26 ms, per rank (dev VM, under load)",
 }
 
 
@@ -109,6 +118,7 @@ class Params:
     local_s: float | None = None
     alpha_leader_s: float | None = None
     failures: int = 0
+    per_rank_s: float = PER_RANK_S
 
     @property
     def local(self) -> float:
@@ -304,18 +314,19 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
     loop = Loop()
     nodes = -(-ranks // per_node)
     sizes = [min(per_node, ranks - n * per_node) for n in range(nodes)]
-    summary = SUMMARY_HEADER_BYTES + -(-per_node // 8) + FAILURE_BYTES * p.failures
+    summary = SUMMARY_HEADER_BYTES + FAILURE_BYTES * p.failures
     allgather = log_allgather_s if log_depth else ring_allgather_s
     leaders = [[Collective(nodes, allgather(nodes, seg, p.alpha_leader, p.beta_s_per_byte))
                 for seg in (SIZE_BYTES, summary)] for _ in exchanges]
-    decode_nodes = (nodes + p.failures) * p.decode_s
+    # one decode a distinct message (the vote, and each that differs), the per-rank work
+    decode_nodes = (1 + p.failures) * p.decode_s + ranks * p.per_rank_s
 
     def member(inbox: list[Inbox], outcome: list[Signal]) -> Process:
         yield (DELAY, fixed_s)
         for e in range(len(exchanges)):
             yield (POST, inbox[e], p.local)
             yield (WAIT, outcome[e])
-            yield (DELAY, p.decode_s)
+            yield (DELAY, (1 + p.failures) * p.decode_s + ranks * p.per_rank_s)
 
     def leader(inbox: list[Inbox], outcome: list[Signal]) -> Process:
         yield (DELAY, fixed_s)
@@ -361,11 +372,13 @@ is: it starts with every shard sealed); ``commit_max``: the commit stage, max ov
 also waits for the slowest shard, which the model does not); ``restore``: max over ranks."""
 
 
-def measured_points(scale: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every (figure, replicas, ranks, seconds) of scale.json's finished configurations."""
+def measured_points(scale: dict[str, Any], control: str = "flat") -> list[dict[str, Any]]:
+    """Every (figure, replicas, ranks, seconds) of the scale JSON's finished configurations of
+    one control plane (``flat``, or ``hier``; a JSON from before there was a choice is all
+    flat)."""
     points = []
     for config in scale["configs"]:
-        if config.get("status") != "ok":
+        if config.get("status") != "ok" or (config.get("control") or "flat") != control:
             continue
         for figure, (_, read) in FIGURES.items():
             points.append({"figure": figure, "replicas": config["replicas"],
@@ -373,11 +386,26 @@ def measured_points(scale: dict[str, Any]) -> list[dict[str, Any]]:
     return points
 
 
+def check_hierarchical(scale: dict[str, Any], p: Params) -> list[dict[str, Any]]:
+    """The hierarchical model, at the fitted parameters, against every per-node configuration
+    the scale JSON measured (nodes of its ``--ranks-per-node``): not fitted, a check."""
+    per_node = int(scale.get("args", {}).get("ranks_per_node") or 8)
+    points = measured_points(scale, "hier")
+    for pt in points:
+        operation = FIGURES[pt["figure"]][0]
+        protocol = "hier" if pt["ranks"] > per_node else "flat"  # one node: flat
+        pt["ranks_per_node"] = per_node
+        pt["model_s"] = simulate(protocol, pt["ranks"], per_node, operation, p)["seconds"]
+        pt["residual_s"] = pt["measured_s"] - pt["model_s"]
+    return points
+
+
 def _flat_s(ranks: int, operation: str, p: Params) -> float:
     return simulate("flat", ranks, 1, operation, p)["seconds"]
 
 
-def calibrate(scale: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS
+              ) -> tuple[Params, dict[str, Any]]:
     """Fit alpha_s and the fixed parts of the flat model to scale.json (module docstring).
 
     The model is linear in alpha_s and in the fixed parts, so two runs of it per size give the
@@ -387,9 +415,10 @@ def calibrate(scale: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
     base = Params(alpha_s=0.0)
     unit = 1e-3
     vote = [pt for pt in points if pt["figure"] == "vote" and pt["replicas"] == 0
-            and pt["ranks"] in FIT_RANKS]
+            and pt["ranks"] in fit_ranks]
     if len(vote) < 2:
-        raise SystemExit("scale.json lacks the vote figure at 8/16/32 ranks (replicas=0)")
+        raise SystemExit(f"the scale JSON lacks the flat vote figure at two of "
+                         f"{list(fit_ranks)} ranks (replicas=0)")
     g = [_flat_s(pt["ranks"], "commit", base) for pt in vote]
     x = [(_flat_s(pt["ranks"], "commit", dataclasses.replace(base, alpha_s=unit)) - gi) / unit
          for pt, gi in zip(vote, g)]
@@ -403,7 +432,7 @@ def calibrate(scale: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
     else:  # a negative fixed cost: hold it at 0 and fit the slope through the origin
         alpha, fixed = sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x), 0.0
     fitted = dataclasses.replace(base, alpha_s=alpha, fixed_commit_s=fixed)
-    restore = [pt for pt in points if pt["figure"] == "restore" and pt["ranks"] in FIT_RANKS]
+    restore = [pt for pt in points if pt["figure"] == "restore" and pt["ranks"] in fit_ranks]
     offsets = [pt["measured_s"] - _flat_s(pt["ranks"], "restore", fitted) for pt in restore]
     fitted = dataclasses.replace(
         fitted, fixed_restore_s=max(0.0, statistics.median(offsets)) if offsets else 0.0)
@@ -412,8 +441,9 @@ def calibrate(scale: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
         pt["model_s"] = _flat_s(pt["ranks"], operation, fitted)
         pt["residual_s"] = pt["measured_s"] - pt["model_s"]
         pt["in_fit"] = (pt["figure"] == "vote" and pt["replicas"] == 0
-                        and pt["ranks"] in FIT_RANKS)
-    return fitted, {"unconstrained": free, "points": points}
+                        and pt["ranks"] in fit_ranks)
+    return fitted, {"unconstrained": free, "points": points, "fit_ranks": list(fit_ranks),
+                    "hierarchical_check": check_hierarchical(scale, fitted)}
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -453,8 +483,8 @@ def _solve_alpha_leader(protocol: str, ranks: int, per_node: int, p: Params) -> 
 
 
 def build_report(scale: dict[str, Any], sizes: Sequence[int], per_node: Sequence[int],
-                 scale_path: str) -> dict[str, Any]:
-    p, fit = calibrate(scale)
+                 scale_path: str, fit_ranks: Sequence[int] = FIT_RANKS) -> dict[str, Any]:
+    p, fit = calibrate(scale, fit_ranks)
     results: list[dict[str, Any]] = []
     for rpn in per_node:
         for ranks in sizes:
@@ -519,6 +549,13 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"{pt['figure']:<11}{pt['replicas']:>5}{pt['ranks']:>6}"
                      f"{pt['measured_s'] * 1e3:>10.1f}{pt['model_s'] * 1e3:>9.1f}"
                      f"{pt['residual_s'] * 1e3:>+8.1f}{' *' if pt['in_fit'] else ''}")
+    check = report["calibration"].get("hierarchical_check") or []
+    if check:
+        lines += ["", "check (hierarchical model against the measured per-node runs, not "
+                      "fitted; ms):",
+                  f"{'figure':<11}{'ranks':>6}{'measured':>10}{'model':>9}{'resid':>8}"]
+        lines += [f"{pt['figure']:<11}{pt['ranks']:>6}{pt['measured_s'] * 1e3:>10.1f}"
+                  f"{pt['model_s'] * 1e3:>9.1f}{pt['residual_s'] * 1e3:>+8.1f}" for pt in check]
     free = report["calibration"]["unconstrained"]
     lines += ["", f"unconstrained fit: alpha_s {free['alpha_s'] * 1e6:.1f} us, fixed_commit_s "
                   f"{free['fixed_commit_s'] * 1e3:.2f} ms"
@@ -557,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the measurements to calibrate on (default: %(default)s)")
     parser.add_argument("--ranks", type=_int_list, default=list(SIZES))
     parser.add_argument("--ranks-per-node", type=_int_list, default=[8])
+    parser.add_argument("--fit-ranks", type=_int_list, default=list(FIT_RANKS),
+                        help="the flat configurations fitted (default 8,16,32; fewer than "
+                             "the cores, or the fit takes in the wait for a core)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     args = parser.parse_args(argv)
@@ -565,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = str(args.scale.resolve().relative_to(HERE.parent))
     except ValueError:
         shown = str(args.scale)
-    report = build_report(scale, args.ranks, args.ranks_per_node, shown)
+    report = build_report(scale, args.ranks, args.ranks_per_node, shown, args.fit_ranks)
     text = json.dumps(report, indent=1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")

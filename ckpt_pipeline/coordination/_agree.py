@@ -22,20 +22,24 @@ __all__ = ("Ballot", "Candidates", "Opening", "Tally", "VotePart", "agree_barrie
 
 async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: str,
                     step: int | None = None) -> list[dict[str, Any]]:
+    """Every rank's ``message``, indexed by rank. Each distinct message is decoded once, and
+    ranks that sent the same bytes get the same object: read the answers, never change them."""
     raw = await coordinator.all_gather(encode_message(message), what=what, step=step)
     if len(raw) != coordinator.world_size:
         raise CoordinationError(f"{what}: {len(raw)} answers for {coordinator.world_size} "
                                 "ranks", step=step, rank=coordinator.rank)
     out = []
+    seen: dict[bytes, dict[str, Any]] = {}
     for rank, payload in enumerate(raw):
-        try:
-            decoded = decode_message(payload, f"{what} message of rank {rank}")
-        except CheckpointIntegrityError as exc:  # a peer's message, not a file on disk
-            raise CoordinationError(f"{what}: rank {rank} sent a malformed message "
-                                    f"({exc.message})", step=step, rank=coordinator.rank,
-                                    hint="ranks running different versions of ckpt_pipeline?"
-                                         " restart the job with the same version everywhere",
-                                    ranks=(rank,)) from exc
+        decoded = seen.get(payload)
+        if decoded is None:
+            try:
+                decoded = decode_message(payload, f"{what} message of rank {rank}")
+            except CheckpointIntegrityError as exc:  # a peer's message, not a file on disk
+                raise CoordinationError(f"{what}: rank {rank} sent a malformed message "
+                                        f"({exc.message})", step=step, rank=coordinator.rank,
+                                        hint=_VERSIONS_HINT, ranks=(rank,)) from exc
+            seen[payload] = decoded
         out.append(decoded)
     return out
 
@@ -112,14 +116,18 @@ def _outcomes(answers: Sequence[Mapping[str, Any]], step: int, save_id: str
     step or save id counts as failed."""
     failures: dict[int, str] = {}
     any_fatal = False
+    read: dict[int, str | None] = {}  # id of a distinct answer: its failure (shared answers)
     for rank, answer in enumerate(answers):
-        err = answer.get("error")
-        if not _same(answer, step, save_id):
-            failures[rank] = (f"was at step {answer.get('step')} (save {answer.get('save_id')})"
-                              f", not step {step}")
-        elif err is not None:
-            failures[rank] = str(err)
-        any_fatal = any_fatal or bool(answer.get("fatal"))
+        key = id(answer)
+        if key not in read:
+            err = answer.get("error")
+            read[key] = (f"was at step {answer.get('step')} (save {answer.get('save_id')}), "
+                         f"not step {step}" if not _same(answer, step, save_id)
+                         else None if err is None else str(err))
+            any_fatal = any_fatal or bool(answer.get("fatal"))
+        failure = read[key]
+        if failure is not None:
+            failures[rank] = failure
     return failures, any_fatal
 
 
@@ -168,10 +176,9 @@ async def gather_vote(coordinator: Coordinator, step: int, save_id: str, error: 
     failures, any_fatal = _outcomes(answers, step, save_id)
     parts: dict[str, tuple[VotePart | None, ...]] = {}
     for key, ballot in ballots.items():
-        parts[key] = tuple(
-            _decode_part(answer, key, ballot, what=what, rank=rank, me=coordinator.rank)
-            if ballot.any_step or _same(answer, step, save_id) else None
-            for rank, answer in enumerate(answers))
+        parts[key] = _decode_parts(
+            answers, key, ballot, what=what, me=coordinator.rank,
+            counts=None if ballot.any_step else lambda a: _same(a, step, save_id))
     return Tally(failures, any_fatal, parts)
 
 
@@ -181,8 +188,22 @@ async def gather_parts(coordinator: Coordinator, key: str, ballot: Ballot[P], *,
     answers = await _exchange(coordinator, {"parts": {key: None if ballot.part is None
                                                       else ballot.part.to_msg()}},
                               what=what, step=step)
-    return tuple(_decode_part(answer, key, ballot, what=what, rank=rank, me=coordinator.rank)
-                 for rank, answer in enumerate(answers))
+    return _decode_parts(answers, key, ballot, what=what, me=coordinator.rank)
+
+
+def _decode_parts(answers: Sequence[Mapping[str, Any]], key: str, ballot: Ballot[P], *,
+                  what: str, me: int, counts: Callable[[Mapping[str, Any]], bool] | None = None
+                  ) -> tuple[P | None, ...]:
+    """Every rank's ``key`` part (None where ``counts`` says the answer does not count),
+    decoded once per distinct answer (``_exchange`` shares equal ones)."""
+    done: dict[int, P | None] = {}
+    out: list[P | None] = []
+    for rank, answer in enumerate(answers):
+        if id(answer) not in done:
+            done[id(answer)] = (None if counts is not None and not counts(answer) else
+                                _decode_part(answer, key, ballot, what=what, rank=rank, me=me))
+        out.append(done[id(answer)])
+    return tuple(out)
 
 
 def _decode_part(answer: Mapping[str, Any], key: str, ballot: Ballot[P], *, what: str,

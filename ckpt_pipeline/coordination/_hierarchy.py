@@ -7,11 +7,15 @@ gloo groups made for them at construction:
 
 1. **node**: an all-gather among the ranks of each node (``timeout_s``);
 2. **leaders**: the nodes' leaders (the lowest rank of each node) all-gather their nodes'
-   payloads, framed (``pack_relay``; ``timeout_s + grace_s``). A leader whose node stage
-   failed still takes part, with its failure in place of its node's payloads, so that every
-   node learns of it at once;
-3. **relay**: each leader broadcasts the whole result, or the failure, to the ranks of its node
-   (``timeout_s + 2 grace_s``).
+   payloads, each distinct payload once with runs saying whose it is (``pack_relay``;
+   ``timeout_s + grace_s``). A leader whose node stage failed still takes part, with its
+   failure in place of its node's payloads, so that every node learns of it at once;
+3. **relay**: each leader broadcasts the whole result so packed, or the failure, to the ranks
+   of its node (``timeout_s + 2 grace_s``).
+
+Equal payloads come back as one shared object, so that a reader decodes each distinct one
+once (``_agree._exchange``): when the ranks vote alike, a rank decodes one vote, not one a
+rank.
 
 Each later stage waits ``grace_s`` longer than the one before, so that a failure found by a
 stage's timeout still travels through the next stages in time. The good path writes nothing
@@ -45,7 +49,8 @@ from ..errors import ConfigError, CoordinationError
 from ._control_plane import DistributedCoordinator, default_store, destroy_group, gather_bytes
 
 __all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "node_ids",
-           "node_size_from_env", "pack_frames", "pack_relay", "unpack_frames", "unpack_relay")
+           "node_size_from_env", "pack_distinct", "pack_frames", "pack_relay",
+           "unpack_distinct", "unpack_frames", "unpack_relay")
 
 _COUNT = struct.Struct("<I")
 _RELAYED, _FAILED = 0, 1
@@ -82,14 +87,58 @@ def unpack_frames(data: bytes) -> list[bytes]:
     return out
 
 
+def pack_distinct(items: Sequence[bytes]) -> bytes:
+    """``items`` with each distinct payload once: the number of runs, each run as (how many
+    items in a row, which distinct payload) in little-endian u32, then the distinct payloads
+    framed (``pack_frames``), in order of first use. On the good path every rank votes alike
+    and a whole job's votes are one run and one payload; each rank that differs adds a run or
+    two and, where its payload is new, that payload."""
+    index: dict[bytes, int] = {}
+    runs: list[int] = []  # count, index, count, index, ...
+    for item in items:
+        at = index.setdefault(item, len(index))
+        if runs and runs[-1] == at:
+            runs[-2] += 1
+        else:
+            runs += (1, at)
+    if len(runs) // 2 >= 1 << 32:
+        raise ValueError("a frame holds at most 2**32 - 1 runs")
+    return struct.pack(f"<I{len(runs)}I", len(runs) // 2, *runs) + pack_frames(list(index))
+
+
+def unpack_distinct(data: bytes) -> list[bytes]:
+    """The items ``pack_distinct`` packed, equal payloads as one shared object; ValueError for
+    anything else (short, trailing bytes, a run of no items or of a payload it lacks, a
+    payload no run uses)."""
+    if len(data) < _COUNT.size:
+        raise ValueError(f"a frame of {len(data)} bytes has no run count")
+    (count,) = _COUNT.unpack_from(data)
+    head = _COUNT.size * (1 + 2 * count)
+    if len(data) < head:
+        raise ValueError(f"a frame of {len(data)} bytes is too short for {count} runs")
+    runs = struct.unpack_from(f"<{2 * count}I", data, _COUNT.size)
+    distinct = unpack_frames(data[head:])
+    used = set(runs[1::2])
+    if 0 in runs[0::2] or any(at >= len(distinct) for at in used):
+        raise ValueError(f"a frame's runs ({count}) hold an empty run or a payload beyond "
+                         f"its {len(distinct)}")
+    if len(used) != len(distinct):
+        raise ValueError(f"a frame holds {len(distinct)} payloads, {len(used)} of them used")
+    out: list[bytes] = []
+    for n, at in zip(runs[0::2], runs[1::2], strict=True):
+        out += [distinct[at]] * n
+    return out
+
+
 def pack_relay(items: Sequence[bytes] | None, failure: str | None = None) -> bytes:
-    """What a stage passes on: ``items`` (framed), or ``failure`` (why there are none)."""
+    """What a stage passes on: ``items`` (``pack_distinct``), or ``failure`` (why there are
+    none)."""
     if (items is None) == (failure is None):
         raise ValueError("a relay holds either items or a failure")
     if failure is not None:
         return bytes([_FAILED]) + failure.encode("utf-8", "replace")
     assert items is not None
-    return bytes([_RELAYED]) + pack_frames(items)
+    return bytes([_RELAYED]) + pack_distinct(items)
 
 
 def unpack_relay(data: bytes) -> tuple[list[bytes] | None, str | None]:
@@ -98,7 +147,7 @@ def unpack_relay(data: bytes) -> tuple[list[bytes] | None, str | None]:
         raise ValueError("a relay message starts with its kind (0: items, 1: a failure)")
     if data[0] == _FAILED:
         return None, bytes(data[1:]).decode("utf-8", "replace")
-    return unpack_frames(data[1:]), None
+    return unpack_distinct(data[1:]), None
 
 
 # ---------------------------------------------------------------- which ranks share a node

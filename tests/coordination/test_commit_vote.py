@@ -113,3 +113,25 @@ def test_a_rank_on_another_save_fails_the_vote_and_only_parts_for_any_step_count
                    "persist": Ballot(report, PersistReport.from_msg, any_step=True)})
     assert list(tally.failures) == [1] and "not step 7" in tally.failures[1]
     assert tally.parts == {"replicas": (None, None), "persist": (report, report)}
+
+
+def test_ranks_that_vote_alike_are_decoded_once_and_each_that_differs_is_named() -> None:
+    """Of 1,000 ranks voting, 997 send the same bytes: their vote and part are decoded once
+    (shared); a rank with another part and one that failed still come out as their own."""
+    calls: list[Any] = []
+
+    def decode(msg: Any) -> CopiesAcked:
+        calls.append(msg)
+        return CopiesAcked.from_msg(msg)
+
+    mine = CopiesAcked((1,))
+    alike = _answer({"replicas": mine.to_msg()})
+    others = [dict(alike) for _ in range(998)]
+    others[500] = _answer({"replicas": CopiesAcked((2,)).to_msg()})
+    others[700] = {**alike, "error": "disk full"}
+    tally = _vote(others, {"replicas": Ballot(mine, decode)})
+    assert tally.failures == {701: "disk full"}
+    parts = tally.parts["replicas"]
+    assert len(parts) == 999 and parts[501] == CopiesAcked((2,))
+    assert all(p == mine for i, p in enumerate(parts) if i != 501)
+    assert len(calls) == 3  # rank 0's and the 996 like it, rank 501's, rank 701's

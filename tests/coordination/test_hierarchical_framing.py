@@ -14,8 +14,10 @@ from ckpt_pipeline.coordination._hierarchy import (
     NodeLayout,
     node_ids,
     node_size_from_env,
+    pack_distinct,
     pack_frames,
     pack_relay,
+    unpack_distinct,
     unpack_frames,
     unpack_relay,
 )
@@ -51,6 +53,45 @@ def test_a_frame_with_trailing_bytes_is_refused() -> None:
 def test_a_frame_claiming_more_lengths_than_it_holds_is_refused() -> None:
     with pytest.raises(ValueError, match="too short"):
         unpack_frames(struct.pack("<I", 1_000_000) + b"\x00" * 8)
+
+
+@given(st.lists(st.sampled_from([b"", b"ok", b"\x00" * 5, b"failed: disk full"]), max_size=60))
+def test_distinct_payloads_round_trip_and_equal_ones_come_back_shared(
+        items: list[bytes]) -> None:
+    back = unpack_distinct(pack_distinct(items))
+    assert back == items
+    by_value: dict[bytes, bytes] = {}
+    for item in back:
+        assert by_value.setdefault(item, item) is item  # one object per distinct payload
+
+
+def test_a_job_voting_alike_packs_to_one_run_whatever_its_size() -> None:
+    vote = b"\x85step\x07" + b"x" * 100
+    sizes = {n: len(pack_distinct([vote] * n)) for n in (2, 1000, 16000)}
+    assert len(set(sizes.values())) == 1 and sizes[2] == 4 + 8 + 4 + 4 + len(vote)
+    one_off = [vote] * 16000
+    one_off[8000] = b"error: disk full"
+    assert len(pack_distinct(one_off)) == sizes[2] + 2 * 8 + 4 + len(b"error: disk full")
+
+
+@pytest.mark.parametrize("data", [
+    b"",
+    struct.pack("<I", 5),  # five runs announced, none there
+    struct.pack("<3I", 1, 0, 0) + pack_frames([b"a"]),  # a run of no items
+    struct.pack("<3I", 1, 2, 1) + pack_frames([b"a"]),  # a run of a payload it lacks
+    struct.pack("<3I", 1, 2, 0) + pack_frames([b"a", b"b"]),  # a payload no run uses
+    pack_distinct([b"a", b"a"]) + b"!",  # trailing bytes
+])
+def test_a_malformed_distinct_frame_is_refused(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        unpack_distinct(data)
+
+
+def test_every_truncated_distinct_frame_is_refused() -> None:
+    packed = pack_distinct([b"ab", b"ab", b"c", b"ab"])
+    for end in range(len(packed)):
+        with pytest.raises(ValueError):
+            unpack_distinct(packed[:end])
 
 
 @pytest.mark.parametrize("items", [[], [b""], PAYLOADS])

@@ -1,0 +1,113 @@
+"""What reading one commit vote costs a rank, by the number of ranks: the per-node control
+plane's relay (``pack_relay`` on the leader, ``unpack_relay`` on a rank) and the tally
+(``gather_vote``: decoding the answers and their parts), in one process, no gloo.
+
+Three votes at each size: every rank alike (the good path), one rank in 100 with an error,
+and every rank different (each answer carries its own rank number, which is what every vote
+cost before each distinct answer was decoded once). The timings are the least of
+``--repeats`` runs, on this machine, the machine recorded beside them.
+
+    python benchmarks/bench_vote_decode.py                    # 1,000, 4,000 and 16,000 ranks
+    python benchmarks/bench_vote_decode.py --ranks 1000 --repeats 3 --out /tmp/v.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from _machine import machine_info
+
+from ckpt_pipeline._format.documents import encode_message
+from ckpt_pipeline._tiers.replica.vote import CopiesAcked
+from ckpt_pipeline.coordination._agree import Ballot, gather_vote
+from ckpt_pipeline.coordination._hierarchy import pack_relay, unpack_relay
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "vote_decode_cpu_2core.json"
+STEP, SAVE = 42, "0123456789abcdef"
+
+
+def _message(rank: int, kind: str) -> bytes:
+    error = "disk full on /local/ckpt" if kind == "1pct" and rank % 100 == 7 else None
+    part = CopiesAcked((rank,) if kind == "distinct" else (1,)).to_msg()
+    return encode_message({"step": STEP, "save_id": SAVE, "error": error, "fatal": False,
+                           "parts": {"replicas": part}})
+
+
+class _Relayed:
+    """Rank 0's coordinator, handed the relay's bytes as a leader broadcast them."""
+
+    def __init__(self, relayed: bytes, world: int) -> None:
+        self.rank, self.world_size, self.relayed = 0, world, relayed
+
+    async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
+                         ) -> list[bytes]:
+        items, failure = unpack_relay(self.relayed)
+        assert items is not None and failure is None
+        return items
+
+
+def _least(fn: Callable[[], Any], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure(ranks: int, kind: str, repeats: int) -> dict[str, Any]:
+    payloads = [_message(rank, kind) for rank in range(ranks)]
+    relayed = pack_relay(payloads)
+    ballot = Ballot(CopiesAcked((1,)), CopiesAcked.from_msg)
+
+    async def vote() -> Any:
+        return await gather_vote(_Relayed(relayed, ranks), STEP, SAVE, None, what="commit",
+                                 ballots={"replicas": ballot})
+
+    async def votes() -> tuple[int, float]:  # one event loop, as in the pipeline
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            tally = await vote()
+            best = min(best, time.perf_counter() - started)
+        return len(tally.failures), best
+
+    failures, tally_s = anyio.run(votes)
+    return {"ranks": ranks, "votes": kind, "failures": failures,
+            "relay_bytes": len(relayed), "payload_bytes_each": len(payloads[0]),
+            "leader_pack_s": _least(lambda: pack_relay(payloads), repeats),
+            "rank_unpack_s": _least(lambda: unpack_relay(relayed), repeats),
+            "rank_unpack_and_tally_s": tally_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1000,4000,16000")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    rows = [measure(int(n), kind, args.repeats) for n in args.ranks.split(",")
+            for kind in ("alike", "1pct", "distinct")]
+    report = {"benchmark": "vote_decode", "machine": machine_info(HERE),
+              "repeats": args.repeats, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{'ranks':>6} {'votes':>9} {'fail':>5} {'relay B':>9} {'pack ms':>8} "
+          f"{'unpack ms':>10} {'unpack+tally ms':>16}")
+    for r in rows:
+        print(f"{r['ranks']:>6} {r['votes']:>9} {r['failures']:>5} {r['relay_bytes']:>9} "
+              f"{r['leader_pack_s'] * 1e3:>8.2f} {r['rank_unpack_s'] * 1e3:>10.2f} "
+              f"{r['rank_unpack_and_tally_s'] * 1e3:>16.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
