@@ -2,8 +2,11 @@
 # Issue 28 on the GPU machine (its 16 cores; the GPU is not used): bench_scale.py at 8, 16, 32,
 # 64 and 128 ranks on pretend nodes of 8 ranks, roots in /dev/shm, the flat control plane and
 # the per-node one taking turns in the same run -> $OUT/scale_hier.json, the progress in
-# $OUT/scale.log, the table last. About 4 minutes on 16 cores; every configuration is bounded
-# by TIMEOUT_S (default 200 s) and the whole by LIMIT (default 540 s).
+# $OUT/scale.log, the table last. Then, with no more ranks than cores, how the per-node commit
+# grows with the nodes (nodes of 2: 4, 8 and 16 ranks -> $OUT/scale_nodes.json) and with the
+# ranks of a node (2 nodes of 2, 4 and 8 -> $OUT/scale_node_size_{2,4,8}.json). About 5
+# minutes on 16 cores; every configuration is bounded by TIMEOUT_S (default 200 s) and the
+# first run by LIMIT (default 400 s).
 # Usage: git rev-parse HEAD > commit.txt; OUT=/some/empty/dir bash benchmarks/gpu_issue28_run.sh
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
@@ -12,10 +15,21 @@ RANKS="${RANKS:-8,16,32,64,128}"
 ulimit -n 65536 2>/dev/null || true  # 128 gloo ranks in full mesh, several groups each
 echo "open files: $(ulimit -n); $(nproc) cores; $(head -1 "$OUT/gpu.txt")" > "$OUT/scale.log"
 rm -rf /dev/shm/ckpt-scale
-timeout -k 10 "${LIMIT:-540}" python3 benchmarks/bench_scale.py --ranks "$RANKS" --replicas 0 \
+timeout -k 10 "${LIMIT:-400}" python3 benchmarks/bench_scale.py --ranks "$RANKS" --replicas 0 \
   --saves 10 --ranks-per-node 8 --control flat,hier --dir /dev/shm/ckpt-scale \
   --timeout-s "${TIMEOUT_S:-200}" --out "$OUT/scale_hier.json" >> "$OUT/scale.log" 2>&1
 echo "bench_scale exit $? after ${SECONDS} s" >> "$OUT/scale.log"
 rm -rf /dev/shm/ckpt-scale
+timeout -k 10 90 python3 benchmarks/bench_scale.py --ranks 4,8,16 --replicas 0 --saves 10 \
+  --ranks-per-node 2 --control flat,hier --dir /dev/shm/ckpt-scale --timeout-s 60 \
+  --out "$OUT/scale_nodes.json" >> "$OUT/scale.log" 2>&1
+echo "nodes of 2: exit $? after ${SECONDS} s" >> "$OUT/scale.log"
+for size in 2 4 8; do
+  timeout -k 10 40 python3 benchmarks/bench_scale.py --ranks $((2 * size)) --replicas 0 \
+    --saves 10 --ranks-per-node "$size" --control hier --dir /dev/shm/ckpt-scale \
+    --timeout-s 35 --out "$OUT/scale_node_size_$size.json" >> "$OUT/scale.log" 2>&1
+  echo "2 nodes of $size: exit $? after ${SECONDS} s" >> "$OUT/scale.log"
+done
+rm -rf /dev/shm/ckpt-scale
 grep -E "^(error|warning)|Error" "$OUT/scale.log" | head -8
-tail -n 16 "$OUT/scale.log"
+grep -E "^ +[0-9]+ +0 +(ok|failed)|exit" "$OUT/scale.log" | tail -n 24

@@ -7,8 +7,9 @@ gloo groups made for them at construction:
 
 1. **node**: an all-gather among the ranks of each node (``timeout_s``);
 2. **leaders**: the nodes' leaders (the lowest rank of each node) all-gather their nodes'
-   payloads, each distinct payload once with runs saying whose it is (``pack_relay``;
-   ``timeout_s + grace_s``). A leader whose node stage failed still takes part, with its
+   payloads, each distinct payload once with runs saying whose it is (``pack_relay``), in
+   ceil(log2 nodes) rounds of point-to-point messages (``log_gather``; ``timeout_s +
+   grace_s``). A leader whose node stage failed still takes part, with its
    failure in place of its node's payloads, so that every node learns of it at once;
 3. **relay**: each leader broadcasts the whole result so packed, or the failure, to the ranks
    of its node (``timeout_s + 2 grace_s``).
@@ -48,8 +49,8 @@ from .._threads import in_thread
 from ..errors import ConfigError, CoordinationError
 from ._control_plane import DistributedCoordinator, default_store, destroy_group, gather_bytes
 
-__all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "node_ids",
-           "node_size_from_env", "pack_distinct", "pack_frames", "pack_relay",
+__all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "log_gather",
+           "node_ids", "node_size_from_env", "pack_distinct", "pack_frames", "pack_relay",
            "unpack_distinct", "unpack_frames", "unpack_relay")
 
 _COUNT = struct.Struct("<I")
@@ -391,8 +392,10 @@ class HierarchicalCoordinator:
         """The leaders' stage: (what this leader relays to its node, the result or None, why
         not). Never raises: whatever happens, the node hears of it."""
         try:
-            frames = self._stage(self._leaders_group, len(self._leaders),
-                                 pack_relay(ours, failure))
+            frames = [pack_relay(ours, failure)]
+            if self._leaders_group is not None:
+                frames = log_gather(self._dist, self._leaders_group, self._leaders, frames[0],
+                                    self.timeout_s + self.grace_s)
         except Exception as exc:
             why = f"leaders: {_short(exc)}"
             return pack_relay(None, why), None, why
@@ -515,6 +518,54 @@ class HierarchicalCoordinator:
                 own = group
                 self._groups.append(group)
         return own
+
+
+def log_gather(dist: Any, group: Any, members: Sequence[int], payload: bytes,
+               timeout_s: float) -> list[bytes]:
+    """Every member's ``payload``, in the order of ``members`` (the global ranks of gloo
+    ``group``), in ceil(log2 n) rounds (Bruck's all-gather) rather than the n - 1 steps of
+    gloo's ring: in round r each member sends the payloads it holds of itself and the
+    2^r - 1 members after it to the member 2^r before it, and receives those of the member
+    2^r after it. Every wait ends by ``timeout_s`` after the call (TimeoutError, or gloo's
+    error of a peer that went away)."""
+    n = len(members)
+    me = members.index(dist.get_rank())
+    deadline = time.monotonic() + timeout_s
+    held = [payload]  # the payloads of me, me + 1, ... (mod n)
+    step, round_ = 1, 0
+    while step < n:
+        out = pack_frames(held[:min(step, n - step)])
+        held += unpack_frames(_swap(dist, group, out, members[(me - step) % n],
+                                    members[(me + step) % n], 2 * round_, deadline))
+        step, round_ = 2 * step, round_ + 1
+    return [held[(i - me) % n] for i in range(n)]
+
+
+def _swap(dist: Any, group: Any, out: bytes, to: int, source: int, tag: int,
+          deadline: float) -> bytes:
+    """Send ``out`` to rank ``to`` and receive what rank ``source`` sends this way (its
+    length, then its bytes), by ``deadline``."""
+    length = torch.tensor([len(out)], dtype=torch.int64)
+    sends = [dist.isend(length, dst=to, group=group, tag=tag)]
+    data = torch.zeros(max(len(out), 1), dtype=torch.uint8)
+    if out:
+        data[:len(out)] = torch.frombuffer(bytearray(out), dtype=torch.uint8)
+    sends.append(dist.isend(data, dst=to, group=group, tag=tag + 1))
+    theirs = torch.zeros(1, dtype=torch.int64)
+    _wait(dist.irecv(theirs, src=source, group=group, tag=tag), deadline)
+    size = int(theirs.item())
+    got = torch.empty(max(size, 1), dtype=torch.uint8)
+    _wait(dist.irecv(got, src=source, group=group, tag=tag + 1), deadline)
+    for work in sends:
+        _wait(work, deadline)
+    return bytes(byte_view(got, 0, size)) if size else b""
+
+
+def _wait(work: Any, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0 or not work.wait(timeout=datetime.timedelta(seconds=left)):
+        raise TimeoutError(f"a peer of the leaders' exchange did not answer in time "
+                           f"({max(left, 0.0):.1f} s left)")
 
 
 def _relay(dist: Any, group: Any, payload: bytes | None, leader: int) -> bytes:
