@@ -20,13 +20,17 @@ halves) to the right neighbour, a step starting only when the previous one is do
 cost ``alpha + beta * segment``, every rank finishes at the last rank's entry plus (N-1) steps
 (``ring_allgather_finish`` simulates it step by step; the event loop uses that closed form).
 
-**hierarchical** is not built. Per exchange: every rank hands its message to its node's leader
-(a node-local exchange, ``local_s`` per participant, served one after another), the leaders
-all-gather node summaries with gloo's ring (participants = nodes; sizes, then summaries, as
-``_gather`` does) and decode one summary per node, and each leader passes the outcome back in
-its node (one local hop, one decode). A summary is a bitmap of successes and the list of
-failures: 64 bytes, plus ranks_per_node bits, plus 48 bytes a failure. No store write. ``hier-log`` is the same with a log-depth leader all-gather
-(Bruck: ceil(log2 nodes) rounds, segments doubling), which gloo's all-gather is not.
+**hier-log** is what ``coordination/_hierarchy.py`` does. Per exchange: the ranks of each node
+make the two ring all-gathers of ``gather_bytes`` among themselves (lengths, then messages);
+the leaders all-gather their nodes' relays in ceil(log2 nodes) rounds (``log_gather``, Bruck:
+segments doubling; a round's length and bytes travel together, one step); each leader
+decodes the distinct messages (one on the good path, one more a failure) and does the
+per-rank work of packing and tallying (``per_rank_s`` a rank of the job); it broadcasts the
+relay in its node (two gloo broadcasts, ceil(log2 node size) steps each), and every rank
+unpacks and tallies the same way. A relay is one run and one vote when the ranks vote alike
+(100 bytes), plus a message and two runs a rank that differs. No store write. **hier** is
+the same with gloo's ring between the leaders (nodes - 1 steps, two all-gathers), as built
+before ``log_gather``.
 
 Not modelled: stragglers and the wait for the slowest shard, network topology and congestion,
 failures (the good path only, unless ``failures`` is set), the store's other traffic. The
@@ -95,8 +99,6 @@ PARAMETER_SOURCES = {
     "fixed_commit_s": "fitted with alpha_s (held >= 0)",
     "fixed_restore_s": "fitted: median over the restore figures (replicas 0 and 1, 8/16/32 "
                        "ranks) of measured minus the exchanges at the fitted alpha_s (>= 0)",
-    "local_s": "alpha_s + decode_s: each participant of the node-local exchange costs its "
-               "leader one hop as the one-host benchmark measured it, and one decode",
     "alpha_leader_s": "alpha_s: a step of the leaders' all-gather costs what a step cost on "
                       "the benchmark's host (no extra for the network)",
     "per_rank_s": "measured: bench_vote_decode.py, 16,000 ranks voting alike, unpack and tally "
@@ -115,14 +117,9 @@ class Params:
     decode_s: float = DECODE_S
     store_send_s: float = STORE_SEND_S
     store_serve_s: float = STORE_SERVE_S
-    local_s: float | None = None
     alpha_leader_s: float | None = None
     failures: int = 0
     per_rank_s: float = PER_RANK_S
-
-    @property
-    def local(self) -> float:
-        return self.alpha_s + self.decode_s if self.local_s is None else self.local_s
 
     @property
     def alpha_leader(self) -> float:
@@ -131,15 +128,15 @@ class Params:
 
 # --- the event loop ------------------------------------------------------------------------------
 
-DELAY, JOIN, POST, WAIT, FIRE = range(5)
+DELAY, JOIN, POST = range(3)
 Command = tuple[Any, ...]
 Process = Generator[Command, None, None]
 
 
 class Loop:
     """A heap of times, each with the processes to go on with then, in the order they were
-    scheduled. A process yields commands: (DELAY, s), (JOIN, collective or inbox), (POST,
-    server, s) (queued at the server, not waited for), (WAIT, signal), (FIRE, signal)."""
+    scheduled. A process yields commands: (DELAY, s), (JOIN, collective), (POST, server, s)
+    (queued at the server, not waited for)."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -175,11 +172,6 @@ class Loop:
                 return
             if op == POST:
                 command[1].serve(self.now, command[2])
-            elif op == WAIT:
-                command[1].wait(self, process)
-                return
-            elif op == FIRE:
-                command[1].fire(self)
         self.last_done = max(self.last_done, self.now)
 
 
@@ -199,7 +191,7 @@ class Collective:
 
 
 class Server:
-    """One queue served in arrival order (rank 0's store, a node leader)."""
+    """One queue served in arrival order (rank 0's store)."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
@@ -209,49 +201,6 @@ class Server:
         self.free_at = max(now, self.free_at) + seconds
         self.busy_s += seconds
         return self.free_at
-
-
-class Inbox(Server):
-    """A leader's inbox for one exchange: ``expected`` messages, served one after another;
-    the leader that JOINs it goes on once all came in and were served."""
-
-    def __init__(self, expected: int) -> None:
-        super().__init__()
-        self.expected = expected
-        self._leader: tuple[Loop, Process] | None = None
-
-    def serve(self, now: float, seconds: float) -> float:
-        self.expected -= 1
-        done = super().serve(now, seconds)
-        if self.expected == 0 and self._leader is not None:
-            loop, leader = self._leader
-            loop.resume(done, [leader])
-        return done
-
-    def arrive(self, loop: Loop, leader: Process) -> None:
-        if self.expected == 0:
-            loop.resume(max(loop.now, self.free_at), [leader])
-        else:
-            self._leader = (loop, leader)
-
-
-class Signal:
-    """Set once by one process; wakes every process waiting for it."""
-
-    def __init__(self) -> None:
-        self.fired = False
-        self._waiting: list[Process] = []
-
-    def wait(self, loop: Loop, process: Process) -> None:
-        if self.fired:
-            loop.resume(loop.now, [process])
-        else:
-            self._waiting.append(process)
-
-    def fire(self, loop: Loop) -> None:
-        self.fired = True
-        loop.resume(loop.now, self._waiting)
-        self._waiting = []
 
 
 # --- the collectives -----------------------------------------------------------------------------
@@ -310,38 +259,41 @@ def simulate_flat(ranks: int, exchanges: Exchanges, fixed_s: float, p: Params
 
 def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed_s: float,
                           p: Params, *, log_depth: bool = False) -> dict[str, float]:
-    """The design of issue 28: node-local, then the leaders, then back into the node."""
+    """The per-node protocol as built (module docstring): ring all-gathers in each node, the
+    leaders' all-gather (Bruck's with ``log_depth``, else gloo's ring), the relay back."""
     loop = Loop()
     nodes = -(-ranks // per_node)
     sizes = [min(per_node, ranks - n * per_node) for n in range(nodes)]
-    summary = SUMMARY_HEADER_BYTES + FAILURE_BYTES * p.failures
-    allgather = log_allgather_s if log_depth else ring_allgather_s
-    leaders = [[Collective(nodes, allgather(nodes, seg, p.alpha_leader, p.beta_s_per_byte))
-                for seg in (SIZE_BYTES, summary)] for _ in exchanges]
-    # one decode a distinct message (the vote, and each that differs), the per-rank work
-    decode_nodes = (1 + p.failures) * p.decode_s + ranks * p.per_rank_s
+    frame = SUMMARY_HEADER_BYTES + FAILURE_BYTES * p.failures
+    if log_depth:  # one round: the length and the bytes, sent together
+        across = [log_allgather_s(nodes, frame, p.alpha_leader, p.beta_s_per_byte)]
+    else:
+        across = [ring_allgather_s(nodes, seg, p.alpha_leader, p.beta_s_per_byte)
+                  for seg in (SIZE_BYTES, frame)]
+    leaders = [[Collective(nodes, seconds) for seconds in across] for _ in exchanges]
+    tally = (1 + p.failures) * p.decode_s + ranks * p.per_rank_s
 
-    def member(inbox: list[Inbox], outcome: list[Signal]) -> Process:
+    def rank(node_stage: list[list[Collective]], relay: list[Collective], leads: bool
+             ) -> Process:
         yield (DELAY, fixed_s)
         for e in range(len(exchanges)):
-            yield (POST, inbox[e], p.local)
-            yield (WAIT, outcome[e])
-            yield (DELAY, (1 + p.failures) * p.decode_s + ranks * p.per_rank_s)
-
-    def leader(inbox: list[Inbox], outcome: list[Signal]) -> Process:
-        yield (DELAY, fixed_s)
-        for e in range(len(exchanges)):
-            yield (JOIN, inbox[e])
-            for collective in leaders[e]:
+            for collective in node_stage[e]:
                 yield (JOIN, collective)
-            yield (DELAY, decode_nodes + p.alpha_s)  # decode; one local hop back
-            yield (FIRE, outcome[e])
+            if leads:
+                for collective in leaders[e]:
+                    yield (JOIN, collective)
+                yield (DELAY, tally)  # decode the relays, pack the node's
+            yield (JOIN, relay[e])
+            if not leads:
+                yield (DELAY, tally)
 
     for size in sizes:
-        inbox = [Inbox(size - 1) for _ in exchanges]
-        outcome = [Signal() for _ in exchanges]
-        loop.resume(0.0, [leader(inbox, outcome),
-                          *(member(inbox, outcome) for _ in range(size - 1))])
+        steps = max(size - 1, 0)
+        node_stage = [[Collective(size, steps * (p.alpha_s + p.beta_s_per_byte * seg))
+                       for seg in (SIZE_BYTES, message)] for _, message in exchanges]
+        hops = 2 * (size - 1).bit_length() * p.alpha_s  # two broadcasts down a tree
+        relay = [Collective(size, hops) for _ in exchanges]
+        loop.resume(0.0, [rank(node_stage, relay, leads=i == 0) for i in range(size)])
     return {"seconds": loop.run(), "nodes": nodes}
 
 
@@ -448,7 +400,7 @@ def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS
 
 # --- the report ----------------------------------------------------------------------------------
 
-SENSITIVE = ("alpha_leader_s", "decode_s", "local_s")
+SENSITIVE = ("alpha_leader_s", "decode_s", "per_rank_s")
 
 
 def sensitivity(p: Params, ranks: int, per_node: int) -> dict[str, Any]:
@@ -460,7 +412,7 @@ def sensitivity(p: Params, ranks: int, per_node: int) -> dict[str, Any]:
             "seconds"]}
         for name in SENSITIVE:
             value = {"alpha_leader_s": p.alpha_leader, "decode_s": p.decode_s,
-                     "local_s": p.local}[name]
+                     "per_rank_s": p.per_rank_s}[name]
             for factor in (0.5, 2.0):
                 changed: dict[str, Any] = {name: value * factor}
                 varied = dataclasses.replace(p, **changed)
@@ -503,7 +455,7 @@ def build_report(scale: dict[str, Any], sizes: Sequence[int], per_node: Sequence
             results.append(row)
     biggest = max(sizes)
     values = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
-    values.update(local_s=p.local, alpha_leader_s=p.alpha_leader)
+    values.update(alpha_leader_s=p.alpha_leader)
     return {
         "benchmark": "control_plane_model",
         "calibrated_on": scale_path,
@@ -515,9 +467,11 @@ def build_report(scale: dict[str, Any], sizes: Sequence[int], per_node: Sequence
             "flat_exchange": "store send (fire-and-forget, served FIFO at rank 0) + ring "
                              "all-gather of 8 B sizes + ring all-gather of the messages + "
                              "N x decode",
-            "hier_exchange": "members -> leader (local_s each, FIFO) + leaders' all-gathers "
-                             "of sizes and summaries (ring, or Bruck for hier-log) + "
-                             "(nodes + failures) x decode + one local hop back + one decode",
+            "hier_exchange": "two ring all-gathers in each node (alpha_s a step) + the "
+                             "leaders' all-gather (ring: two, nodes-1 steps each; "
+                             "hier-log: Bruck, ceil(log2 nodes) rounds) + (1 + failures) x "
+                             "decode + ranks x per_rank_s + two broadcasts back in the node "
+                             "(ceil(log2 node size) steps each) + the same tally on each rank",
             "save_exchanges": [w for w, _ in SAVE_EXCHANGES],
             "restore_exchanges": [w for w, _ in RESTORE_EXCHANGES],
             "not_modelled": ["stragglers and the wait for the slowest shard",
@@ -540,7 +494,7 @@ def table(report: dict[str, Any]) -> str:
     params = report["parameters"]
     lines = ["calibrated: " + ", ".join(
         f"{name} {params[name]['value'] * 1e6:.1f} us" for name in
-        ("alpha_s", "decode_s", "store_send_s", "store_serve_s", "local_s"))
+        ("alpha_s", "decode_s", "store_send_s", "store_serve_s", "per_rank_s"))
         + ", fixed " + ", ".join(f"{name} {params[name]['value'] * 1e3:.2f} ms" for name in
                                  ("fixed_commit_s", "fixed_restore_s")), "",
         "fit (flat model against scale.json, ms; * = in the fit):",
