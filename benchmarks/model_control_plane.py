@@ -338,16 +338,18 @@ def measured_points(scale: dict[str, Any], control: str = "flat") -> list[dict[s
     return points
 
 
-def check_hierarchical(scale: dict[str, Any], p: Params) -> list[dict[str, Any]]:
-    """The hierarchical model, at the fitted parameters, against every per-node configuration
-    the scale JSON measured (nodes of its ``--ranks-per-node``): not fitted, a check."""
+def check_hierarchical(scale: dict[str, Any], p: Params, protocol: str = "hier-log"
+                       ) -> list[dict[str, Any]]:
+    """The per-node model (``protocol``: the one the run measured, ``hier`` for a checkout
+    before log_gather), at the fitted parameters, against every per-node configuration the
+    scale JSON measured (nodes of its ``--ranks-per-node``): not fitted, a check."""
     per_node = int(scale.get("args", {}).get("ranks_per_node") or 8)
     points = measured_points(scale, "hier")
     for pt in points:
         operation = FIGURES[pt["figure"]][0]
-        protocol = "hier" if pt["ranks"] > per_node else "flat"  # one node: flat
-        pt["ranks_per_node"] = per_node
-        pt["model_s"] = simulate(protocol, pt["ranks"], per_node, operation, p)["seconds"]
+        used = protocol if pt["ranks"] > per_node else "flat"  # one node: flat
+        pt["ranks_per_node"], pt["protocol"] = per_node, used
+        pt["model_s"] = simulate(used, pt["ranks"], per_node, operation, p)["seconds"]
         pt["residual_s"] = pt["measured_s"] - pt["model_s"]
     return points
 
@@ -356,8 +358,8 @@ def _flat_s(ranks: int, operation: str, p: Params) -> float:
     return simulate("flat", ranks, 1, operation, p)["seconds"]
 
 
-def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS
-              ) -> tuple[Params, dict[str, Any]]:
+def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS,
+              check_protocol: str = "hier-log") -> tuple[Params, dict[str, Any]]:
     """Fit alpha_s and the fixed parts of the flat model to scale.json (module docstring).
 
     The model is linear in alpha_s and in the fixed parts, so two runs of it per size give the
@@ -395,7 +397,7 @@ def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS
         pt["in_fit"] = (pt["figure"] == "vote" and pt["replicas"] == 0
                         and pt["ranks"] in fit_ranks)
     return fitted, {"unconstrained": free, "points": points, "fit_ranks": list(fit_ranks),
-                    "hierarchical_check": check_hierarchical(scale, fitted)}
+                    "hierarchical_check": check_hierarchical(scale, fitted, check_protocol)}
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -435,8 +437,9 @@ def _solve_alpha_leader(protocol: str, ranks: int, per_node: int, p: Params) -> 
 
 
 def build_report(scale: dict[str, Any], sizes: Sequence[int], per_node: Sequence[int],
-                 scale_path: str, fit_ranks: Sequence[int] = FIT_RANKS) -> dict[str, Any]:
-    p, fit = calibrate(scale, fit_ranks)
+                 scale_path: str, fit_ranks: Sequence[int] = FIT_RANKS,
+                 check_protocol: str = "hier-log") -> dict[str, Any]:
+    p, fit = calibrate(scale, fit_ranks, check_protocol)
     results: list[dict[str, Any]] = []
     for rpn in per_node:
         for ranks in sizes:
@@ -497,7 +500,7 @@ def table(report: dict[str, Any]) -> str:
         ("alpha_s", "decode_s", "store_send_s", "store_serve_s", "per_rank_s"))
         + ", fixed " + ", ".join(f"{name} {params[name]['value'] * 1e3:.2f} ms" for name in
                                  ("fixed_commit_s", "fixed_restore_s")), "",
-        "fit (flat model against scale.json, ms; * = in the fit):",
+        "fit (flat model against the scale JSON, ms; * = in the fit):",
         f"{'figure':<11}{'repl':>5}{'ranks':>6}{'measured':>10}{'model':>9}{'resid':>8}"]
     for pt in report["calibration"]["points"]:
         lines.append(f"{pt['figure']:<11}{pt['replicas']:>5}{pt['ranks']:>6}"
@@ -505,8 +508,8 @@ def table(report: dict[str, Any]) -> str:
                      f"{pt['residual_s'] * 1e3:>+8.1f}{' *' if pt['in_fit'] else ''}")
     check = report["calibration"].get("hierarchical_check") or []
     if check:
-        lines += ["", "check (hierarchical model against the measured per-node runs, not "
-                      "fitted; ms):",
+        lines += ["", f"check ({check[-1]['protocol']} model against the measured per-node "
+                      "runs, not fitted; flat where a run had one node; ms):",
                   f"{'figure':<11}{'ranks':>6}{'measured':>10}{'model':>9}{'resid':>8}"]
         lines += [f"{pt['figure']:<11}{pt['ranks']:>6}{pt['measured_s'] * 1e3:>10.1f}"
                   f"{pt['model_s'] * 1e3:>9.1f}{pt['residual_s'] * 1e3:>+8.1f}" for pt in check]
@@ -551,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-ranks", type=_int_list, default=list(FIT_RANKS),
                         help="the flat configurations fitted (default 8,16,32; fewer than "
                              "the cores, or the fit takes in the wait for a core)")
+    parser.add_argument("--check-protocol", choices=("hier", "hier-log"), default="hier-log",
+                        help="the per-node protocol the scale JSON measured: hier-log (as "
+                             "built), hier (a checkout before log_gather, gloo's ring between "
+                             "the leaders)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     args = parser.parse_args(argv)
@@ -559,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
         shown = str(args.scale.resolve().relative_to(HERE.parent))
     except ValueError:
         shown = str(args.scale)
-    report = build_report(scale, args.ranks, args.ranks_per_node, shown, args.fit_ranks)
+    report = build_report(scale, args.ranks, args.ranks_per_node, shown, args.fit_ranks,
+                          args.check_protocol)
     text = json.dumps(report, indent=1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
