@@ -6,7 +6,7 @@
 # grows with the nodes (nodes of 2: 4, 8 and 16 ranks -> $OUT/scale_nodes.json) and with the
 # ranks of a node (2 nodes of 2, 4 and 8 -> $OUT/scale_node_size_{2,4,8}.json). About 5
 # minutes on 16 cores; every configuration is bounded by TIMEOUT_S (default 200 s) and the
-# first run by LIMIT (default 400 s).
+# first run by LIMIT (default 330 s).
 # Usage: git rev-parse HEAD > commit.txt; OUT=/some/empty/dir bash benchmarks/gpu_issue28_run.sh
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
@@ -15,7 +15,7 @@ RANKS="${RANKS:-8,16,32,64,128}"
 ulimit -n 65536 2>/dev/null || true  # 128 gloo ranks in full mesh, several groups each
 echo "open files: $(ulimit -n); $(nproc) cores; $(head -1 "$OUT/gpu.txt")" > "$OUT/scale.log"
 rm -rf /dev/shm/ckpt-scale
-timeout -k 10 "${LIMIT:-400}" python3 benchmarks/bench_scale.py --ranks "$RANKS" --replicas 0 \
+timeout -k 10 "${LIMIT:-330}" python3 benchmarks/bench_scale.py --ranks "$RANKS" --replicas 0 \
   --saves 10 --ranks-per-node 8 --control flat,hier --dir /dev/shm/ckpt-scale \
   --timeout-s "${TIMEOUT_S:-200}" --out "$OUT/scale_hier.json" >> "$OUT/scale.log" 2>&1
 echo "bench_scale exit $? after ${SECONDS} s" >> "$OUT/scale.log"
