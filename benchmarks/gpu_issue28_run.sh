@@ -7,7 +7,7 @@
 # ranks of a node (2 nodes of 2, 4 and 8 -> $OUT/scale_node_size_{2,4,8}.json). About 5
 # minutes on 16 cores; every configuration is bounded by TIMEOUT_S (default 200 s) and the
 # first run by LIMIT (default 330 s). RESHARD=1 then runs issue 26's bench_reshard.py on this
-# host's CPUs (1 GiB, 3 rounds, within RESHARD_LIMIT, default 150 s) -> $OUT/reshard_*.json.
+# host's CPUs (1 GiB, RESHARD_REPEATS rounds (1), within RESHARD_LIMIT, default 150 s) -> $OUT/reshard_*.json.
 # Usage: git rev-parse HEAD > commit.txt; OUT=/some/empty/dir bash benchmarks/gpu_issue28_run.sh
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
@@ -33,7 +33,7 @@ for size in 2 4 8; do
 done
 rm -rf /dev/shm/ckpt-scale
 if [ "${RESHARD:-0}" = 1 ]; then  # issue 26 on this host's CPUs (1 GiB, 4->2, 2->4, baselines)
-  timeout -k 10 "${RESHARD_LIMIT:-150}" python3 benchmarks/bench_reshard.py --repeats 3 \
+  timeout -k 10 "${RESHARD_LIMIT:-150}" python3 benchmarks/bench_reshard.py --repeats "${RESHARD_REPEATS:-1}" \
     --root /tmp/reshard-bench --out "$OUT/reshard_cpu_gpuhost.json" > "$OUT/reshard.log" 2>&1
   echo "bench_reshard exit $? after ${SECONDS} s" >> "$OUT/reshard.log"
   tail -n 12 "$OUT/reshard.log"
