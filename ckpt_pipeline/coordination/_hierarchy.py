@@ -2,24 +2,23 @@
 
 ``HierarchicalCoordinator`` keeps the contract of ``DistributedCoordinator`` (every rank's
 payload, indexed by global rank, identical on every rank; a CoordinationError naming the ranks
-that did not answer) and changes how an exchange travels. Each exchange runs three stages, on
-gloo groups made for them at construction:
+that did not answer) and changes how an exchange travels. Each exchange runs three stages of
+gloo point-to-point messages, on groups made for them at construction, each by a deadline
+counted from the exchange's start on this rank:
 
-1. **node**: an all-gather among the ranks of each node (``timeout_s``);
-2. **leaders**: the nodes' leaders (the lowest rank of each node) all-gather their nodes'
-   payloads, each distinct payload once with runs saying whose it is (``pack_relay``), in
-   ceil(log2 nodes) rounds of point-to-point messages (``log_gather``; ``timeout_s +
-   grace_s``). A leader whose node stage failed still takes part, with its
+1. **node**: every rank of a node sends its payload to the node's leader (its lowest rank),
+   which receives them all at once (``timeout_s``);
+2. **leaders**: the leaders all-gather their nodes' payloads, each distinct payload once with
+   runs saying whose it is (``pack_relay``), in ceil(log2 nodes) rounds (``log_gather``;
+   ``timeout_s + grace_s``). A leader whose node stage failed still takes part, with its
    failure in place of its node's payloads, so that every node learns of it at once;
-3. **relay**: each leader broadcasts the whole result so packed, or the failure, to the ranks
-   of its node (``timeout_s + 2 grace_s``).
+3. **relay**: each leader sends the whole result so packed, or the failure, to each other
+   rank of its node (``timeout_s + 2 grace_s``).
 
 Equal payloads come back as one shared object, so that a reader decodes each distinct one
 once (``_agree._exchange``): when the ranks vote alike, a rank decodes one vote, not one a
-rank.
-
-Each later stage waits ``grace_s`` longer than the one before, so that a failure found by a
-stage's timeout still travels through the next stages in time. The good path writes nothing
+rank. Each later stage ends ``grace_s`` later than the one before, so that a failure found by
+a stage's deadline still travels through the next stages in time. The good path writes nothing
 to the job's store. Once a stage fails, every live rank says in the store that it reached the
 exchange, and waits until all ranks did or ``fail_bound_s`` (``timeout_s + 3 grace_s``) passed
 since its exchange began; the ranks that said nothing are the missing ones.
@@ -357,37 +356,64 @@ class HierarchicalCoordinator:
     def _gather(self, payload: bytes) -> list[bytes]:
         """The three stages, on this rank's part of the layout. Raises _StageFailed, or the
         error of the stage that failed here."""
+        begun = time.monotonic()
         ours: list[bytes] | None = None
         failure = None
         try:
-            ours = self._stage(self._node_group, len(self._node), payload)
+            ours = self._into_node_leader(payload, begun + self.timeout_s)
         except Exception as exc:
             failure = f"node of rank(s) {_ranks_text(self._node)}: {_short(exc)}"
+        relay_by = begun + self.timeout_s + 2 * self.grace_s
         if self.rank != self._leader:
             if failure is not None:
                 raise _StageFailed("node", failure)
             try:
-                relayed = _relay(self._dist, self._relay_group, None, self._leader)
+                (relayed,) = _receive_all(self._dist, self._relay_group, (self._leader,), 2,
+                                          relay_by)
             except Exception as exc:
                 raise _StageFailed("relay", _short(exc)) from exc
             return self._result(relayed)
-        relayed, result, why = self._across_nodes(ours, failure)
-        # The node's other ranks wait in the relay stage; those of a failed node do not.
-        if failure is None and self._relay_group is not None:
-            try:
-                _relay(self._dist, self._relay_group, relayed, self._leader)
-            except Exception as exc:
-                raise _StageFailed("relay", _short(exc)) from exc
+        relayed, result, why = self._across_nodes(ours, failure,
+                                                  begun + self.timeout_s + self.grace_s)
+        # Every other rank of the node waits for the relay, the failure included: a rank that
+        # is gone fails its send alone.
+        lost = self._to_node(relayed, relay_by)
         if result is None:
             raise _StageFailed("node" if failure is not None else "leaders", why or "")
+        if lost is not None and failure is None:
+            raise _StageFailed("relay", lost)
         return result
 
-    def _stage(self, group: Any, size: int, payload: bytes) -> list[bytes]:
-        if group is None:  # a group of one rank: this one
-            return [payload]
-        return gather_bytes(self._dist, group, payload, size)
+    def _to_node(self, relayed: bytes, deadline: float) -> str | None:
+        """The leader's relay to each other rank of its node, point to point; why a send
+        failed (the first), or None."""
+        if self._relay_group is None:
+            return None
+        sends = [_send(self._dist, self._relay_group, relayed, rank, 2)
+                 for rank in self._node[1:]]
+        lost = None
+        for rank, works in zip(self._node[1:], sends, strict=True):
+            try:
+                for work in works:
+                    _wait(work, deadline)
+            except Exception as exc:
+                lost = lost or f"rank {rank}: {_short(exc)}"
+        return lost
 
-    def _across_nodes(self, ours: list[bytes] | None, failure: str | None
+    def _into_node_leader(self, payload: bytes, deadline: float) -> list[bytes] | None:
+        """The node stage: every rank of the node sends its payload to the leader, which
+        receives them all at once (point to point: one hop, not a ring of the node's ranks).
+        The node's payloads in node order on the leader, None on the others."""
+        if self._node_group is None:  # a node of one rank: this one
+            return [payload]
+        if self.rank != self._leader:
+            for work in _send(self._dist, self._node_group, payload, self._leader, 0):
+                _wait(work, deadline)
+            return None
+        return [payload, *_receive_all(self._dist, self._node_group, self._node[1:], 0,
+                                       deadline)]
+
+    def _across_nodes(self, ours: list[bytes] | None, failure: str | None, deadline: float
                       ) -> tuple[bytes, list[bytes] | None, str | None]:
         """The leaders' stage: (what this leader relays to its node, the result or None, why
         not). Never raises: whatever happens, the node hears of it."""
@@ -395,7 +421,7 @@ class HierarchicalCoordinator:
             frames = [pack_relay(ours, failure)]
             if self._leaders_group is not None:
                 frames = log_gather(self._dist, self._leaders_group, self._leaders, frames[0],
-                                    self.timeout_s + self.grace_s)
+                                    deadline - time.monotonic())
         except Exception as exc:
             why = f"leaders: {_short(exc)}"
             return pack_relay(None, why), None, why
@@ -543,42 +569,49 @@ def log_gather(dist: Any, group: Any, members: Sequence[int], payload: bytes,
 
 def _swap(dist: Any, group: Any, out: bytes, to: int, source: int, tag: int,
           deadline: float) -> bytes:
-    """Send ``out`` to rank ``to`` and receive what rank ``source`` sends this way (its
-    length, then its bytes), by ``deadline``."""
+    """Send ``out`` to rank ``to`` and receive what rank ``source`` sends this way, by
+    ``deadline``."""
+    sends = _send(dist, group, out, to, tag)
+    (got,) = _receive_all(dist, group, (source,), tag, deadline)
+    for work in sends:
+        _wait(work, deadline)
+    return got
+
+
+def _send(dist: Any, group: Any, out: bytes, to: int, tag: int) -> list[Any]:
+    """Start sending ``out`` to rank ``to``: its length (tag ``tag``), then its bytes (tag
+    ``tag + 1``, at least one byte); the works to wait for."""
     length = torch.tensor([len(out)], dtype=torch.int64)
-    sends = [dist.isend(length, dst=to, group=group, tag=tag)]
     data = torch.zeros(max(len(out), 1), dtype=torch.uint8)
     if out:
         data[:len(out)] = torch.frombuffer(bytearray(out), dtype=torch.uint8)
-    sends.append(dist.isend(data, dst=to, group=group, tag=tag + 1))
-    theirs = torch.zeros(1, dtype=torch.int64)
-    _wait(dist.irecv(theirs, src=source, group=group, tag=tag), deadline)
-    size = int(theirs.item())
-    got = torch.empty(max(size, 1), dtype=torch.uint8)
-    _wait(dist.irecv(got, src=source, group=group, tag=tag + 1), deadline)
-    for work in sends:
+    return [dist.isend(length, dst=to, group=group, tag=tag),
+            dist.isend(data, dst=to, group=group, tag=tag + 1)]
+
+
+def _receive_all(dist: Any, group: Any, sources: Sequence[int], tag: int,
+                 deadline: float) -> list[bytes]:
+    """What each of ``sources`` sends this rank with ``_send``, received at once (every
+    length, then every payload), by ``deadline``."""
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in sources]
+    works = [dist.irecv(n, src=source, group=group, tag=tag)
+             for n, source in zip(lengths, sources, strict=True)]
+    for work in works:
         _wait(work, deadline)
-    return bytes(byte_view(got, 0, size)) if size else b""
+    sizes = [int(n.item()) for n in lengths]
+    buffers = [torch.empty(max(size, 1), dtype=torch.uint8) for size in sizes]
+    works = [dist.irecv(buffer, src=source, group=group, tag=tag + 1)
+             for buffer, source in zip(buffers, sources, strict=True)]
+    for work in works:
+        _wait(work, deadline)
+    return [bytes(byte_view(b, 0, n)) if n else b""
+            for b, n in zip(buffers, sizes, strict=True)]
 
 
 def _wait(work: Any, deadline: float) -> None:
     left = deadline - time.monotonic()
     if left <= 0 or not work.wait(timeout=datetime.timedelta(seconds=left)):
-        raise TimeoutError(f"a peer of the leaders' exchange did not answer in time "
-                           f"({max(left, 0.0):.1f} s left)")
-
-
-def _relay(dist: Any, group: Any, payload: bytes | None, leader: int) -> bytes:
-    """The leader's ``payload`` on every rank of its node's relay ``group`` (the leader passes
-    it, the others None): a broadcast of its length, then of the bytes."""
-    length = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
-    dist.broadcast(length, src=leader, group=group)
-    size = int(length.item())
-    data = torch.zeros(max(size, 1), dtype=torch.uint8)
-    if payload:
-        data[:size] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    dist.broadcast(data, src=leader, group=group)
-    return bytes(byte_view(data, 0, size)) if size else b""
+        raise TimeoutError(f"a peer did not answer in time ({max(left, 0.0):.1f} s left)")
 
 
 def _short(exc: BaseException) -> str:
