@@ -20,17 +20,18 @@ halves) to the right neighbour, a step starting only when the previous one is do
 cost ``alpha + beta * segment``, every rank finishes at the last rank's entry plus (N-1) steps
 (``ring_allgather_finish`` simulates it step by step; the event loop uses that closed form).
 
-**hier-log** is what ``coordination/_hierarchy.py`` does. Per exchange: the ranks of each node
-make the two ring all-gathers of ``gather_bytes`` among themselves (lengths, then messages);
-the leaders all-gather their nodes' relays in ceil(log2 nodes) rounds (``log_gather``, Bruck:
-segments doubling; a round's length and bytes travel together, one step); each leader
-decodes the distinct messages (one on the good path, one more a failure) and does the
-per-rank work of packing and tallying (``per_rank_s`` a rank of the job); it broadcasts the
-relay in its node (two gloo broadcasts, ceil(log2 node size) steps each), and every rank
-unpacks and tallies the same way. A relay is one run and one vote when the ranks vote alike
-(100 bytes), plus a message and two runs a rank that differs. No store write. **hier** is
-the same with gloo's ring between the leaders (nodes - 1 steps, two all-gathers), as built
-before ``log_gather``.
+**hier-p2p** is what ``coordination/_hierarchy.py`` does. Per exchange: each rank of a node
+sends its message to the node's leader (its length, then its bytes; the leader receives all
+at once: two hops and ``message_s`` per message); the leaders all-gather their nodes' relays
+in ceil(log2 nodes) rounds (``log_gather``, Bruck: segments doubling; a round's length and
+bytes travel together, one step); each leader decodes the distinct messages (one on the good
+path, one more a failure) and does the per-rank work of packing and tallying (``per_rank_s`` a
+rank of the job); it sends the relay to each rank of its node (one hop and ``message_s`` a
+rank), and every rank unpacks and tallies the same way. A relay is one run and one vote when
+the ranks vote alike (100 bytes), plus a message and two runs a rank that differs. No store
+write. **hier-log** (as built at eb84046, measured on the H200) has instead the two ring
+all-gathers of ``gather_bytes`` in each node and two gloo broadcasts back; **hier** (39cf544,
+measured too) has gloo's ring between the leaders as well (nodes - 1 steps, two all-gathers).
 
 Not modelled: stragglers and the wait for the slowest shard, network topology and congestion,
 failures (the good path only, unless ``failures`` is set), the store's other traffic. The
@@ -73,6 +74,10 @@ SUMMARY_HEADER_BYTES = 100
 (``pack_distinct``; 100 bytes measured by bench_vote_decode.py)."""
 FAILURE_BYTES = 48 + 16
 """Each rank that votes otherwise: its message (about 48 bytes of error) and two runs."""
+MESSAGE_S = 10e-6
+"""hier-p2p: what a leader spends on each message of its node's ranks it receives or sends,
+beyond the hop (assumed, not measured: about a gloo receive's bookkeeping and one copy of a
+100-byte message)."""
 PER_RANK_S = 0.18e-6
 """The built protocol's work per rank of the job that is not a decode: the leader's packing
 (one dict lookup a rank), a rank's unpacking (a list of shared references) and the tally's
@@ -103,6 +108,8 @@ PARAMETER_SOURCES = {
                       "the benchmark's host (no extra for the network)",
     "per_rank_s": "measured: bench_vote_decode.py, 16,000 ranks voting alike, unpack and tally "
                   "2.85 ms and the leader's pack 1.26 ms, per rank (dev VM, under load)",
+    "message_s": "assumed: a leader's cost per message of its node's ranks (hier-p2p), beyond "
+                 "the hop; not measured",
 }
 
 
@@ -120,6 +127,7 @@ class Params:
     alpha_leader_s: float | None = None
     failures: int = 0
     per_rank_s: float = PER_RANK_S
+    message_s: float = MESSAGE_S
 
     @property
     def alpha_leader(self) -> float:
@@ -258,9 +266,12 @@ def simulate_flat(ranks: int, exchanges: Exchanges, fixed_s: float, p: Params
 
 
 def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed_s: float,
-                          p: Params, *, log_depth: bool = False) -> dict[str, float]:
-    """The per-node protocol as built (module docstring): ring all-gathers in each node, the
-    leaders' all-gather (Bruck's with ``log_depth``, else gloo's ring), the relay back."""
+                          p: Params, *, log_depth: bool = False, p2p_node: bool = False
+                          ) -> dict[str, float]:
+    """The per-node protocol (module docstring): in each node ring all-gathers, or with
+    ``p2p_node`` every rank's message straight to the leader; the leaders' all-gather (Bruck's
+    with ``log_depth``, else gloo's ring); the relay back (two broadcasts, or with
+    ``p2p_node`` the leader's message to each rank)."""
     loop = Loop()
     nodes = -(-ranks // per_node)
     sizes = [min(per_node, ranks - n * per_node) for n in range(nodes)]
@@ -289,15 +300,20 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
 
     for size in sizes:
         steps = max(size - 1, 0)
-        node_stage = [[Collective(size, steps * (p.alpha_s + p.beta_s_per_byte * seg))
-                       for seg in (SIZE_BYTES, message)] for _, message in exchanges]
-        hops = 2 * (size - 1).bit_length() * p.alpha_s  # two broadcasts down a tree
-        relay = [Collective(size, hops) for _ in exchanges]
+        if p2p_node:  # lengths, then messages, all at once; then one message to each rank
+            node_stage = [[Collective(size, 2 * p.alpha_s + 2 * steps * p.message_s)]
+                          for _ in exchanges]
+            relay = [Collective(size, p.alpha_s + steps * p.message_s) for _ in exchanges]
+        else:
+            node_stage = [[Collective(size, steps * (p.alpha_s + p.beta_s_per_byte * seg))
+                           for seg in (SIZE_BYTES, message)] for _, message in exchanges]
+            hops = 2 * (size - 1).bit_length() * p.alpha_s  # two broadcasts down a tree
+            relay = [Collective(size, hops) for _ in exchanges]
         loop.resume(0.0, [rank(node_stage, relay, leads=i == 0) for i in range(size)])
     return {"seconds": loop.run(), "nodes": nodes}
 
 
-PROTOCOLS = ("flat", "hier", "hier-log")
+PROTOCOLS = ("flat", "hier", "hier-log", "hier-p2p")
 
 
 def simulate(protocol: str, ranks: int, per_node: int, operation: str, p: Params
@@ -308,7 +324,8 @@ def simulate(protocol: str, ranks: int, per_node: int, operation: str, p: Params
     if protocol == "flat":
         return simulate_flat(ranks, exchanges, fixed, p)
     return simulate_hierarchical(ranks, per_node, exchanges, fixed, p,
-                                 log_depth=protocol == "hier-log")
+                                 log_depth=protocol != "hier",
+                                 p2p_node=protocol == "hier-p2p")
 
 
 # --- calibration ---------------------------------------------------------------------------------
@@ -338,7 +355,7 @@ def measured_points(scale: dict[str, Any], control: str = "flat") -> list[dict[s
     return points
 
 
-def check_hierarchical(scale: dict[str, Any], p: Params, protocol: str = "hier-log"
+def check_hierarchical(scale: dict[str, Any], p: Params, protocol: str = "hier-p2p"
                        ) -> list[dict[str, Any]]:
     """The per-node model (``protocol``: the one the run measured, ``hier`` for a checkout
     before log_gather), at the fitted parameters, against every per-node configuration the
@@ -359,7 +376,7 @@ def _flat_s(ranks: int, operation: str, p: Params) -> float:
 
 
 def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS,
-              check_protocol: str = "hier-log") -> tuple[Params, dict[str, Any]]:
+              check_protocol: str = "hier-p2p") -> tuple[Params, dict[str, Any]]:
     """Fit alpha_s and the fixed parts of the flat model to scale.json (module docstring).
 
     The model is linear in alpha_s and in the fixed parts, so two runs of it per size give the
@@ -402,19 +419,19 @@ def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS,
 
 # --- the report ----------------------------------------------------------------------------------
 
-SENSITIVE = ("alpha_leader_s", "decode_s", "per_rank_s")
+SENSITIVE = ("alpha_leader_s", "decode_s", "per_rank_s", "message_s")
 
 
 def sensitivity(p: Params, ranks: int, per_node: int) -> dict[str, Any]:
     """The hierarchical commit at ``ranks`` with each uncertain parameter x0.5 and x2, and the
     leaders' step cost at which it would take GOAL_S."""
     out: dict[str, Any] = {"ranks": ranks, "ranks_per_node": per_node}
-    for protocol in ("hier", "hier-log"):
+    for protocol in ("hier", "hier-log", "hier-p2p"):
         row: dict[str, Any] = {"base_s": simulate(protocol, ranks, per_node, "commit", p)[
             "seconds"]}
         for name in SENSITIVE:
             value = {"alpha_leader_s": p.alpha_leader, "decode_s": p.decode_s,
-                     "per_rank_s": p.per_rank_s}[name]
+                     "per_rank_s": p.per_rank_s, "message_s": p.message_s}[name]
             for factor in (0.5, 2.0):
                 changed: dict[str, Any] = {name: value * factor}
                 varied = dataclasses.replace(p, **changed)
@@ -438,7 +455,7 @@ def _solve_alpha_leader(protocol: str, ranks: int, per_node: int, p: Params) -> 
 
 def build_report(scale: dict[str, Any], sizes: Sequence[int], per_node: Sequence[int],
                  scale_path: str, fit_ranks: Sequence[int] = FIT_RANKS,
-                 check_protocol: str = "hier-log") -> dict[str, Any]:
+                 check_protocol: str = "hier-p2p") -> dict[str, Any]:
     p, fit = calibrate(scale, fit_ranks, check_protocol)
     results: list[dict[str, Any]] = []
     for rpn in per_node:
@@ -518,16 +535,18 @@ def table(report: dict[str, Any]) -> str:
                   f"{free['fixed_commit_s'] * 1e3:.2f} ms"
                   + (" (negative: held at 0)" if free["fixed_commit_s"] < 0 else "")]
     lines += ["", f"{'ranks':>6}{'per node':>9}{'nodes':>6} | {'commit ms: flat':>16}"
-              f"{'hier':>9}{'hier-log':>9} | {'restore ms: flat':>17}{'hier':>9}{'hier-log':>9}"]
+              f"{'hier':>9}{'hier-log':>9}{'hier-p2p':>9} | {'restore ms: flat':>17}"
+              f"{'hier':>9}{'hier-log':>9}{'hier-p2p':>9}"]
     for row in report["results"]:
         c = [_ms(row[k]["commit_s"]) for k in PROTOCOLS]
         r = [_ms(row[k]["restore_s"]) for k in PROTOCOLS]
         lines.append(f"{row['ranks']:>6}{row['ranks_per_node']:>9}{row['nodes']:>6} | "
-                     f"{c[0]:>16}{c[1]:>9}{c[2]:>9} | {r[0]:>17}{r[1]:>9}{r[2]:>9}")
+                     f"{c[0]:>16}{c[1]:>9}{c[2]:>9}{c[3]:>9} | {r[0]:>17}{r[1]:>9}{r[2]:>9}"
+                     f"{r[3]:>9}")
     sens = report["sensitivity"]
     lines += ["", f"sensitivity of the commit at {sens['ranks']:,} ranks, "
                   f"{sens['ranks_per_node']} per node (ms):"]
-    for protocol in ("hier", "hier-log"):
+    for protocol in ("hier", "hier-log", "hier-p2p"):
         row = sens[protocol]
         parts = [f"{name} x{f:g} {_ms(row[f'{name}_x{f:g}'])}" for name in SENSITIVE
                  for f in (0.5, 2.0)]
@@ -554,10 +573,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-ranks", type=_int_list, default=list(FIT_RANKS),
                         help="the flat configurations fitted (default 8,16,32; fewer than "
                              "the cores, or the fit takes in the wait for a core)")
-    parser.add_argument("--check-protocol", choices=("hier", "hier-log"), default="hier-log",
-                        help="the per-node protocol the scale JSON measured: hier-log (as "
-                             "built), hier (a checkout before log_gather, gloo's ring between "
-                             "the leaders)")
+    parser.add_argument("--check-protocol", choices=("hier", "hier-log", "hier-p2p"),
+                        default="hier-p2p",
+                        help="the per-node protocol the scale JSON measured: hier-p2p (as "
+                             "built), hier-log (eb84046: rings in each node), hier (39cf544: "
+                             "gloo's ring between the leaders too)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     args = parser.parse_args(argv)
