@@ -54,6 +54,8 @@ __all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "log_gath
 
 _COUNT = struct.Struct("<I")
 _RELAYED, _FAILED = 0, 1
+_RELAY = 2
+"""The relay's tags on the node's group (length, bytes), after the node stage's 0 and 1."""
 _REASON_CHARS = 400
 """How much of one failure's text travels to the other ranks."""
 
@@ -290,10 +292,10 @@ class HierarchicalCoordinator:
         self._leaders = self.layout.leaders
         self._leader = self._node[0]
         self._groups: list[Any] = []
+        # The node stage (tags 0, 1) and the relay (tags 2, 3) share the node's group; every
+        # wait has a deadline of its own, so the groups' timeouts only bound their setup.
         self._node_group = self._own_group(self.layout.nodes, self.timeout_s)
         self._leaders_group = self._own_group((self._leaders,), self.timeout_s + self.grace_s)
-        self._relay_group = self._own_group(self.layout.nodes,
-                                            self.timeout_s + 2 * self.grace_s)
         self._store = default_store(dist)
         self._seq = 0
         self._broken: str | None = None
@@ -318,7 +320,7 @@ class HierarchicalCoordinator:
         """Destroy this coordinator's gloo groups; later exchanges raise. Safe to call twice;
         never raises."""
         groups, self._groups = self._groups, []
-        self._node_group = self._leaders_group = self._relay_group = None
+        self._node_group = self._leaders_group = None
         if self._broken is None:
             self._broken = "the coordinator was closed"
         for group in groups:
@@ -368,7 +370,7 @@ class HierarchicalCoordinator:
             if failure is not None:
                 raise _StageFailed("node", failure)
             try:
-                (relayed,) = _receive_all(self._dist, self._relay_group, (self._leader,), 2,
+                (relayed,) = _receive_all(self._dist, self._node_group, (self._leader,), _RELAY,
                                           relay_by)
             except Exception as exc:
                 raise _StageFailed("relay", _short(exc)) from exc
@@ -387,9 +389,9 @@ class HierarchicalCoordinator:
     def _to_node(self, relayed: bytes, deadline: float) -> str | None:
         """The leader's relay to each other rank of its node, point to point; why a send
         failed (the first), or None."""
-        if self._relay_group is None:
+        if self._node_group is None:
             return None
-        sends = [_send(self._dist, self._relay_group, relayed, rank, 2)
+        sends = [_send(self._dist, self._node_group, relayed, rank, _RELAY)
                  for rank in self._node[1:]]
         lost = None
         for rank, works in zip(self._node[1:], sends, strict=True):

@@ -200,8 +200,8 @@ def test_the_pipeline_destroys_the_groups_of_the_coordinator_it_made(
         good_run: tuple[Path, dict[int, dict[str, Any]]]) -> None:
     _root, results = good_run
     for rank, out in phase(results, "save").items():
-        # A node group and a relay group, and the leaders' group on a leader.
-        made = 3 if rank % NODE == 0 else 2
+        # A node group (the node stage and the relay), and the leaders' group on a leader.
+        made = 2 if rank % NODE == 0 else 1
         assert out["groups_open"] == out["groups_before"] + made, (rank, out)
         assert out["groups_after_close"] == out["groups_before"], (rank, out)
 

@@ -6,12 +6,12 @@ comes ends the others' wait by the timeout instead of hanging them."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests._support.children import child_script, free_port, spawn_child
+from tests._support.children import child_script
+from tests.coordination.test_fsdp import _run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -20,20 +20,7 @@ WORKER = child_script("log_gather_worker.py")
 
 def _run(world: int, out: Path, *args: str) -> list[dict[str, object]]:
     out.mkdir()
-    port = free_port()
-    procs = [spawn_child(WORKER, "--out", out, *args, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True,
-                         env={"RANK": str(r), "WORLD_SIZE": str(world),
-                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                              "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
-    try:
-        logs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-2000:]
+    _run_ranks(WORKER, world, "--out", out, *args)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
