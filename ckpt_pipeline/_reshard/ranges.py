@@ -195,11 +195,17 @@ class Span:
     sizes: tuple[int, ...]
     stride: tuple[int, ...]
     into: torch.Tensor
+    before: Callable[[torch.Tensor], None] | None = None
+    """Runs on ``into`` before the span is copied into it (a live tensor read straight into:
+    the bits it overwrites are copied aside)."""
 
 
 def spans_of(shard: ShardRanges, source: int, record: TensorRecord, box: Box,
-             out: torch.Tensor, bound: int) -> Iterator[Span]:
-    """The spans that copy ``box`` (coordinates of the saved tensor ``record``) into ``out``."""
+             out: torch.Tensor, bound: int,
+             before: Callable[[torch.Tensor], None] | None = None
+             ) -> Iterator[Span]:
+    """The spans that copy ``box`` (coordinates of the saved tensor ``record``) into ``out``
+    (``before`` running before each copy)."""
     dtype = DTYPES[record.dtype]
     item = dtype.itemsize
     base = shard.header.storages[record.storage].offset + record.byte_offset
@@ -207,7 +213,7 @@ def spans_of(shard: ShardRanges, source: int, record: TensorRecord, box: Box,
         first = sum(o * s for o, s in zip(part.offsets, record.stride))
         last = sum((o + n - 1) * s for o, n, s in zip(part.offsets, part.sizes, record.stride))
         yield Span(source, base + first * item, base + (last + 1) * item, dtype, part.sizes,
-                   tuple(record.stride), out[part.relative_to(box).index()])
+                   tuple(record.stride), out[part.relative_to(box).index()], before)
 
 
 def group_spans(shards: Sequence[ShardRanges], all_spans: Sequence[Span], parts: int
@@ -233,6 +239,53 @@ def group_spans(shards: Sequence[ShardRanges], all_spans: Sequence[Span], parts:
     return groups
 
 
+def _direct(span: Span) -> bool:
+    """Whether the span's bytes are the destination's bytes, in order: a contiguous host
+    tensor of the saved dtype that the file's bytes [start, end) fill exactly."""
+    into = span.into
+    return (into.device.type == "cpu" and into.dtype == span.dtype and into.is_contiguous()
+            and not into.is_conj() and not into.is_neg()
+            and into.numel() * into.element_size() == span.end - span.start)
+
+
+def _read_span(reader: _Reader, staging: _Staging, span: Span, keep: bool) -> None:
+    """Copy the span into its destination through the staging buffer."""
+    buffer = staging.buffer(reader.extent(span.start, span.end), span.into.device)
+    at = reader.read(span.start, span.end, byte_view(buffer), keep=keep)
+    raw = buffer[at:at + span.end - span.start].view(span.dtype)
+    staging.copy(span.into, raw.as_strided(span.sizes, span.stride))
+
+
+def _read_bytes(reader: _Reader, staging: _Staging, start: int, end: int, into: torch.Tensor,
+                keep: bool) -> None:
+    """Copy the file's bytes [start, end) into the host bytes ``into`` through the staging
+    buffer."""
+    buffer = staging.buffer(reader.extent(start, end), into.device)
+    at = reader.read(start, end, byte_view(buffer), keep=keep)
+    staging.copy(into, buffer[at:at + end - start])
+
+
+def _read_direct(reader: _Reader, staging: _Staging, span: Span, keep: bool) -> None:
+    """A ``_direct`` span: the whole blocks inside it read straight into the destination's
+    memory (and verified there), the partial blocks at its ends through the staging buffer."""
+    shard = reader.shard
+    first, last = shard.blocks(span.start, span.end)
+    lo = shard.checks[first][0] if shard.checks[first][0] >= span.start else \
+        shard.checks[first][1]
+    hi = shard.checks[last][1] if shard.checks[last][1] <= span.end else shard.checks[last][0]
+    flat = span.into.reshape(-1).view(torch.uint8)  # a view: contiguous
+    if lo >= hi:  # no whole block inside: all of it through the staging buffer
+        _read_bytes(reader, staging, span.start, span.end, flat, keep)
+        return
+    if span.start < lo:
+        _read_bytes(reader, staging, span.start, lo, flat[:lo - span.start], keep=False)
+    a, b = shard.blocks(lo, hi)
+    shard.read_blocks(a, b, byte_view(flat, lo - span.start, hi - span.start))
+    reader.kept = None
+    if hi < span.end:
+        _read_bytes(reader, staging, hi, span.end, flat[hi - span.start:], keep)
+
+
 def read_group(shards: Sequence[ShardRanges], group: Sequence[Span]) -> None:
     """Read and copy one group's spans (one thread); every copy is done when it returns."""
     readers: dict[int, _Reader] = {}
@@ -242,14 +295,16 @@ def read_group(shards: Sequence[ShardRanges], group: Sequence[Span]) -> None:
             reader = readers.get(span.source)
             if reader is None:
                 reader = readers[span.source] = _Reader(shards[span.source])
-            buffer = staging.buffer(reader.extent(span.start, span.end), span.into.device)
             after = group[i + 1] if i + 1 < len(group) else None
             shard = shards[span.source]
             keep = (after is not None and after.source == span.source
                     and shard.blocks(after.start, after.end)[0]
                     == shard.blocks(span.start, span.end)[1])
-            at = reader.read(span.start, span.end, byte_view(buffer), keep=keep)
-            raw = buffer[at:at + span.end - span.start].view(span.dtype)
-            staging.copy(span.into, raw.as_strided(span.sizes, span.stride))
+            if span.before is not None:
+                span.before(span.into)
+            if _direct(span):
+                _read_direct(reader, staging, span, keep)
+            else:
+                _read_span(reader, staging, span, keep)
     finally:
         staging.close()

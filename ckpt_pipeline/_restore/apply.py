@@ -46,6 +46,7 @@ from .backups import (
     restored_local,
     swappable,
 )
+from .inplace import Prewrites
 from .live import local_tensor, rebuild_tuple, walks_tuple
 from .rollback import AppliedState
 
@@ -54,10 +55,11 @@ __all__ = ("apply_state",)
 
 class _Applier:
     def __init__(self, tree: Any, tensors: Sequence[torch.Tensor], journal: list[Backup],
-                 copies: BackupCopies) -> None:
+                 copies: BackupCopies, prewrites: Prewrites | None = None) -> None:
         self.tensors = list(tensors)
         self.journal = journal
         self.copies = copies
+        self.prewrites = prewrites
         self.uses = Counter(_refs(tree))  # a restored tensor used twice is never swapped
 
     def slot(self, container: Any, key: Any, node: Any, path: str) -> None:
@@ -109,10 +111,17 @@ class _Applier:
     def _swap(self, live: torch.Tensor, index: int, path: str) -> bool:
         """Exchange the bits of ``live`` and of restored tensor ``index`` where they allow it
         (``swappable``, and the tensor used once): ``live`` then holds the checkpoint's, and
-        the restored memory the old bits, its backup. Whether it did."""
+        the restored memory the old bits, its backup. A tensor the reshard read straight
+        into (``inplace.py``) holds the checkpoint's bits already, and its backup is in the
+        journal from the start: nothing to exchange. Whether it did either."""
+        target = _live_local(live)
+        if self.prewrites is not None:
+            old = self.prewrites.backup_of(index, target)
+            if old is not None:
+                self.copies.keep(target, old)  # a StatefulBackup of ``live`` takes the old bits
+                return True
         if self.uses[index] != 1:
             return False
-        target = _live_local(live)
         new = restored_local(self.tensors[index])
         if not swappable(target, new):
             return False
@@ -201,18 +210,22 @@ def _refs(node: Any, depth: int = 0) -> Iterator[int]:
 def apply_state(live: MutableMapping[str, Any], tree: dict[str, Any],
                 tensors: Sequence[torch.Tensor], *, step: int, rank: int | None = None,
                 rng: RNGState | None = None, copies: BackupCopies | None = None,
-                keep_missing: bool = False) -> AppliedState:
+                keep_missing: bool = False, prewrites: Prewrites | None = None
+                ) -> AppliedState:
     """Load the checkpoint into the live objects in place, and ``rng`` into the global
     generators; on any failure undo every change and raise (StateError for the state,
     RestoreError for the RNG states or a failed rollback). The returned ``AppliedState`` can
     undo it all later. ``copies``: backups prefetched while the checkpoint was read.
+    ``prewrites``: live tensors a reshard read straight into; the journal holds their backups
+    from the start, so that whatever fails puts them back too.
 
     The caller validates first (``validate_state``; recovery does it before the ranks vote on
     the load): this does not check again, and whatever changed since still fails into the
     rollback, never into a half-applied state.
     """
-    journal: list[Backup] = []
-    applier = _Applier(tree, tensors, journal, copies if copies is not None else BackupCopies())
+    journal: list[Backup] = [] if prewrites is None else list(prewrites.journal())
+    applier = _Applier(tree, tensors, journal, copies if copies is not None else BackupCopies(),
+                       prewrites)
     stage = "state"
     try:
         for name in list(live):

@@ -172,10 +172,12 @@ class Recovery:
         try:
             return apply_state(state, loaded.tree, loaded.tensors, step=loaded.step,
                                rank=self.rank, rng=rng, copies=loaded.copies,
-                               keep_missing=bool(loaded.not_in_checkpoint or loaded.excluded))
+                               keep_missing=bool(loaded.not_in_checkpoint or loaded.excluded),
+                               prewrites=loaded.prewrites)
         finally:
             loaded.tensors = []
             loaded.copies = None
+            loaded.prewrites = None
 
     async def finish(self, loaded: Loaded, apply_error: CheckpointError | None,
                      limiter: anyio.CapacityLimiter) -> RestoreResult:

@@ -86,7 +86,8 @@ from ..errors import (
 from ..handle import Reshard
 from ..storage import LocalStorage, Storage
 from ..train_state import TrainState
-from .backups import BackupCopies
+from .backups import BackupCopies, restored_local
+from .inplace import Prewrites, inplace_targets
 from .sourcing import Loaded, prefetch_backup
 from .validate import validate_state
 
@@ -167,14 +168,19 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
         except CheckpointError as exc:
             error = exc
         fatal = isinstance(error, (ReshardError, StateError))
-        failures, any_fatal = await agree_outcome(
-            coordinator, at, save_id, None if error is None else error.message,
-            what="reshard load", fatal=fatal)
+        try:
+            failures, any_fatal = await agree_outcome(
+                coordinator, at, save_id, None if error is None else error.message,
+                what="reshard load", fatal=fatal)
+        except BaseException:
+            _put_back(loaded, rank)
+            raise
         if not failures and loaded is not None:
             _log.info("ckpt.recovery.resharded", step=at, rank=rank, saved_world=saved_world,
                       world=world, bytes_read=loaded.bytes, restore_rng=loaded.restore_rng,
                       excluded=list(loaded.excluded))
             return loaded
+        _put_back(loaded, rank)  # another rank failed: the live tensors read into, as they were
         if any_fatal:
             if error is not None:
                 raise error
@@ -188,6 +194,13 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
                        f"{_listing(failures)}", rank=rank, path=str(storage.root),
                        hint="the saved shards are damaged; check them with ckpt-pipeline "
                             "verify")
+
+
+def _put_back(loaded: Loaded | None, rank: int) -> None:
+    """Undo the reads straight into live tensors of a load that is not applied."""
+    if loaded is not None and loaded.prewrites is not None:
+        prewrites, loaded.prewrites = loaded.prewrites, None
+        prewrites.undo(step=loaded.step, rank=rank)
 
 
 def _listing(failures: Mapping[int, str]) -> str:
@@ -284,6 +297,7 @@ class _Plan:
     shards: list[ShardRanges]
     tensors: list[torch.Tensor]
     spans: list[Span]
+    prewrites: Prewrites
 
 
 async def _load(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any],
@@ -297,29 +311,34 @@ async def _load(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[st
     shards: list[ShardRanges] = []
     copies = BackupCopies()  # the rollback backup, copied while the shards are read
     prefetch: threading.Thread | None = None
+    prewrites = Prewrites()  # live tensors read straight into (``inplace.py``)
     try:
-        plan = await in_thread(limiter, _plan, sources, state, reading, shards,
-                               arriving or {})
-        prefetch = threading.Thread(target=prefetch_backup,
-                                    args=(copies, state, reading.rank, {}),
-                                    name="ckpt-restore-backup", daemon=True)
-        prefetch.start()
-        await run_groups(functools.partial(read_group, shards),
-                         group_spans(shards, plan.spans, reading.threads), limiter)
-    finally:
-        if prefetch is not None:
-            await in_thread(None, prefetch.join, abandon_on_cancel=True)
-        await in_thread(limiter, _close, shards)
-    live = {k: v for k, v in state.items() if k not in plan.excluded}
-    left_out, kept = await in_thread(limiter, functools.partial(
-        validate_state, live, plan.tree, plan.tensors, step=plan.step, rank=reading.rank,
-        keep_missing=reading.keep_missing))
+        try:
+            plan = await in_thread(limiter, _plan, sources, state, reading, shards,
+                                   arriving or {}, prewrites)
+            prefetch = threading.Thread(target=prefetch_backup,
+                                        args=(copies, state, reading.rank, {}),
+                                        name="ckpt-restore-backup", daemon=True)
+            prefetch.start()
+            await run_groups(functools.partial(read_group, shards),
+                             group_spans(shards, plan.spans, reading.threads), limiter)
+        finally:
+            if prefetch is not None:
+                await in_thread(None, prefetch.join, abandon_on_cancel=True)
+            await in_thread(limiter, _close, shards)
+        live = {k: v for k, v in state.items() if k not in plan.excluded}
+        left_out, kept = await in_thread(limiter, functools.partial(
+            validate_state, live, plan.tree, plan.tensors, step=plan.step, rank=reading.rank,
+            keep_missing=reading.keep_missing))
+    except BaseException:
+        prewrites.undo(step=statuses[0].step, rank=reading.rank)
+        raise
     return Loaded(step=plan.step, save_id=statuses[0].save_id or "", path=statuses[0].path,
                   tree=plan.tree, tensors=plan.tensors, train_state=plan.train_state,
                   bytes=sum(r.bytes_read for r in shards), started=reading.started,
                   rejected=(), valid_by_rank={}, restore_rng=plan.restore_rng, copies=copies,
                   not_restored=left_out, not_in_checkpoint=kept, excluded=plan.excluded,
-                  resharded_from=len(statuses),
+                  resharded_from=len(statuses), prewrites=prewrites if len(prewrites) else None,
                   timeline=max(timeline, *(local_timeline(root, r)
                                            for r in range(len(statuses)))))
 
@@ -479,9 +498,10 @@ def _close(shards: Sequence[ShardRanges]) -> None:
 
 def _plan(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any],
           reading: _Reading, shards: list[ShardRanges],
-          arriving: Mapping[int, LocatedShard]) -> _Plan:
+          arriving: Mapping[int, LocatedShard], prewrites: Prewrites) -> _Plan:
     """Decode every saved rank's tree, choose the values this rank restores, open the shards
-    (into ``shards``, which the caller closes) and plan the spans to read. Worker thread."""
+    (into ``shards``, which the caller closes) and plan the spans to read, straight into the
+    live tensors where ``inplace_targets`` allows it (into ``prewrites``). Worker thread."""
     rank, choices = reading.rank, reading.choices
     statuses = [status for _, status in sources]
     contents = [decode_contents(s, r) for r, s in enumerate(statuses)]
@@ -500,6 +520,7 @@ def _plan(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any
         restore_rng = reading.rng
     wanted = _refs(tree)
     targets = live_targets(state, tree)
+    inplace = inplace_targets(live, tree)
     for r, (holder, status) in enumerate(sources):
         located = arriving.get(r)
         shards.append(ShardRanges(holder, status, r) if located is None else
@@ -516,10 +537,11 @@ def _plan(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any
     bound = max(coarse, reading.in_flight // max(1, reading.threads))
     planned: list[Span] = []
     tensors = [_tensor(index, record, targets.get(index), shards, rank, step, plain_from,
-                       bound, planned)
+                       bound, planned, inplace.get(index), prewrites)
                if index in wanted else torch.empty(0)
                for index, record in enumerate(shards[plain_from].header.tensors)]
-    return _Plan(step, tree, train_state, restore_rng, excluded, shards, tensors, planned)
+    return _Plan(step, tree, train_state, restore_rng, excluded, shards, tensors, planned,
+                 prewrites)
 
 
 def _refs(node: Any) -> set[int]:
@@ -659,10 +681,12 @@ def live_targets(live: Mapping[str, Any], tree: Any) -> dict[int, torch.Tensor]:
 
 def _tensor(index: int, record: TensorRecord, template: torch.Tensor | None,
             shards: Sequence[ShardRanges], rank: int, step: int, plain_from: int, bound: int,
-            planned: list[Span]) -> torch.Tensor:
+            planned: list[Span], inplace: tuple[torch.Tensor, str] | None = None,
+            prewrites: Prewrites | None = None) -> torch.Tensor:
     """Tensor ``index`` of saved rank ``plain_from``'s tree, as this rank needs it (module
-    docstring; a plain tensor is that rank's): allocated, its spans added to ``planned``
-    (read later, into it)."""
+    docstring; a plain tensor is that rank's): allocated, or the live local shard ``inplace``
+    itself where it has the planned shape and the saved dtype (registered in ``prewrites``);
+    its spans added to ``planned`` (read later, into it)."""
     path = record.path
     if record.dist is not None:
         records = [shard.records.get(path) for shard in shards]
@@ -691,11 +715,17 @@ def _tensor(index: int, record: TensorRecord, template: torch.Tensor | None,
     pieces = plan_box(SavedBoxes(path, shape, boxes), need, reader=rank)
     device = torch.device("cpu") if live is None else \
         live.to_local().device  # type: ignore[attr-defined]
-    local = torch.empty(need.sizes, dtype=DTYPES[record.dtype], device=device)
+    before = None
+    if live is not None and inplace is not None and prewrites is not None \
+            and _reads_into(inplace[0], live, need, DTYPES[record.dtype]):
+        local = inplace[0]
+        before = prewrites.add(index, local, inplace[1])
+    else:
+        local = torch.empty(need.sizes, dtype=DTYPES[record.dtype], device=device)
     for piece in pieces:
         planned.extend(spans_of(shards[piece.source], piece.source, chosen[piece.source],
                                 piece.region.relative_to(piece.saved),
-                                local[piece.region.relative_to(need).index()], bound))
+                                local[piece.region.relative_to(need).index()], bound, before))
     if live is None:
         return local
     from torch.distributed.tensor import DTensor
@@ -703,6 +733,15 @@ def _tensor(index: int, record: TensorRecord, template: torch.Tensor | None,
     return DTensor.from_local(local, live.device_mesh,  # type: ignore[attr-defined]
                               live.placements, run_check=False,  # type: ignore[attr-defined]
                               shape=live.shape, stride=live.stride())
+
+
+def _reads_into(target: torch.Tensor, live: torch.Tensor, need: Box, dtype: torch.dtype
+                ) -> bool:
+    """Whether the reshard may read straight into the live local shard ``target``: it is
+    ``live``'s own memory, of the saved dtype and of the box this rank needs."""
+    own = restored_local(live)
+    return (target.dtype == dtype and tuple(target.shape) == tuple(need.sizes)
+            and own.data_ptr() == target.data_ptr() and own.device == target.device)
 
 
 def _need(template: torch.Tensor | None, shape: tuple[int, ...], path: str, step: int,

@@ -37,6 +37,7 @@ from ..storage import Storage
 from ..train_state import TrainState
 from .agreement import Agreed
 from .backups import BackupCopies
+from .inplace import Prewrites
 from .read import device_bytes, read_shard
 from .root_source import RootFiles
 from .validate import LayoutChanged, validate_state
@@ -95,6 +96,9 @@ class Loaded:
     """The timeline the run goes on as after this restore."""
     resharded_from: int | None = None
     """The number of ranks that saved the step, when it was resharded (``reshard.py``)."""
+    prewrites: Prewrites | None = None
+    """Live tensors the reshard read straight into, with their bits from before
+    (``inplace.py``): undone unless the apply takes them over."""
     excluded: tuple[str, ...] = ()
     """Top-level entries a reshard leaves as they are (``Reshard.exclude``)."""
     rewound: frozenset[tuple[int, str]] = frozenset()
