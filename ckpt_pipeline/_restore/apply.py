@@ -99,6 +99,8 @@ class _Applier:
         return materialize(node, self.tensors)
 
     def _copy_into(self, live: torch.Tensor, node: TensorRef, path: str) -> None:
+        if self._prewritten(live, node.index):
+            return
         new = self.tensors[node.index]
         if adoptable(live, new):
             self._adopt(live, new, path)
@@ -114,14 +116,11 @@ class _Applier:
         the restored memory the old bits, its backup. A tensor the reshard read straight
         into (``inplace.py``) holds the checkpoint's bits already, and its backup is in the
         journal from the start: nothing to exchange. Whether it did either."""
-        target = _live_local(live)
-        if self.prewrites is not None:
-            old = self.prewrites.backup_of(index, target)
-            if old is not None:
-                self.copies.keep(target, old)  # a StatefulBackup of ``live`` takes the old bits
-                return True
+        if self._prewritten(live, index):
+            return True
         if self.uses[index] != 1:
             return False
+        target = _live_local(live)
         new = restored_local(self.tensors[index])
         if not swappable(target, new):
             return False
@@ -129,6 +128,19 @@ class _Applier:
         self.journal.append(backup)
         backup.swap()
         self.copies.keep(target, backup.old)  # a StatefulBackup of ``live`` takes the old bits
+        return True
+
+    def _prewritten(self, live: torch.Tensor, index: int) -> bool:
+        """Whether the reshard read restored tensor ``index`` straight into ``live``'s memory
+        (its backup is in the journal already): the old bits are then kept for a
+        StatefulBackup of ``live`` to take."""
+        if self.prewrites is None:
+            return False
+        target = _live_local(live)
+        old = self.prewrites.backup_of(index, target)
+        if old is None:
+            return False
+        self.copies.keep(target, old)
         return True
 
     def _adopt(self, live: torch.Tensor, new: torch.Tensor, path: str) -> None:

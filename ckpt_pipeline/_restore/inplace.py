@@ -19,6 +19,7 @@ falls back to an older step, or fails, leaves the live state as it was.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
 from typing import Any
@@ -88,6 +89,12 @@ class Prewrites:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes of the live tensors written so far (each copied aside first)."""
+        return sum(int(math.prod(sizes)) * entry.live.element_size()
+                   for entry in self._entries.values() for _, sizes, _ in entry.regions)
 
     def backup_of(self, index: int, target: torch.Tensor) -> torch.Tensor | None:
         """The bits ``target`` had before the reshard wrote into it, where saved tensor

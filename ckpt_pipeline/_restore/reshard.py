@@ -172,13 +172,15 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
             failures, any_fatal = await agree_outcome(
                 coordinator, at, save_id, None if error is None else error.message,
                 what="reshard load", fatal=fatal)
-        except BaseException:
-            _put_back(loaded, rank)
+        except BaseException as exc:
+            _put_back(loaded, rank, exc)
             raise
         if not failures and loaded is not None:
             _log.info("ckpt.recovery.resharded", step=at, rank=rank, saved_world=saved_world,
                       world=world, bytes_read=loaded.bytes, restore_rng=loaded.restore_rng,
-                      excluded=list(loaded.excluded))
+                      excluded=list(loaded.excluded),
+                      read_in_place=0 if loaded.prewrites is None
+                      else loaded.prewrites.written_bytes)
             return loaded
         _put_back(loaded, rank)  # another rank failed: the live tensors read into, as they were
         if any_fatal:
@@ -196,11 +198,22 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
                             "verify")
 
 
-def _put_back(loaded: Loaded | None, rank: int) -> None:
+def _put_back(loaded: Loaded | None, rank: int, why: BaseException | None = None) -> None:
     """Undo the reads straight into live tensors of a load that is not applied."""
     if loaded is not None and loaded.prewrites is not None:
         prewrites, loaded.prewrites = loaded.prewrites, None
-        prewrites.undo(step=loaded.step, rank=rank)
+        _undo(prewrites, loaded.step, rank, why)
+
+
+def _undo(prewrites: Prewrites, step: int, rank: int, why: BaseException | None) -> None:
+    """Put back the live tensors read straight into, and say so when there were any."""
+    written = prewrites.written_bytes
+    prewrites.undo(step=step, rank=rank)
+    if written:
+        _log.info("ckpt.recovery.reshard_put_back", step=step, rank=rank, bytes=written,
+                  why="another rank's load failed" if why is None
+                  else f"{type(why).__name__}: {why}",
+                  hint="the live tensors read into are as they were before the restore")
 
 
 def _listing(failures: Mapping[int, str]) -> str:
@@ -330,8 +343,8 @@ async def _load(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[st
         left_out, kept = await in_thread(limiter, functools.partial(
             validate_state, live, plan.tree, plan.tensors, step=plan.step, rank=reading.rank,
             keep_missing=reading.keep_missing))
-    except BaseException:
-        prewrites.undo(step=statuses[0].step, rank=reading.rank)
+    except BaseException as exc:
+        _undo(prewrites, statuses[0].step, reading.rank, exc)
         raise
     return Loaded(step=plan.step, save_id=statuses[0].save_id or "", path=statuses[0].path,
                   tree=plan.tree, tensors=plan.tensors, train_state=plan.train_state,

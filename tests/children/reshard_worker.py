@@ -18,6 +18,11 @@ restored onto another world size (``--live S0`` or ``S1`` for the matrix) throug
 that counts every byte read; ``--out`` gets, per saved shard file, the ranges read inside its
 data region, with each tensor's byte range there and the checksum block.
 
+``volume-damaged-restore``: the same onto 2 ranks whose live tensors hold other values, when a
+checksum block near the end of a saved shard is damaged: the restore fails on every rank after
+it read ranges straight into the live tensors, and puts them back (``--out``: the error, whether
+every live bit is as it was, and the bytes put back, from the library's log).
+
 ``values-save`` / ``values-restore``: per-rank plain values (a loader position, TrainState
 counts and extra) and per-rank RNG streams beside a DTensor, restored onto another world size
 (or the same one on a mesh of another shape, ``--mesh 2x2``, or on the saved mesh with another
@@ -194,10 +199,30 @@ def volume_report(storage: CountingStorage, live: dict[str, Any]) -> dict[str, A
             "all_files": sorted(files)}
 
 
+class Events(logging.Handler):
+    """The library's log events at INFO and above, (name, fields), kept in memory."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        logger = logging.getLogger("ckpt_pipeline")
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        name = getattr(record, "ckpt_event", None)
+        if name:
+            self.events.append((name, dict(getattr(record, "ckpt_fields", {}))))
+
+    def field(self, event: str, key: str) -> list[Any]:
+        return [fields.get(key) for name, fields in self.events if name == event]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=("save", "restore", "mesh-save", "mesh-restore",
-                                         "volume-save", "volume-restore", "values-save",
+                                         "volume-save", "volume-restore",
+                                         "volume-damaged-restore", "values-save",
                                          "values-restore"))
     parser.add_argument("--root", required=True)
     parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp")
@@ -269,14 +294,35 @@ def main() -> None:
     elif args.mode == "volume-restore":
         live = volume_state(args.live)
         storage = CountingStorage(args.root)
+        events = Events()
         with cp.CheckpointPipeline(args.root, storage=storage, coordination_timeout_s=60,
                                    reshard_bytes_in_flight=1 << 20) as pipe:
             result = pipe.restore_latest({"t": live})
         assert result is not None and result.resharded_from == 4
         report = volume_report(storage, live)
+        report["in_place"] = events.field("ckpt.recovery.resharded", "read_in_place")
         report["equal"] = all(torch.equal(
             live[name].full_tensor(), torch.arange(float(np.prod(shape))).reshape(shape)
             + len(name)) for name, shape in VOLUME.items())
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    elif args.mode == "volume-damaged-restore":
+        live = volume_state(args.live)
+        for t in live.values():
+            local = t.to_local()
+            local.copy_(torch.randn(local.shape, generator=torch.Generator().manual_seed(rank)))
+        before = {name: t.to_local().clone() for name, t in live.items()}
+        events = Events()
+        report = {}
+        try:
+            with cp.CheckpointPipeline(args.root, coordination_timeout_s=60,
+                                       reshard_bytes_in_flight=1 << 20) as pipe:
+                pipe.restore_latest({"t": live})
+        except cp.CheckpointError as exc:
+            report["error"] = str(exc)
+        report["untouched"] = all(torch.equal(live[name].to_local(), before[name])
+                                  for name in live)
+        report["put_back"] = events.field("ckpt.recovery.reshard_put_back", "bytes")
         with open(args.out, "w") as f:
             json.dump(report, f)
     elif args.mode == "values-save":

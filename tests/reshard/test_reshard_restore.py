@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+import ckpt_pipeline as cp
+from ckpt_pipeline._format.scan import scan
 from ckpt_pipeline._restore.reshard import FETCH_DIR
 from tests._support.children import child_script
 from tests.coordination.test_distributed import flip_data_byte
@@ -90,6 +92,31 @@ def test_a_damaged_slice_that_one_rank_needs_makes_every_rank_fall_back(tmp_path
 
 
 
+def test_a_damaged_block_found_after_reading_into_the_live_tensors_puts_them_back(
+        tmp_path: Path) -> None:
+    """The reshard reads straight into the live tensors; a damaged block at the end of saved
+    rank 3's shard fails live rank 1 after it wrote ranges from saved rank 2 (and the other
+    rank's load fails with it): with no older step every rank raises, and every live bit is as
+    it was before the restore, put back from the copies taken before each write."""
+    _run_ranks(WORKER, 4, "volume-save", "--root", tmp_path / "ckpt")
+    (status,) = scan(cp.LocalStorage(tmp_path / "ckpt"), 3)
+    assert status.header is not None
+    (rows,) = [t for t in status.header.tensors if t.path == "t/rows"]
+    at = status.header.storages[rows.storage].offset + rows.byte_offset \
+        + 4 * rows.shape[0] * rows.shape[1] - 4096  # a byte of its last row
+    with (Path(status.path) / "rank-00003.shard").open("r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    results = _restore(tmp_path, 2, "volume-damaged-restore", "--live", "S0")
+    for r in results:
+        assert "error" in r and r["untouched"], r
+    assert "checksum mismatch" in results[1]["error"] or "rank 3" in results[1]["error"], \
+        results[1]["error"]
+    assert results[1]["put_back"] and results[1]["put_back"][0] > 0, results[1]
+
+
 def _blocks(ranges: list[list[int]], block: int) -> list[int]:
     return [k for a, b in ranges for k in range(a // block, (b - 1) // block + 1)]
 
@@ -105,6 +132,8 @@ def test_a_reshard_reads_only_the_blocks_it_needs_each_once(tmp_path: Path, live
     holders = []
     for r in results:
         assert r["equal"]
+        needed = sum(r["needed"].values())
+        assert r["in_place"] == [needed], (r["in_place"], needed)  # straight into the live
         read = 0
         rep_from = []
         for rel, entry in r["files"].items():
@@ -124,7 +153,6 @@ def test_a_reshard_reads_only_the_blocks_it_needs_each_once(tmp_path: Path, live
                 assert row_blocks <= set(blocks), rel
         assert len(rep_from) == 1, r["files"].keys()
         holders.append(rep_from[0])
-        needed = sum(r["needed"].values())
         runs = 2 + 1 if live == "S0" else 4 + 1  # saved row ranges met, and the replica
         if live == "S0":
             assert needed <= read <= needed + 2 * runs * block, (read, needed)
