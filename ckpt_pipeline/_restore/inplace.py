@@ -33,7 +33,11 @@ from .aliasing import exact
 from .backups import ADOPT_MIN_BYTES, Backup, OptimizerBackup, restored_local
 from .live import walks_tuple
 
-__all__ = ("Prewrites", "PrewrittenBackup", "inplace_targets")
+__all__ = ("INPLACE_MIN_BYTES", "Prewrites", "PrewrittenBackup", "inplace_targets")
+
+INPLACE_MIN_BYTES = ADOPT_MIN_BYTES
+"""Live local shards at least this large are read straight into (smaller ones are read into
+fresh memory and exchanged or copied by the apply, as in a restore at the same layout)."""
 
 
 class _Entry:
@@ -150,7 +154,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def inplace_targets(live: Mapping[str, Any], tree: Any) -> dict[int, tuple[torch.Tensor, str]]:
     """{saved tensor index: (the live local shard the apply would overwrite in place, its
     path)} for the live DTensors that a reshard may read straight into (module docstring):
-    reached as the apply reaches them, on the host, contiguous, at least ``ADOPT_MIN_BYTES``,
+    reached as the apply reaches them, on the host, contiguous, at least ``INPLACE_MIN_BYTES``,
     each index and each memory once, overlapping no other live tensor."""
     found: dict[int, tuple[torch.Tensor, str]] = {}
     seen: set[int] = set()
@@ -169,7 +173,7 @@ def inplace_targets(live: Mapping[str, Any], tree: Any) -> dict[int, tuple[torch
         local = restored_local(t).detach()
         if (node.index in seen or local.device.type != "cpu" or local.layout != torch.strided
                 or not local.is_contiguous() or local.is_conj() or local.is_neg()
-                or local.numel() * local.element_size() < ADOPT_MIN_BYTES):
+                or local.numel() * local.element_size() < INPLACE_MIN_BYTES):
             seen.add(node.index)
             found.pop(node.index, None)
             return

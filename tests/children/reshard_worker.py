@@ -237,7 +237,15 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=0,
                         help="save, restore: replication copies, each rank on a node of its "
                              "own (node-r)")
+    parser.add_argument("--inplace-min", type=int, default=-1,
+                        help="restore: read live DTensor shards of at least this many bytes "
+                             "straight into them (default: the library's threshold, 1 MiB, "
+                             "which this worker's small models stay under)")
     args = parser.parse_args()
+    if args.inplace_min >= 0:
+        import ckpt_pipeline._restore.inplace as inplace
+
+        inplace.INPLACE_MIN_BYTES = args.inplace_min
     cp.enable_logging(logging.WARNING)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -265,6 +273,7 @@ def main() -> None:
             np.savez(os.path.join(here, "next.npz"), **after)
     elif args.mode == "restore":
         model, opt = build(args.kind, seed=7)
+        events = Events()
         try:
             with cp.CheckpointPipeline(args.root, coordination_timeout_s=60, **tier) as pipe:
                 result = pipe.restore_latest({"model": unwrapped(model), "optim": opt})
@@ -285,7 +294,8 @@ def main() -> None:
                    for k, v in params(model).items())
         out = {"step": result.step, "resharded_from": result.resharded_from,
                "bytes": result.bytes, "equal": equal, "next_step_max_diff": diff,
-               "differ": differ}
+               "differ": differ,
+               "in_place": events.field("ckpt.recovery.resharded", "read_in_place")}
         with open(args.out, "w") as f:
             json.dump(out, f)
     elif args.mode == "volume-save":

@@ -28,22 +28,36 @@ def _restore(tmp_path: Path, world: int, *args: str) -> list[dict[str, Any]]:
     return [json.loads(o.read_text()) for o in outs]
 
 
-@pytest.mark.parametrize(("saved", "live", "kinds"), [
-    (2, 4, ("fsdp", "fsdp")), (4, 2, ("fsdp", "fsdp")), (4, 1, ("fsdp", "fsdp")),
-    (1, 4, ("fsdp", "fsdp")), (2, 3, ("fsdp", "fsdp")),
-    (2, 3, ("ddp", "fsdp")), (3, 2, ("fsdp", "ddp")),
-], ids=["2to4", "4to2", "4to1", "1to4", "2to3", "ddp2_to_fsdp3", "fsdp3_to_ddp2"])
+INPLACE = ("--inplace-min", "0")
+"""Every live DTensor shard read straight into it (the worker's models are below the 1 MiB
+the library reads straight into by default)."""
+
+
+@pytest.mark.parametrize(("saved", "live", "kinds", "inplace"), [
+    (2, 4, ("fsdp", "fsdp"), True), (4, 2, ("fsdp", "fsdp"), True),
+    (4, 1, ("fsdp", "fsdp"), False), (1, 4, ("fsdp", "fsdp"), False),
+    (2, 3, ("fsdp", "fsdp"), True), (2, 3, ("ddp", "fsdp"), True),
+    (3, 2, ("fsdp", "ddp"), False),
+], ids=["2to4_inplace", "4to2_inplace", "4to1", "1to4", "2to3_inplace",
+        "ddp2_to_fsdp3_inplace", "fsdp3_to_ddp2"])
 def test_a_model_and_its_optimizer_reshard_onto_another_world_size(
-        tmp_path: Path, saved: int, live: int, kinds: tuple[str, str]) -> None:
+        tmp_path: Path, saved: int, live: int, kinds: tuple[str, str], inplace: bool) -> None:
     """Every full parameter and AdamW moment equals what was saved, bit for bit; one more
     step on the same global batch matches the saved job's next step to within float32
-    rounding (the gradients are reduced over another number of ranks, in another order)."""
+    rounding (the gradients are reduced over another number of ranks, in another order).
+    ``inplace``: the FSDP2 parameters' shards are read straight into (the moments never are:
+    an optimizer's load_state_dict replaces its state); else into fresh memory."""
     _run_ranks(WORKER, saved, "save", "--kind", kinds[0], "--root", tmp_path / "ckpt")
-    results = _restore(tmp_path, live, "restore", "--kind", kinds[1])
+    results = _restore(tmp_path, live, "restore", "--kind", kinds[1],
+                       *(INPLACE if inplace else ()))
     for r in results:
         assert r["step"] == 2 and r["resharded_from"] == saved
         assert r["equal"], r["differ"]
         assert r["next_step_max_diff"] < 1e-6, r
+        (in_place,) = r["in_place"]
+        assert (in_place > 0) == (inplace and kinds[1] == "fsdp"), r
+    if inplace:  # FSDP2: every rank's parameter shards, unless its shards are all empty
+        assert sum(r["in_place"][0] for r in results) == 4 * (30 * 50 + 50 + 50 * 7 + 7)
 
 
 def test_two_dimensional_mesh_reshards_onto_other_mesh_shapes(tmp_path: Path) -> None:
@@ -60,7 +74,7 @@ def test_two_dimensional_mesh_reshards_onto_other_mesh_shapes(tmp_path: Path) ->
         for n in mesh.split("x"):
             world *= int(n)
         results = _restore(tmp_path, world, "mesh-restore", "--mesh", mesh,
-                           "--live", json.dumps(live))
+                           "--live", json.dumps(live), *INPLACE)
         for r in results:
             assert "error" not in r, (mesh, r)
             assert r.pop("resharded_from") == 4, (mesh, r)
@@ -84,10 +98,11 @@ def test_a_shape_that_differs_is_refused_on_every_rank_with_the_state_untouched(
 
 def test_a_damaged_slice_that_one_rank_needs_makes_every_rank_fall_back(tmp_path: Path) -> None:
     """Saved rank 1's shard of step 2 is corrupt: the live ranks that read from it fail its
-    checksum, and all four ranks restore step 1 together, resharded."""
+    checksum, and all four ranks restore step 1 together, resharded (straight into the live
+    shards: what step 2 wrote there is put back, then step 1 read)."""
     _run_ranks(WORKER, 2, "save", "--root", tmp_path / "ckpt")
     flip_data_byte(tmp_path / "ckpt" / "step-0000000002" / "rank-00001.shard")
-    results = _restore(tmp_path, 4, "restore")
+    results = _restore(tmp_path, 4, "restore", *INPLACE)
     assert [(r["step"], r["resharded_from"]) for r in results] == [(1, 2)] * 4
 
 
