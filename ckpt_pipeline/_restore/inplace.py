@@ -33,7 +33,8 @@ from .aliasing import exact
 from .backups import ADOPT_MIN_BYTES, Backup, OptimizerBackup, restored_local
 from .live import walks_tuple
 
-__all__ = ("INPLACE_MIN_BYTES", "Prewrites", "PrewrittenBackup", "inplace_targets")
+__all__ = ("INPLACE_MIN_BYTES", "Prewrites", "PrewrittenBackup", "inplace_targets",
+           "overlapping")
 
 INPLACE_MIN_BYTES = ADOPT_MIN_BYTES
 """Live local shards at least this large are read straight into (smaller ones are read into
@@ -212,8 +213,9 @@ def inplace_targets(live: Mapping[str, Any], tree: Any) -> dict[int, tuple[torch
             walk(value, tree[name], str(name), 0)
         else:
             _note_all(value, note)
+    shared = overlapping(ranges)
     return {index: (local, path) for index, (local, path) in found.items()
-            if _alone(local, ranges)}
+            if (local.data_ptr(), local.data_ptr() + _extent(local)) not in shared}
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -224,18 +226,18 @@ def _extent(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
-def _alone(local: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
-    """Whether ``local``'s bytes overlap no other live tensor's (its own range counts once)."""
-    start = local.data_ptr()
-    end = start + _extent(local)
-    mine = 0
-    for a, b in ranges:
-        if a < end and start < b:
-            if (a, b) == (start, end) and mine == 0:
-                mine = 1
-                continue
-            return False
-    return True
+def overlapping(ranges: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The byte ranges [start, end) of ``ranges`` that overlap another one of them (a range
+    listed twice overlaps itself): one sweep in start order, O(n log n)."""
+    out: set[tuple[int, int]] = set()
+    reach, holder = -1, (0, 0)  # the furthest end so far, and the range that has it
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if a < reach:
+            out.add((a, b))
+            out.add(holder)
+        if b > reach:
+            reach, holder = b, (a, b)
+    return out
 
 
 def _note_all(obj: Any, note: Callable[[torch.Tensor], None], depth: int = 0) -> None:

@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckpt_pipeline._format.documents import TensorRef
 from ckpt_pipeline._restore.apply import apply_state
-from ckpt_pipeline._restore.inplace import Prewrites
+from ckpt_pipeline._restore.inplace import Prewrites, overlapping
 from ckpt_pipeline.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,3 +87,26 @@ def test_undo_puts_back_only_the_regions_written() -> None:
     prewrites.undo(step=5, rank=0)
     assert torch.equal(live, original)
     assert prewrites.written_bytes == 0  # nothing is left to undo twice
+
+
+def test_overlapping_ranges_are_found_in_one_sweep() -> None:
+    """The live tensors a reshard may read straight into share memory with no other: every
+    range that touches another is found, the ones that only abut are not, and a range listed
+    twice (a tied weight reached twice) overlaps itself."""
+    ranges = [(0, 100), (10, 20), (200, 300), (300, 400), (450, 460), (450, 460), (500, 500),
+              (40, 55), (95, 210)]
+    assert overlapping(ranges) == {(0, 100), (10, 20), (40, 55), (95, 210), (200, 300),
+                                   (450, 460)}
+    assert overlapping([(0, 10), (10, 20)]) == set()
+    brute = {r for i, r in enumerate(ranges) if r[1] > r[0] and any(
+        i != j and o[1] > o[0] and r[0] < o[1] and o[0] < r[1] for j, o in enumerate(ranges))}
+    assert overlapping(ranges) == brute
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)).map(
+    lambda p: (p[0], p[0] + p[1])), max_size=12))
+def test_overlapping_agrees_with_comparing_every_pair(ranges: list[tuple[int, int]]) -> None:
+    brute = {r for i, r in enumerate(ranges) if r[1] > r[0] and any(
+        i != j and o[1] > o[0] and r[0] < o[1] and o[0] < r[1] for j, o in enumerate(ranges))}
+    assert overlapping(ranges) == brute
