@@ -25,7 +25,8 @@ from typing import NamedTuple, NoReturn
 
 import torch
 
-__all__ = ("Target", "check_aliasing", "copy_exact", "exact", "exact_clone", "written")
+__all__ = ("Target", "check_aliasing", "copy_exact", "exact", "exact_clone", "memory_range",
+           "written")
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -109,6 +110,13 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     k = t.element_size()
     start = int(t.storage_offset()) * k
     return start, start + (sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * k
+
+
+def memory_range(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses [start, end) of a non-empty tensor's elements."""
+    base = t.untyped_storage().data_ptr()
+    start, end = _extent(t)
+    return base + start, base + end
 
 
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:

@@ -35,7 +35,7 @@ from .live import is_namedtuple, local_tensor, rebuild_tuple
 __all__ = ("ABSENT", "ADOPT_MIN_BYTES", "AdoptedBackup", "Backup", "BackupCopies",
            "OptimizerBackup", "RNGBackup", "SlotBackup", "StatefulBackup", "SwappedBackup",
            "TensorBackup", "adoptable", "owns_memory", "restored_local", "swap_candidate",
-           "swappable")
+           "swappable", "view_key")
 
 
 # ---------------------------------------------------------------- copies
@@ -131,7 +131,7 @@ _DEVICE_MARGIN_BYTES = 1 << 30
 """GPU memory left free when backups are kept on the GPU (or a tenth of it, if more)."""
 
 
-def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+def view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """What identifies the memory a (detached) view reads: the same for every alias of it."""
     return (t.get_device(), t.data_ptr(), t.dtype, t.shape, t.stride())
 
@@ -199,7 +199,7 @@ class BackupCopies:
         t = t.detach()
         if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
             return
-        key = _view_key(t)
+        key = view_key(t)
         with self._lock:
             if key in self._copies:
                 return
@@ -222,7 +222,7 @@ class BackupCopies:
         FSDP2's sharded parameters) can have counters of their own, and the exchange has
         already written into it."""
         with self._lock:
-            self._copies[_view_key(t.detach())] = (None, old)
+            self._copies[view_key(t.detach())] = (None, old)
 
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """The prefetched copy of ``t`` if it is still current, else a fresh one."""
@@ -230,7 +230,7 @@ class BackupCopies:
         if t.is_cpu and t.numel() * t.element_size() < ADOPT_MIN_BYTES:
             return exact_clone(t)  # never prefetched nor kept (``_take``, ``keep``)
         with self._lock:
-            found = self._copies.pop(_view_key(t), None) if t.layout == torch.strided else None
+            found = self._copies.pop(view_key(t), None) if t.layout == torch.strided else None
         if found is not None and (found[0] is None or found[0] == t._version):
             return found[1]
         return _host_copy(t)

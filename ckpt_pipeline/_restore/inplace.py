@@ -8,8 +8,9 @@ the ranges are copied into that local shard itself instead of into fresh memory 
 would then exchange bits with. Before each range lands in such a tensor, the bits it
 overwrites are copied aside (``Prewrites``, into host memory of the tensor's size, by the
 thread that reads the range): the rollback backup the exchange would have made, without the
-exchange, taken by the reading threads in parallel. Optimizers (whose ``load_state_dict`` replaces their state rather than writing into
-it), other stateful objects and CUDA tensors keep the read-then-apply path.
+exchange, taken by the reading threads in parallel. Optimizers (whose ``load_state_dict``
+replaces their state rather than writing into it), other stateful objects and CUDA tensors
+keep the read-then-apply path.
 
 Until the apply takes them over (``apply_state(prewrites=...)``: a ``PrewrittenBackup``
 journal entry each, undone like any other), ``Prewrites.undo()`` puts every written tensor
@@ -29,8 +30,8 @@ import torch
 from .._format.documents import TensorRef
 from .._tree import is_dtensor, is_stateful, join_path
 from ..errors import RestoreError
-from .aliasing import exact
-from .backups import ADOPT_MIN_BYTES, Backup, OptimizerBackup, restored_local
+from .aliasing import exact, memory_range
+from .backups import ADOPT_MIN_BYTES, Backup, OptimizerBackup, restored_local, view_key
 from .live import walks_tuple
 
 __all__ = ("INPLACE_MIN_BYTES", "Prewrites", "PrewrittenBackup", "inplace_targets",
@@ -105,7 +106,7 @@ class Prewrites:
         """The bits ``target`` had before the reshard wrote into it, where saved tensor
         ``index`` was read straight into ``target``'s memory; else None."""
         entry = self._entries.get(index)
-        if entry is None or not entry.regions or not _same_memory(entry.live, target):
+        if entry is None or not entry.regions or view_key(entry.live) != view_key(target):
             return None
         return entry.old
 
@@ -147,11 +148,6 @@ class PrewrittenBackup(Backup):
         self.entry.restore()
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
-            and a.shape == b.shape and a.stride() == b.stride())
-
-
 def inplace_targets(live: Mapping[str, Any], tree: Any) -> dict[int, tuple[torch.Tensor, str]]:
     """{saved tensor index: (the live local shard the apply would overwrite in place, its
     path)} for the live DTensors that a reshard may read straight into (module docstring):
@@ -164,8 +160,7 @@ def inplace_targets(live: Mapping[str, Any], tree: Any) -> dict[int, tuple[torch
     def note(t: torch.Tensor) -> None:
         local = restored_local(t) if is_dtensor(t) else t
         if local.device.type == "cpu" and local.numel() > 0:
-            start = local.data_ptr()
-            ranges.append((start, start + _extent(local)))
+            ranges.append(memory_range(local))
 
     def offer(t: torch.Tensor, node: Any, path: str) -> None:
         note(t)
@@ -215,15 +210,7 @@ def inplace_targets(live: Mapping[str, Any], tree: Any) -> dict[int, tuple[torch
             _note_all(value, note)
     shared = overlapping(ranges)
     return {index: (local, path) for index, (local, path) in found.items()
-            if (local.data_ptr(), local.data_ptr() + _extent(local)) not in shared}
-
-
-def _extent(t: torch.Tensor) -> int:
-    """The bytes from ``t``'s first element to just past its last."""
-    if t.numel() == 0:
-        return 0
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
-    return (last + 1) * t.element_size()
+            if memory_range(local) not in shared}
 
 
 def overlapping(ranges: list[tuple[int, int]]) -> set[tuple[int, int]]:

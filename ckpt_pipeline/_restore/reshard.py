@@ -310,7 +310,6 @@ class _Plan:
     shards: list[ShardRanges]
     tensors: list[torch.Tensor]
     spans: list[Span]
-    prewrites: Prewrites
 
 
 async def _load(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any],
@@ -553,8 +552,7 @@ def _plan(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any
                        bound, planned, inplace.get(index), prewrites)
                if index in wanted else torch.empty(0)
                for index, record in enumerate(shards[plain_from].header.tensors)]
-    return _Plan(step, tree, train_state, restore_rng, excluded, shards, tensors, planned,
-                 prewrites)
+    return _Plan(step, tree, train_state, restore_rng, excluded, shards, tensors, planned)
 
 
 def _refs(node: Any) -> set[int]:
