@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 import xxhash
 
 import ckpt_pipeline as cp
 from ckpt_pipeline import LocalStorage
+from ckpt_pipeline._config_groups import ReplicationConfig
 from ckpt_pipeline._format.documents import CommitRecord, decode_manifest, encode_commit
 from ckpt_pipeline._format.filesets import FileSet
 from ckpt_pipeline._format.limits import MAX_HEADER_BYTES
@@ -29,8 +31,11 @@ from ckpt_pipeline._format.shard import PREAMBLE_SIZE
 from ckpt_pipeline._format.tidy import scrub
 from ckpt_pipeline._tiers.replica.fetch import fetch_shard
 from ckpt_pipeline._tiers.replica.push import Peer, Push, PushOutcome
+from ckpt_pipeline._tiers.replica.replication import Replication
 from ckpt_pipeline._tiers.replica.resend import Resend
 from ckpt_pipeline._tiers.replica.server import CopyServer
+from ckpt_pipeline._tiers.replica.vote import CopiesAcked, ReplicaVote
+from ckpt_pipeline.coordination._agree import Opening
 from ckpt_pipeline.errors import CheckpointIntegrityError
 
 STEP = 10
@@ -147,22 +152,30 @@ def push(src: Source, holder: Holder, *, token: str = TOKEN, skip: int | None = 
     wait for the answer (a refusal arrives then, whatever it is, without a race with the
     data in flight); ``finish``: send header, preamble and manifest."""
     p = Push([holder.peer], token=token, step=STEP, save_id=src.save_id, rank=0, timeout_s=5)
-    p.open(src.header_offset + MAX_HEADER_BYTES)
-    if not only_open:
-        for k, (start, end, digest) in enumerate(src.checks):
-            if k == skip:
-                continue
-            data = src.shard[start:end]
-            if k in (transit, at_source):
-                data = _flip(data, (end - start) // 2)
-                if k == at_source:
-                    digest = xxhash.xxh3_64_intdigest(data)
-            p.send(start, memoryview(data), digest)
-        if finish:
-            p.finish(src.header, src.header_offset, src.preamble, src.manifest)
+    send(src, p, skip=skip, transit=transit, at_source=at_source, only_open=only_open,
+         finish=finish)
     if before_collect is not None:
         before_collect()
     return p.collect()
+
+
+def send(src: Source, p: Push, *, skip: int | None = None, transit: int | None = None,
+         at_source: int | None = None, only_open: bool = False, finish: bool = True) -> None:
+    """Send rank 0's shard through ``p`` as a save does (``push`` says what the options do)."""
+    p.open(src.header_offset + MAX_HEADER_BYTES)
+    if only_open:
+        return
+    for k, (start, end, digest) in enumerate(src.checks):
+        if k == skip:
+            continue
+        data = src.shard[start:end]
+        if k in (transit, at_source):
+            data = _flip(data, (end - start) // 2)
+            if k == at_source:
+                digest = xxhash.xxh3_64_intdigest(data)
+        p.send(start, memoryview(data), digest)
+    if finish:
+        p.finish(src.header, src.header_offset, src.preamble, src.manifest)
 
 
 def settle(src: Source, holder: Holder, commit: list[int]) -> dict[int, str]:
@@ -187,6 +200,37 @@ COPY_FILES = [f"{STEP_DIR}/{replica_name(0, 1, k)}" for k in ("commit", "manifes
 
 
 # ---------------------------------------------------------------------------- pushing
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("token", [TOKEN, "another job's token"])
+def test_the_commit_vote_part_of_a_rank_whose_copies_all_arrived_is_the_same_on_every_rank(
+        source: Source, holder: Holder, token: str) -> None:
+    """Rank 0 of two ranks on two nodes, its copy placed on rank 1 (the holder), pushed and
+    collected by replication's commit participant as a save does. Every copy acknowledged:
+    the part says "all the placed holders" (``True``), not the rank's own list, so that every
+    rank sends the same bytes and a commit vote stays one run (``docs/scale.md``); read back
+    against the placement it names rank 1. A holder that refused (another job's token): the
+    rank's own list, empty, with the holder's reason."""
+    replication = Replication(LocalStorage(source.root), ReplicationConfig(copies=1),
+                              lambda _e: None, rank=0, world_size=2)
+    address = holder.server.address
+    replication.start(Opening("run", token, ("nodeA", "nodeB"), (address, address)))
+    assert replication.placement is not None and replication.placement.holders == ((1,), (0,))
+    vote = ReplicaVote(replication, replication.push_for(STEP, source.save_id), step=STEP,
+                       save_id=source.save_id, rank=0, limiter=anyio.CapacityLimiter(1))
+    assert vote.push is not None
+    send(source, vote.push)
+    part = anyio.run(vote.contribute, False)
+    assert part is not None
+    if token == TOKEN:
+        assert part == CopiesAcked(None) and part.to_msg() == {"acked": True, "errors": {}}
+        assert part.acked_of(replication.placement.holders[0]) == (1,)
+        assert settle(source, holder, [0]) == {}
+    else:
+        assert part.acked == () and list(part.errors) == [1], part
+        assert part.acked_of(replication.placement.holders[0]) == ()
+    assert CopiesAcked.from_msg(part.to_msg()) == part
 
 
 @pytest.mark.timeout(60)

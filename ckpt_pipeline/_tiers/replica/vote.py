@@ -10,7 +10,7 @@ step), and the second vote carries the copies that could not be committed
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +27,20 @@ __all__ = ("CopiesAcked", "CopiesSettled", "ReplicaVote", "Replicas")
 @dataclass(frozen=True, slots=True)
 class CopiesAcked:
     """A rank's first-vote part: the holders that acknowledged a durable copy of its shard,
-    and why each other holder did not."""
+    and why each other holder did not. ``acked`` None: every holder the placement names for
+    this rank, the good path. That part is the same message on every rank (``True``, not the
+    rank's own list of holders), so that a commit vote with replication on stays one run of
+    equal answers, decoded once, however many ranks vote (``docs/scale.md``)."""
 
-    acked: tuple[int, ...]
+    acked: tuple[int, ...] | None
     errors: Mapping[int, str] = field(default_factory=dict)
 
+    def acked_of(self, planned: Sequence[int]) -> tuple[int, ...]:
+        """The holders that acknowledged, given those the placement names for the rank."""
+        return tuple(planned) if self.acked is None else self.acked
+
     def to_msg(self) -> Any:
-        return {"acked": list(self.acked),
+        return {"acked": True if self.acked is None else list(self.acked),
                 "errors": {str(h): e for h, e in self.errors.items()}}
 
     @classmethod
@@ -42,8 +49,10 @@ class CopiesAcked:
         if not isinstance(message, dict) or set(message) != {"acked", "errors"}:
             raise ValueError("not a map of acked and errors")
         acked = message["acked"]
+        if acked is True:
+            return cls(None, _by_rank(message["errors"]))
         if not isinstance(acked, list) or not all(type(h) is int for h in acked):
-            raise ValueError("acked is not a list of ranks")
+            raise ValueError("acked is neither true nor a list of ranks")
         return cls(tuple(acked), _by_rank(message["errors"]))
 
 
@@ -107,7 +116,16 @@ class ReplicaVote:
             self.push.abort(f"the save failed on rank {self.rank}")
             return None
         self.pushed = await in_thread(self.limiter, self.push.collect)
-        return CopiesAcked(tuple(self.pushed.acked), dict(self.pushed.errors))
+        acked, errors = tuple(self.pushed.acked), dict(self.pushed.errors)
+        planned = self._planned(self.rank)
+        if not errors and sorted(acked) == sorted(planned):
+            return CopiesAcked(None)  # every holder: the same part on every rank
+        return CopiesAcked(acked, errors)
+
+    def _planned(self, source: int) -> tuple[int, ...]:
+        """The holders the placement names for ``source``'s shard."""
+        placement = self.replication.placement
+        return () if placement is None else placement.holders[source]
 
     async def voted(self, vote: Vote[CopiesAcked]) -> None:
         """Not committed: remove every copy this rank holds of the step."""
@@ -122,7 +140,7 @@ class ReplicaVote:
         if self.replication.placement is None:
             return None
         sources = [source for source, part in enumerate(self._first.parts)
-                   if part is not None and self.rank in part.acked]
+                   if part is not None and self.rank in part.acked_of(self._planned(source))]
         failed = await in_thread(self.limiter, self.replication.settle, self.step,
                                  self.save_id, sources, recorded.metrics, recorded.lineage)
         return CopiesSettled(failed)
@@ -146,7 +164,7 @@ class ReplicaVote:
         first, second = self._first.parts, self._second.parts
         for source, holders in enumerate(placement.holders):
             sent = first[source] if source < len(first) else None
-            ok = set(() if sent is None else sent.acked)
+            ok = set(() if sent is None else sent.acked_of(holders))
             for holder in holders:
                 settled = second[holder] if holder < len(second) else None
                 failed = {} if settled is None else settled.failed
