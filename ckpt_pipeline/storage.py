@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from .errors import StorageError, UnsafeRootError
 
-__all__ = ("FileInfo", "LocalStorage", "Storage")
+__all__ = ("FileInfo", "LocalStorage", "RangeSource", "Storage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,21 @@ class Storage(Protocol):
 
     def free_bytes(self) -> int:
         """Bytes available to this user on the root's file system."""
+
+
+class RangeSource(Protocol):
+    """What reading a saved shard's header and byte ranges needs (``read_shard_header``, a
+    reshard's ``ShardRanges``): every ``Storage``, and a shard read in ranges straight from the
+    persistent tier (``_tiers/persistent/ranged.py``). ``root`` names where, in messages."""
+
+    @property
+    def root(self) -> str | os.PathLike[str]: ...
+
+    def open_read(self, rel: str, expected_size: int | None = None) -> tuple[int, int]: ...
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> None: ...
+
+    def close(self, fd: int) -> None: ...
 
 
 class LocalStorage:

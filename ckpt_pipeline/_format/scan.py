@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointIntegrityError, StateError, StorageError
-from ..storage import Storage
+from ..storage import RangeSource, Storage
 from ..train_state import TrainState
 from .documents import CommitRecord, Manifest, decode_manifest, decode_tree
 from .filesets import FileSet, owned_sets, rank_sets
@@ -140,7 +140,7 @@ def scan_files(storage: Storage, files: FileSet, step: int, dir_name: str,
                       lineage=record.lineage)
 
 
-def check_arriving(storage: Storage, step: int, dir_name: str, rank: int, *,
+def check_arriving(storage: RangeSource, step: int, dir_name: str, rank: int, *,
                    commit_raw: bytes, manifest_raw: bytes, shard_file: str) -> StepStatus:
     """``scan_files`` for this rank's files of a step that are still arriving: the commit
     record and manifest as bytes (not yet published), the shard under a temporary name in
@@ -199,7 +199,7 @@ ARRIVING_COPY = HeaderWording("the copy's shard header does not match its manife
                               "the copy's shard header is for another save", None)
 
 
-def read_shard_header(storage: Storage, rel: str, manifest: Manifest, *, path: str,
+def read_shard_header(storage: RangeSource, rel: str, manifest: Manifest, *, path: str,
                       wording: HeaderWording = ON_DISK) -> ShardHeader:
     """Open the shard file ``rel`` (it must be the manifest's ``shard_size``), decode its
     preamble and header, and check the header against ``manifest``: its checksum, and the

@@ -9,7 +9,7 @@ not read again (and nothing is copied for a range whose successor starts further
 What a range costs beyond its own bytes is therefore at most one block on each side.
 
 ``ShardRanges`` is one saved rank's file (its header, its descriptor; shared by the threads),
-in a root or still arriving from a shard source (a download: each read waits for its bytes).
+in a root or in the persistent tier (a ``RangeSource``: each read a ranged request there).
 ``Span`` is one range to copy into a destination tensor (``spans_of`` cuts a box of a saved
 tensor into them: ``runs.spans``). ``read_spans`` reads a list of spans with several threads,
 each taking a contiguous run of them in file order, cut only where two runs share no block, so
@@ -34,7 +34,7 @@ from .._format.region import checksum
 from .._format.scan import StepStatus
 from .._hostmem import byte_view
 from ..errors import CheckpointIntegrityError
-from ..storage import Storage
+from ..storage import RangeSource
 from .boxes import Box
 from .runs import spans
 
@@ -45,9 +45,7 @@ class ShardRanges:
     """One saved rank's shard file of a step, open for range reads (see the module
     docstring); ``close`` once every reader is done."""
 
-    def __init__(self, storage: Storage, status: StepStatus, rank: int, *,
-                 shard_file: str | None = None,
-                 arrived: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, storage: RangeSource, status: StepStatus, rank: int) -> None:
         header = status.header
         if header is None:
             raise CheckpointIntegrityError("step was not validated", step=status.step,
@@ -56,10 +54,8 @@ class ShardRanges:
         self.status = status
         self.rank = rank
         self.storage = storage
-        self.arrived = arrived
-        """A file still arriving (a download): blocks until bytes [start, end) are in."""
         self.rel = os.path.join(status.dir_name,
-                                shard_file or status.shard_file or shard_name(rank))
+                                status.shard_file or shard_name(rank))
         self.checks = header.checks()
         self.starts = [start for start, _, _ in self.checks]
         self.block = max((end - start for start, end, _ in self.checks), default=0)
@@ -90,8 +86,6 @@ class ShardRanges:
         """Read blocks ``first`` to ``last`` into ``into`` (their bytes, in one call) and
         verify each."""
         lo = self.checks[first][0]
-        if self.arrived is not None:
-            self.arrived(lo, lo + len(into))
         self.storage.pread_into(self._fd, into, lo)
         with self._lock:
             self.bytes_read += len(into)

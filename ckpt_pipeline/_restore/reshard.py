@@ -3,9 +3,9 @@ shard, only the boxes its live tensors need (planned by ``_reshard``), in a root
 every saved rank's files (one root the ranks share; a saved rank's files count under their own
 names or as a copy replication left in the root). Node-local roots: the saved ranks' files a
 root lacks are fetched whole from the live ranks whose roots hold them (``PeerSource``, through
-replication's copy servers), when the live roots hold the step whole between them; else
-downloaded whole from the persistent tier (``TierSource``, through the ``TierDownload`` shard
-source) while the ranges are read. Either way into ``FETCH_DIR`` of the root, removed after.
+replication's copy servers, into ``FETCH_DIR`` of the root, removed after), when the live roots
+hold the step whole between them; else read from the persistent tier (``TierSource``) in
+ranges, only those this rank needs (``RemoteShard``), nothing written to the root.
 
 - **Which step.** Every live rank scans the saved ranks' files of each step (headers only) and
   keeps the steps complete for all of them, of one save, that no rewind abandoned, adds the
@@ -68,11 +68,9 @@ from .._reshard.boxes import Box, saved_box
 from .._reshard.plan import ReshardError, SavedBoxes, plan_box
 from .._reshard.ranges import ShardRanges, Span, group_spans, read_group, spans_of
 from .._threads import in_thread
-from .._tiers.base import LocatedShard
 from .._tiers.persistent.layout import StepRecord
+from .._tiers.persistent.ranged import RemoteShard
 from .._tiers.persistent.remote import Remote
-from .._tiers.persistent.source import TierDownload
-from .._tiers.persistent.stream import ShardStream
 from .._tree import is_dtensor, is_stateful, join_path, mesh_shapes
 from ..coordination import Coordinator
 from ..coordination._agree import agree_outcome, gather_shared
@@ -84,7 +82,7 @@ from ..errors import (
     StateError,
 )
 from ..handle import Reshard
-from ..storage import LocalStorage, Storage
+from ..storage import LocalStorage, RangeSource, Storage
 from ..train_state import TrainState
 from .backups import BackupCopies, restored_local
 from .inplace import Prewrites, inplace_targets
@@ -312,10 +310,9 @@ class _Plan:
     spans: list[Span]
 
 
-async def _load(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any],
+async def _load(sources: Sequence[tuple[RangeSource, StepStatus]], state: Mapping[str, Any],
                 limiter: anyio.CapacityLimiter, reading: _Reading, root: Storage,
-                timeline: int = 0, arriving: Mapping[int, LocatedShard] | None = None
-                ) -> Loaded:
+                timeline: int = 0) -> Loaded:
     """This rank's tensors of one step, resharded (planned, then read by ``threads`` threads
     at once), and checked against the live state. ``sources``: each saved rank's files (the
     storage that holds them, their status); ``root``: this rank's root."""
@@ -326,8 +323,7 @@ async def _load(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[st
     prewrites = Prewrites()  # live tensors read straight into (``inplace.py``)
     try:
         try:
-            plan = await in_thread(limiter, _plan, sources, state, reading, shards,
-                                   arriving or {}, prewrites)
+            plan = await in_thread(limiter, _plan, sources, state, reading, shards, prewrites)
             prefetch = threading.Thread(target=prefetch_backup,
                                         args=(copies, state, reading.rank, {}),
                                         name="ckpt-restore-backup", daemon=True)
@@ -356,8 +352,9 @@ async def _load(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[st
 
 
 FETCH_DIR = ".reshard-tier"
-"""The directory of the root that a reshard downloads saved ranks' files into from the
-persistent tier, removed once they are read (``step_dirs`` ignores it)."""
+"""The directory of the root that a reshard fetches saved ranks' files into from other live
+ranks' roots, removed once they are read (``step_dirs`` ignores it; the name is older than
+the persistent tier's ranged reads, which write nothing here)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,41 +377,27 @@ async def _load_from_tier(tier: TierSource, record: StepRecord,
                           state: Mapping[str, Any], limiter: anyio.CapacityLimiter,
                           reading: _Reading) -> Loaded:
     """A step that the root does not hold whole: each saved rank's files that the root lacks
-    (``local``: those it holds of this save) come from the persistent tier, downloaded (a
-    ``TierDownload``, the shard source a same-size restore reads the tier through) into
-    ``FETCH_DIR`` of the root while the reshard reads them, and removed once it has: the step
-    stays only in the tier."""
-    downloads: list[TierDownload] = []
-    sources: list[tuple[Storage, StepStatus]] = []
-    arriving: dict[int, LocatedShard] = {}
-    error: BaseException | None = None
-    async with _fetch_dir(root, limiter) as fetched:
-        try:
-            for r in range(record.world_size):
-                if r in local:
-                    sources.append((root, local[r]))
-                    continue
-                download = TierDownload(functools.partial(ShardStream, tier.remote, fetched,
-                                                          record, r), limiter, keep=False)
-                downloads.append(download)
-                shard = await download.open()
-                sources.append((fetched, shard.status))
-                arriving[r] = shard
-            _log.info("ckpt.recovery.reshard_downloading", step=record.step,
-                      rank=reading.rank, url=tier.url, saved_ranks=sorted(arriving),
-                      hint="the root lacks these saved ranks' files: they are downloaded "
-                           "whole from the persistent tier while the ranges needed are read")
-            return await _load(sources, state, limiter, reading, root,
-                               timeline=record.lineage.timeline if record.lineage else 0,
-                               arriving=arriving)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                for download in downloads:
-                    with contextlib.suppress(Exception):
-                        await download.close(error)
+    (``local``: those it holds of this save) are read from the persistent tier in ranges
+    (``RemoteShard``): the header, then only the ranges this rank needs, each verified by its
+    checksum blocks. Nothing is downloaded into the root: the step stays only in the tier."""
+    sources: list[tuple[RangeSource, StepStatus]] = []
+    remote: dict[int, RemoteShard] = {}
+    for r in range(record.world_size):
+        if r in local:
+            sources.append((root, local[r]))
+            continue
+        shard = remote[r] = await in_thread(limiter, RemoteShard, tier.remote, record, r)
+        sources.append((shard, await in_thread(limiter, shard.status)))
+    _log.info("ckpt.recovery.reshard_from_tier", step=record.step, rank=reading.rank,
+              url=tier.url, saved_ranks=sorted(remote),
+              hint="the root lacks these saved ranks' files: the ranges needed are read from "
+                   "the persistent tier")
+    loaded = await _load(sources, state, limiter, reading, root,
+                         timeline=record.lineage.timeline if record.lineage else 0)
+    _log.info("ckpt.recovery.reshard_tier_read", step=record.step, rank=reading.rank,
+              url=tier.url, bytes={str(r): shard.bytes for r, shard in sorted(remote.items())},
+              sizes={str(r): shard.size for r, shard in sorted(remote.items())})
+    return loaded
 
 
 FetchSaved = Callable[[int, int, str, int, int, Storage], tuple[int, float]]
@@ -508,9 +491,9 @@ def _close(shards: Sequence[ShardRanges]) -> None:
         shard.close()
 
 
-def _plan(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any],
+def _plan(sources: Sequence[tuple[RangeSource, StepStatus]], state: Mapping[str, Any],
           reading: _Reading, shards: list[ShardRanges],
-          arriving: Mapping[int, LocatedShard], prewrites: Prewrites) -> _Plan:
+          prewrites: Prewrites) -> _Plan:
     """Decode every saved rank's tree, choose the values this rank restores, open the shards
     (into ``shards``, which the caller closes) and plan the spans to read, straight into the
     live tensors where ``inplace_targets`` allows it (into ``prewrites``). Worker thread."""
@@ -534,10 +517,7 @@ def _plan(sources: Sequence[tuple[Storage, StepStatus]], state: Mapping[str, Any
     targets = live_targets(state, tree)
     inplace = inplace_targets(live, tree)
     for r, (holder, status) in enumerate(sources):
-        located = arriving.get(r)
-        shards.append(ShardRanges(holder, status, r) if located is None else
-                      ShardRanges(holder, status, r, shard_file=located.shard_file,
-                                  arrived=located.arrived))
+        shards.append(ShardRanges(holder, status, r))
     coarse = max(shard.block for shard in shards)
     if coarse > CHECKSUM_BLOCK_BYTES:
         _log.info("ckpt.recovery.reshard_coarse_checksums", step=step, rank=rank,

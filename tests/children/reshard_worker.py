@@ -295,7 +295,9 @@ def main() -> None:
         out = {"step": result.step, "resharded_from": result.resharded_from,
                "bytes": result.bytes, "equal": equal, "next_step_max_diff": diff,
                "differ": differ,
-               "in_place": events.field("ckpt.recovery.resharded", "read_in_place")}
+               "in_place": events.field("ckpt.recovery.resharded", "read_in_place"),
+               "tier_read": events.field("ckpt.recovery.reshard_tier_read", "bytes"),
+               "tier_sizes": events.field("ckpt.recovery.reshard_tier_read", "sizes")}
         with open(args.out, "w") as f:
             json.dump(out, f)
     elif args.mode == "volume-save":

@@ -230,8 +230,10 @@ def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) ->
     new one. With both saved roots there, the live roots hold the step between them: ranks 0
     and 1 serve their own files and every rank fetches what it lacks from them. With rank 1's
     root lost, no root holds its files: refused on every rank without the tier, saying what
-    to do; with it, each rank downloads the saved ranks' files its root lacks and reshards.
-    Nothing fetched or downloaded stays."""
+    to do; with it, each rank reads the ranges it needs of the saved ranks' files its root
+    lacks from the tier and reshards: live rank 0 (its root holds saved rank 0's files) reads
+    saved rank 1's header and nothing of its data, which it does not need. Nothing fetched
+    or read stays in the roots."""
     import shutil
 
     tier = tmp_path / "tier"
@@ -244,10 +246,19 @@ def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) ->
         assert r.get("type") == "RestoreError", r
         assert "no step saved by 2 rank(s) is complete" in r["error"], r
         assert "persistent tier" in r["error"], r
-    for r in _restore(tmp_path, 3, "restore", "--own-roots", "--tier", str(tier)):
+    tiered = _restore(tmp_path, 3, "restore", "--own-roots", "--tier", str(tier))
+    for r in tiered:
         assert r.get("step") == 2 and r["resharded_from"] == 2, r
         assert r["equal"], r["differ"]
         assert r["next_step_max_diff"] < 1e-6, r
+    read = [r["tier_read"] for r in tiered]
+    sizes = [r["tier_sizes"] for r in tiered]
+    assert [sorted(one[0]) for one in read] == [["1"], ["0", "1"], ["0", "1"]], read
+    header_only = read[0][0]["1"]  # live rank 0 needs no element of saved rank 1's
+    assert 0 < header_only < sizes[0][0]["1"], (read, sizes)
+    for one, size in zip(read, sizes, strict=True):
+        assert all(0 < one[0][r] <= size[0][r] for r in one[0]), (read, sizes)
+    assert read[2][0]["1"] > header_only  # live rank 2's rows are in saved rank 1's shard
     for rank in range(3):
         assert not (tmp_path / "ckpt" / f"rank-{rank}" / FETCH_DIR).exists()
     # the saved rank's own files are untouched: rank 0's root still holds only its own

@@ -33,6 +33,7 @@ deadlines, failures and errors of requests in ``retries``.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import random
 import time
@@ -140,6 +141,28 @@ class Remote:
         early = [i for i in dict.fromkeys(first) if 0 <= i < len(ranges)]
         order = early + sorted(set(range(len(ranges))) - set(early))
         self._run_parts(one, ranges, gated=False, order=order)
+
+    def read_into(self, key: str, offset: int, into: memoryview) -> None:
+        """Fill ``into`` with the bytes [offset, offset + len(into)) of ``key``, in requests
+        of at most ``part_bytes``, each retried as a download's part is. The bytes are not
+        checked here (a range does not line up with the parts the commit object sums): the
+        caller verifies them, as a reshard does a shard's header by its checksum and its
+        data by checksum block."""
+        check_key(key)
+        view = into.cast("B") if into.format != "B" or into.ndim != 1 else into
+        where = self._where(key)
+        done = 0
+        while done < len(view):
+            start, end = offset + done, offset + min(len(view), done + self.part_bytes)
+            data = self._retry("download", key,
+                               functools.partial(self._read_range, key, start, end))
+            if len(data) != end - start:
+                raise CheckpointIntegrityError(
+                    f"{where}: bytes [{start}, {end}) came back as {len(data)} bytes",
+                    path=where, hint="the object is shorter than its commit object says; "
+                                     "restore another step")
+            view[done:done + end - start] = data
+            done += end - start
 
     def list_steps(self) -> list[str]:
         """Names of the directories (prefixes) directly under the root; [] before any."""
