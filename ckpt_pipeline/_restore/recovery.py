@@ -154,7 +154,7 @@ class Recovery:
         replication = self.replication
         if replication is None or self.coordinator.world_size == 1:
             return None
-        return PeerSource(replication.fetch_saved, serves=replication.server is not None)
+        return PeerSource(replication.open_saved, serves=replication.server is not None)
 
     def _tier_source(self) -> TierSource | None:
         """The persistent tier as a reshard's source, with the steps the agreement listed

@@ -2,10 +2,10 @@
 shard, only the boxes its live tensors need (planned by ``_reshard``), in a root that holds
 every saved rank's files (one root the ranks share; a saved rank's files count under their own
 names or as a copy replication left in the root). Node-local roots: the saved ranks' files a
-root lacks are fetched whole from the live ranks whose roots hold them (``PeerSource``, through
-replication's copy servers, into ``FETCH_DIR`` of the root, removed after), when the live roots
-hold the step whole between them; else read from the persistent tier (``TierSource``) in
-ranges, only those this rank needs (``RemoteShard``), nothing written to the root.
+root lacks are read in ranges, only those this rank needs, from the live ranks whose roots hold
+them (``PeerSource``, through replication's copy servers: ``PeerShard``) when the live roots
+hold the step whole between them, else from the persistent tier (``TierSource``:
+``RemoteShard``); nothing is written to the root either way.
 
 - **Which step.** Every live rank scans the saved ranks' files of each step (headers only) and
   keeps the steps complete for all of them, of one save, that no rewind abandoned, adds the
@@ -42,13 +42,10 @@ ranges, only those this rank needs (``RemoteShard``), nothing written to the roo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
-import shutil
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -56,11 +53,9 @@ import anyio
 import torch
 
 from .._format.documents import TensorRef
-from .._format.filesets import FileSet
 from .._format.header import TensorRecord
 from .._format.limits import CHECKSUM_BLOCK_BYTES, DTYPES
-from .._format.names import step_dir_name
-from .._format.scan import StepStatus, decode_contents, scan_any_copy, scan_files
+from .._format.scan import StepStatus, decode_contents, scan_any_copy
 from .._lineage import current_steps, local_timeline
 from .._logging import log
 from .._parallel import run_groups
@@ -71,6 +66,7 @@ from .._threads import in_thread
 from .._tiers.persistent.layout import StepRecord
 from .._tiers.persistent.ranged import RemoteShard
 from .._tiers.persistent.remote import Remote
+from .._tiers.replica.ranged import PeerShard
 from .._tree import is_dtensor, is_stateful, join_path, mesh_shapes
 from ..coordination import Coordinator
 from ..coordination._agree import agree_outcome, gather_shared
@@ -82,14 +78,14 @@ from ..errors import (
     StateError,
 )
 from ..handle import Reshard
-from ..storage import LocalStorage, RangeSource, Storage
+from ..storage import RangeSource, Storage
 from ..train_state import TrainState
 from .backups import BackupCopies, restored_local
 from .inplace import Prewrites, inplace_targets
 from .sourcing import Loaded, prefetch_backup
 from .validate import validate_state
 
-__all__ = ("FETCH_DIR", "FetchSaved", "PeerSource", "TierSource", "reshard_latest")
+__all__ = ("OpenSaved", "PeerSource", "TierSource", "reshard_latest")
 
 _log = log
 
@@ -104,7 +100,7 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
     this rank and checked against ``state`` (see the module docstring). RestoreError when
     there is none; the ReshardError or StateError of a step that cannot be resharded.
     ``tier``: the persistent tier's complete steps, read where the root lacks a saved rank's
-    files. ``peers``: fetches a saved rank's shard from the live rank whose root holds it
+    files. ``peers``: reads a saved rank's shard in ranges from the live rank whose root holds it
     (replication's copy servers), for a step that no root holds whole but all of them
     together do."""
     rank, world = coordinator.rank, coordinator.world_size
@@ -155,7 +151,7 @@ async def reshard_latest(storage: Storage, coordinator: Coordinator, state: Mapp
                                      reading, storage)
             elif (at, save_id) in fetched:
                 assert peers is not None
-                loaded = await _load_from_peers(peers.fetch, at, save_id,
+                loaded = await _load_from_peers(peers.open, at, save_id,
                                                 fetched[at, save_id],
                                                 held.get((at, save_id), {}), storage,
                                                 saved_world, state, limiter, reading)
@@ -351,12 +347,6 @@ async def _load(sources: Sequence[tuple[RangeSource, StepStatus]], state: Mappin
                                            for r in range(len(statuses)))))
 
 
-FETCH_DIR = ".reshard-tier"
-"""The directory of the root that a reshard fetches saved ranks' files into from other live
-ranks' roots, removed once they are read (``step_dirs`` ignores it; the name is older than
-the persistent tier's ranged reads, which write nothing here)."""
-
-
 @dataclass(frozen=True, slots=True)
 class TierSource:
     """The persistent tier as the source of a reshard: the complete steps this rank listed
@@ -400,90 +390,77 @@ async def _load_from_tier(tier: TierSource, record: StepRecord,
     return loaded
 
 
-FetchSaved = Callable[[int, int, str, int, int, Storage], tuple[int, float]]
-"""``fetch(holder, step, save_id, source, saved_world, into) -> (bytes, seconds)``:
-``Replication.fetch_saved`` (worker thread)."""
+OpenSaved = Callable[[int, int, str, int, int], PeerShard]
+"""``open(holder, step, save_id, source, saved_world) -> PeerShard``:
+``Replication.open_saved`` (worker thread)."""
 
 
 @dataclass(frozen=True, slots=True)
 class PeerSource:
     """The live ranks' roots as the source of a reshard, through replication's copy
-    servers: ``fetch`` a saved rank's shard from a live rank; ``serves``: whether this rank
-    runs a copy server (only then do the others fetch from it)."""
+    servers: ``open`` a saved rank's shard in a live rank's root for range reads;
+    ``serves``: whether this rank runs a copy server (only then do the others read from
+    it)."""
 
-    fetch: FetchSaved
+    open: OpenSaved
     serves: bool
 
 
-async def _load_from_peers(fetch: FetchSaved, step: int, save_id: str,
+async def _load_from_peers(open_saved: OpenSaved, step: int, save_id: str,
                            lacking: Mapping[int, tuple[int, ...]],
                            local: Mapping[int, StepStatus], root: Storage, saved_world: int,
                            state: Mapping[str, Any], limiter: anyio.CapacityLimiter,
                            reading: _Reading) -> Loaded:
     """A step that this rank's root does not hold whole, but the live ranks' roots do between
     them: each saved rank's shard the root lacks (``lacking``: {saved rank: live ranks that
-    hold it}) is fetched whole from a live rank's copy server (its own files there, or a
-    copy), checked as a fetched copy is, into ``FETCH_DIR`` of the root, read, and removed
-    after: the step stays where it was."""
-    async with _fetch_dir(root, limiter) as into:
-        statuses: dict[int, StepStatus] = dict(local)
-        _log.info("ckpt.recovery.reshard_fetching", step=step, rank=reading.rank,
-                  saved_ranks=sorted(lacking), holders={str(r): list(h)
-                                                        for r, h in sorted(lacking.items())},
-                  hint="this root lacks these saved ranks' files: they are fetched whole from "
-                       "the live ranks whose roots hold them, then the ranges needed are read")
-        errors: dict[int, str] = {}
+    hold it}) is read from a live rank's copy server in ranges, only those this rank needs
+    (``PeerShard``: its header checked against its manifest, each range by its checksum
+    blocks), the holders tried in turn until one serves it. Nothing is written to the root."""
+    _log.info("ckpt.recovery.reshard_from_peers", step=step, rank=reading.rank,
+              saved_ranks=sorted(lacking), holders={str(r): list(h)
+                                                    for r, h in sorted(lacking.items())},
+              hint="this root lacks these saved ranks' files: the ranges needed are read from "
+                   "the live ranks whose roots hold them")
+    opened: dict[int, tuple[PeerShard, StepStatus]] = {}
+    errors: dict[int, str] = {}
 
-        async def one(source: int, holders: tuple[int, ...]) -> None:
-            for holder in holders:
-                try:
-                    size, seconds = await in_thread(limiter, fetch, holder, step, save_id,
-                                                    source, saved_world, into)
-                    status = await in_thread(limiter, scan_files, into, FileSet(source), step,
-                                             step_dir_name(step))
-                except CheckpointError as exc:
-                    errors[source] = f"from rank {holder}: {exc.message}"
-                    continue
-                if not status.valid:
-                    errors[source] = f"from rank {holder}: {status.reason}"
-                    continue
-                _log.info("ckpt.recovery.reshard_fetched", step=step, rank=reading.rank,
-                          source=source, peer=holder, bytes=size, seconds=round(seconds, 3))
-                statuses[source] = status
-                errors.pop(source, None)
-                return
+    async def one(source: int, holders: tuple[int, ...]) -> None:
+        for holder in holders:
+            shard: PeerShard | None = None
+            try:
+                shard = await in_thread(limiter, open_saved, holder, step, save_id, source,
+                                        saved_world)
+                status = await in_thread(limiter, shard.status)
+            except CheckpointError as exc:
+                if shard is not None:
+                    shard.close(0)
+                errors[source] = f"from rank {holder}: {exc.message}"
+                continue
+            opened[source] = (shard, status)
+            errors.pop(source, None)
+            return
 
+    try:
         async with anyio.create_task_group() as group:
             for source, holders in sorted(lacking.items()):
                 group.start_soon(one, source, holders)
         if errors:
             raise CheckpointIntegrityError(
                 "saved rank(s) " + "; ".join(f"{r} ({e})" for r, e in sorted(errors.items()))
-                + " could not be fetched for the reshard", step=step, rank=reading.rank,
+                + " could not be read for the reshard", step=step, rank=reading.rank,
                 path=str(root.root))
-        sources = [(root if r in local else into, statuses[r]) for r in range(saved_world)]
-        timeline = max((s.lineage.timeline for s in statuses.values() if s.lineage), default=0)
-        return await _load(sources, state, limiter, reading, root, timeline=timeline)
-
-
-@contextlib.asynccontextmanager
-async def _fetch_dir(root: Storage, limiter: anyio.CapacityLimiter
-                     ) -> AsyncIterator[LocalStorage]:
-    """``FETCH_DIR`` of ``root``, fresh (what an interrupted reshard left is removed), as a
-    storage that shards fetched or downloaded for one step land in; removed on leaving,
-    whatever happened."""
-    path = os.path.join(str(root.root), FETCH_DIR)
-    await in_thread(limiter, _fresh_dir, path)
-    try:
-        yield LocalStorage(path)
+        sources: list[tuple[RangeSource, StepStatus]] = [
+            (root, local[r]) if r in local else opened[r] for r in range(saved_world)]
+        timeline = max((s.lineage.timeline for _, s in sources if s.lineage), default=0)
+        loaded = await _load(sources, state, limiter, reading, root, timeline=timeline)
     finally:
-        with anyio.CancelScope(shield=True):
-            await in_thread(limiter, shutil.rmtree, path, True)
-
-
-def _fresh_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path, exist_ok=True)
+        for shard, _ in opened.values():
+            shard.close(0)
+    _log.info("ckpt.recovery.reshard_peer_read", step=step, rank=reading.rank,
+              bytes={str(r): shard.bytes for r, (shard, _) in sorted(opened.items())},
+              sizes={str(r): shard.size for r, (shard, _) in sorted(opened.items())},
+              peers={str(r): shard.peer.rank for r, (shard, _) in sorted(opened.items())})
+    return loaded
 
 
 def _close(shards: Sequence[ShardRanges]) -> None:

@@ -297,7 +297,9 @@ def main() -> None:
                "differ": differ,
                "in_place": events.field("ckpt.recovery.resharded", "read_in_place"),
                "tier_read": events.field("ckpt.recovery.reshard_tier_read", "bytes"),
-               "tier_sizes": events.field("ckpt.recovery.reshard_tier_read", "sizes")}
+               "tier_sizes": events.field("ckpt.recovery.reshard_tier_read", "sizes"),
+               "peer_read": events.field("ckpt.recovery.reshard_peer_read", "bytes"),
+               "peer_sizes": events.field("ckpt.recovery.reshard_peer_read", "sizes")}
         with open(args.out, "w") as f:
             json.dump(out, f)
     elif args.mode == "volume-save":

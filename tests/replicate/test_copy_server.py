@@ -31,6 +31,7 @@ from ckpt_pipeline._format.shard import PREAMBLE_SIZE
 from ckpt_pipeline._format.tidy import scrub
 from ckpt_pipeline._tiers.replica.fetch import fetch_shard
 from ckpt_pipeline._tiers.replica.push import Peer, Push, PushOutcome
+from ckpt_pipeline._tiers.replica.ranged import PeerShard
 from ckpt_pipeline._tiers.replica.replication import Replication
 from ckpt_pipeline._tiers.replica.resend import Resend
 from ckpt_pipeline._tiers.replica.server import CopyServer
@@ -491,11 +492,15 @@ def test_fetch_of_a_copy_not_committed_is_refused(source: Source, holder: Holder
 
 
 @pytest.mark.timeout(60)
-def test_a_reshards_fetch_gets_a_saved_ranks_own_files_which_a_restores_fetch_does_not(
+def test_a_reshard_reads_ranges_of_a_saved_ranks_own_files_which_a_restores_fetch_does_not(
         source: Source, holder: Holder, tmp_path: Path) -> None:
     """The holder's root has saved rank 0's shard under its own names (no copy of it): a
-    reshard's fetch (``any_name``) gets it, checked and published under rank 0's names; the
-    fetch of a same-size restore asks for the copy held for rank 0 only, and is refused."""
+    reshard opens it for range reads (``PeerShard``, the ``range`` op), its status checks out
+    against the manifest and commit record, and ranges read through it are the shard's bytes
+    (one spanning several frames, one at the end), with what crossed the network counted;
+    nothing is written anywhere. The fetch of a same-size restore asks for the copy held for
+    rank 0 only, and is refused; so is a range read of another save, with another job's
+    token, or beyond the shard's end."""
     step_dir = holder.root / STEP_DIR
     step_dir.mkdir()
     for kind in ("shard", "manifest", "commit"):
@@ -506,15 +511,37 @@ def test_a_reshards_fetch_gets_a_saved_ranks_own_files_which_a_restores_fetch_do
     with pytest.raises(CheckpointIntegrityError, match="holds no valid copy"):
         fetch_shard(LocalStorage(new_root), holder.peer, token=TOKEN, step=STEP,
                     save_id=source.save_id, rank=0, world_size=1, timeout_s=5)
-    size, _seconds = fetch_shard(LocalStorage(new_root), holder.peer, token=TOKEN, step=STEP,
-                                 save_id=source.save_id, rank=0, world_size=1, timeout_s=5,
-                                 any_name=True)
-    assert size == len(source.shard)
-    assert (new_root / STEP_DIR / "rank-00000.shard").read_bytes() == source.shard
+
+    def open_shard(save_id: str = source.save_id, token: str = TOKEN) -> PeerShard:
+        return PeerShard(holder.peer, token=token, step=STEP, save_id=save_id, source=0,
+                         world_size=1, timeout_s=5)
+
+    shard = open_shard()
+    try:
+        status = shard.status()
+        assert status.valid and status.save_id == source.save_id
+        assert status.header is not None
+        assert status.header.header_offset == source.header_offset
+        fd, size = shard.open_read("ignored", len(source.shard))
+        assert size == len(source.shard)
+        start, end = source.checks[0][0], source.checks[-1][1]  # the whole data region
+        data = bytearray(end - start)
+        shard.pread_into(fd, memoryview(data), start)
+        assert bytes(data) == source.shard[start:end]
+        tail = bytearray(100)
+        shard.pread_into(fd, memoryview(tail), len(source.shard) - 100)
+        assert bytes(tail) == source.shard[-100:]
+        with pytest.raises(CheckpointIntegrityError, match="beyond the"):
+            shard.pread_into(fd, memoryview(bytearray(10)), len(source.shard) - 5)
+        read_header = len(source.shard) - source.header_offset + PREAMBLE_SIZE
+        assert shard.bytes == read_header + (end - start) + 100
+    finally:
+        shard.close(0)
     with pytest.raises(CheckpointIntegrityError, match="holds no valid copy"):
-        fetch_shard(LocalStorage(tmp_path / "other"), holder.peer, token=TOKEN, step=STEP,
-                    save_id="not-this-save", rank=0, world_size=1, timeout_s=5,
-                    any_name=True)
+        open_shard(save_id="not-this-save")
+    with pytest.raises(CheckpointIntegrityError, match="wrong token"):
+        open_shard(token="x")
+    assert [p.name for p in new_root.rglob("*")] == []
 
 
 # ---------------------------------------------------------------------------- scrubbing

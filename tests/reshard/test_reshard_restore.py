@@ -11,7 +11,6 @@ import pytest
 
 import ckpt_pipeline as cp
 from ckpt_pipeline._format.scan import scan
-from ckpt_pipeline._restore.reshard import FETCH_DIR
 from tests._support.children import child_script
 from tests.coordination.test_distributed import flip_data_byte
 from tests.coordination.test_fsdp import _run_ranks
@@ -224,23 +223,39 @@ def test_a_mesh_of_another_shape_on_as_many_ranks_asks_for_a_choice_on_per_rank_
         assert r["consumed"] == 5 * (rank + 1) and r["extra"] == {"seen": rank, "lr": 0.5}
 
 
+def _files(root: Path) -> list[str]:
+    """Every file under ``root`` (paths relative to it), sorted; the pipelines' lock files
+    left out (each open of a root makes its own)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if p.is_file() and not p.name.startswith(".lock"))
+
+
 def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) -> None:
     """Saved on 2 ranks, each into a root of its own (node-local disks) and promoted to a
     persistent tier (a directory); restored on 3 ranks whose roots are the saved ones and one
     new one. With both saved roots there, the live roots hold the step between them: ranks 0
-    and 1 serve their own files and every rank fetches what it lacks from them. With rank 1's
-    root lost, no root holds its files: refused on every rank without the tier, saying what
-    to do; with it, each rank reads the ranges it needs of the saved ranks' files its root
-    lacks from the tier and reshards: live rank 0 (its root holds saved rank 0's files) reads
-    saved rank 1's header and nothing of its data, which it does not need. Nothing fetched
-    or read stays in the roots."""
+    and 1 serve their own files and every rank reads the ranges it needs of what it lacks
+    from them. With rank 1's root lost, no root holds its files: refused on every rank
+    without the tier, saying what to do; with it, each rank reads the ranges it needs of the
+    saved ranks' files its root lacks from the tier and reshards. Either way live rank 0
+    (its root holds saved rank 0's files) reads saved rank 1's header and nothing of its
+    data, which it does not need. Nothing read stays in the roots."""
     import shutil
 
     tier = tmp_path / "tier"
     _run_ranks(WORKER, 2, "save", "--root", tmp_path / "ckpt", "--own-roots", "--tier", tier)
-    for r in _restore(tmp_path, 3, "restore", "--own-roots"):
+    before = _files(tmp_path / "ckpt")
+    peered = _restore(tmp_path, 3, "restore", "--own-roots")
+    for r in peered:
         assert r.get("step") == 2 and r["resharded_from"] == 2, r
         assert r["equal"], r["differ"]
+    read = [r["peer_read"] for r in peered]
+    sizes = [r["peer_sizes"] for r in peered]
+    assert [sorted(one[0]) for one in read] == [["1"], ["0"], ["0", "1"]], read
+    header_only = read[0][0]["1"]  # live rank 0 needs no element of saved rank 1's
+    assert 0 < header_only < sizes[0][0]["1"], (read, sizes)
+    assert read[2][0]["1"] > header_only  # live rank 2's rows are in saved rank 1's shard
+    assert _files(tmp_path / "ckpt") == before
     shutil.rmtree(tmp_path / "ckpt" / "rank-1")  # a node lost, with its root
     for r in _restore(tmp_path, 3, "restore", "--own-roots"):
         assert r.get("type") == "RestoreError", r
@@ -259,11 +274,7 @@ def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) ->
     for one, size in zip(read, sizes, strict=True):
         assert all(0 < one[0][r] <= size[0][r] for r in one[0]), (read, sizes)
     assert read[2][0]["1"] > header_only  # live rank 2's rows are in saved rank 1's shard
-    for rank in range(3):
-        assert not (tmp_path / "ckpt" / f"rank-{rank}" / FETCH_DIR).exists()
-    # the saved rank's own files are untouched: rank 0's root still holds only its own
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "rank-0" / "step-0000000002").iterdir()
-                  ) == ["rank-00000.commit", "rank-00000.manifest", "rank-00000.shard"]
+    assert _files(tmp_path / "ckpt") == [f for f in before if not f.startswith("rank-1/")]
 
 
 def test_a_node_that_is_lost_reshards_from_the_copies_on_the_node_left(tmp_path: Path) -> None:
@@ -289,9 +300,9 @@ def test_node_local_roots_reshard_from_the_copies_on_the_other_nodes(tmp_path: P
     """Saved on 4 ranks, each on a node of its own with a root of its own and 2 copies of its
     shard on the next nodes (rank r's on r+1 and r+2). Nodes 2 and 3 are lost; the job
     restarts on 2 ranks: neither root holds every saved rank's shard (rank 0's lacks rank 1's,
-    rank 1's lacks rank 2's), both together do. Each rank fetches what it lacks from the
-    other's copy server (rank 1's own files; the copy on rank 0), reshards 4 -> 2, and
-    removes what it fetched: the roots are left as they were."""
+    rank 1's lacks rank 2's), both together do. Each rank reads the ranges it needs of what
+    it lacks from the other's copy server (rank 1's own files; the copy on rank 0) and
+    reshards 4 -> 2, writing nothing: the roots are left as they were."""
     import shutil
 
     _run_ranks(WORKER, 4, "save", "--root", tmp_path / "ckpt", "--own-roots", "--copies", "2")
@@ -301,10 +312,15 @@ def test_node_local_roots_reshard_from_the_copies_on_the_other_nodes(tmp_path: P
     assert "replica-00002-on-00001.shard" not in before[1], before
     for lost in (2, 3):
         shutil.rmtree(tmp_path / "ckpt" / f"rank-{lost}")
-    for r in _restore(tmp_path, 2, "restore", "--own-roots", "--copies", "1"):
+    files = _files(tmp_path / "ckpt")
+    restored = _restore(tmp_path, 2, "restore", "--own-roots", "--copies", "1")
+    for r in restored:
         assert r.get("step") == 2 and r["resharded_from"] == 4, r
         assert r["equal"], r["differ"]
         assert r["next_step_max_diff"] < 1e-6, r
+    assert [sorted(r["peer_read"][0]) for r in restored] == [["1"], ["2"]], restored
+    for r in restored:
+        assert all(0 < r["peer_read"][0][s] <= r["peer_sizes"][0][s]
+                   for s in r["peer_read"][0]), r
     assert [sorted(p.name for p in root.iterdir()) for root in roots] == before
-    for rank in range(2):
-        assert not (tmp_path / "ckpt" / f"rank-{rank}" / FETCH_DIR).exists()
+    assert _files(tmp_path / "ckpt") == files

@@ -32,12 +32,9 @@ __all__ = ("fetch_shard",)
 
 
 def fetch_shard(storage: Storage, peer: Peer, *, token: str, step: int, save_id: str,
-                rank: int, world_size: int, timeout_s: float,
-                any_name: bool = False) -> tuple[int, float]:
+                rank: int, world_size: int, timeout_s: float) -> tuple[int, float]:
     """Fetch, check and publish rank ``rank``'s shard of ``step`` (saved by ``world_size``
-    ranks) from ``peer``'s copy, into ``storage`` under that rank's own names. ``any_name``
-    (a reshard): the peer serves the shard under whichever name its root holds it, its own
-    files (the saved rank of that number) or a copy.
+    ranks) from ``peer``'s copy, into ``storage`` under that rank's own names.
 
     Returns (bytes, seconds). Raises CheckpointError naming the peer when the copy cannot be
     had or does not check out; nothing is left on disk then.
@@ -47,7 +44,7 @@ def fetch_shard(storage: Storage, peer: Peer, *, token: str, step: int, save_id:
     try:
         with connect(peer.host, peer.port, timeout_s) as sock:
             send_message(sock, {"op": "fetch", "token": token, "step": step,
-                                "save_id": save_id, "source": rank, "any": any_name})
+                                "save_id": save_id, "source": rank})
             meta = recv_message(sock, expect="meta")
             size, manifest, commit = meta.get("size"), meta.get("manifest"), meta.get("commit")
             if not (isinstance(size, int) and size > 0 and isinstance(manifest, bytes)

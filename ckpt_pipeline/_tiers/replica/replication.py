@@ -31,6 +31,7 @@ from ...storage import Storage
 from .fetch import fetch_shard
 from .placement import Placement, place_replicas
 from .push import Peer, Push
+from .ranged import PeerShard
 from .resend import Resend
 from .server import CopyServer
 
@@ -193,18 +194,18 @@ class Replication:
                            timeout_s=self.config.timeout_s)
 
 
-    def fetch_saved(self, holder: int, step: int, save_id: str, source: int,
-                    saved_world: int, into: Storage) -> tuple[int, float]:
-        """Fetch saved rank ``source``'s shard of ``step`` (saved by ``saved_world`` ranks)
-        from ``holder``, whose root holds it as its own files or as a copy, into ``into``
-        under ``source``'s names: a reshard's download (worker thread)."""
+    def open_saved(self, holder: int, step: int, save_id: str, source: int,
+                   saved_world: int) -> PeerShard:
+        """Saved rank ``source``'s shard of ``step`` (saved by ``saved_world`` ranks), which
+        ``holder``'s root holds as its own files or as a copy, open for a reshard's range
+        reads (worker thread)."""
         peer = self.peers.get(holder)
         if peer is None or self.opening is None:
             raise CheckpointError(f"rank {holder} holds rank {source}'s shard but runs no "
                                   "copy server", step=step, rank=self.rank)
-        return fetch_shard(into, peer, token=self.opening.token, step=step, save_id=save_id,
-                           rank=source, world_size=saved_world,
-                           timeout_s=self.config.timeout_s, any_name=True)
+        return PeerShard(peer, token=self.opening.token, step=step, save_id=save_id,
+                         source=source, world_size=saved_world,
+                         timeout_s=self.config.timeout_s)
 
 
 def _holds_for_others(storage: Storage, rank: int, world_size: int) -> bool:

@@ -15,9 +15,10 @@ written to disk) and an op:
   verified, as a fetched shard is.
 - ``fetch``: at restore, a rank whose shard is missing or corrupt asks for the copy held
   here; it gets the manifest and commit record, then the shard as data frames, each range
-  the shard's checksums cover sent as one frame (``fetch.py`` checks them on arrival). A
-  reshard's fetch (``any``) asks for a saved rank's shard under whichever name this root
-  holds it: the rank's own files, or a copy.
+  the shard's checksums cover sent as one frame (``fetch.py`` checks them on arrival).
+- ``range``: a reshard reads a saved rank's shard, under whichever name this root holds it
+  (the rank's own files, or a copy): the manifest and commit record, then the bytes of each
+  range it asks for (``ranged.py`` verifies them by the shard's checksum blocks).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from typing import Any
 from ..._crash import crash_point
 from ..._format.documents import decode_commit
 from ..._format.filesets import FileSet
+from ..._format.header import ShardHeader
 from ..._format.limits import MAX_SMALL_FILE_BYTES
 from ..._format.names import step_dir_name
 from ..._format.region import checksum
-from ..._format.scan import scan_any_name, scan_files
+from ..._format.scan import StepStatus, scan_any_name, scan_files
 from ..._format.steps import read_small
 from ..._logging import log
 from ...errors import CheckpointError, ConfigError
@@ -259,6 +261,8 @@ class CopyServer:
                         self._receive(conn, hello)
                     elif hello["op"] == "fetch":
                         self._send_copy(conn, hello)
+                    elif hello["op"] == "range":
+                        self._send_ranges(conn, hello)
                     else:
                         raise ProtocolError(f"unknown op {hello['op']!r}")
                 except (CheckpointError, OSError, ValueError) as exc:
@@ -353,21 +357,8 @@ class CopyServer:
         if not (isinstance(step, int) and isinstance(save_id, str) and isinstance(source, int)):
             raise ProtocolError("a fetch without step, save id and source")
         dir_name = step_dir_name(step)
-        status = (scan_any_name(self.storage, source, step, dir_name, save_id)
-                  if hello.get("any") is True  # a reshard: under any name the root has it
-                  else scan_files(self.storage, FileSet(source, self.rank), step, dir_name))
-        files = status.files or FileSet(source)
-        if not status.valid or status.save_id != save_id or status.header is None:
-            raise ProtocolError(f"rank {self.rank} holds no valid copy of rank {source}'s "
-                                f"shard of step {step} (save {save_id}): "
-                                f"{status.reason or 'another save'}")
-        manifest = read_small(self.storage, os.path.join(dir_name, files.manifest))
-        commit = read_small(self.storage, os.path.join(dir_name, files.commit))
-        send_message(conn, {"op": "meta", "size": status.shard_size, "manifest": manifest,
-                            "commit": commit})
-        header = status.header
-        fd, size = self.storage.open_read(os.path.join(dir_name, files.shard),
-                                          status.shard_size)
+        status = scan_files(self.storage, FileSet(source, self.rank), step, dir_name)
+        header, fd, size = self._describe(conn, status, step, save_id, source)
         frames = copy_frames(header.checks(), size)
         try:
             with piece_buffer(max((e - s for s, e, _ in frames), default=1)) as area:
@@ -375,6 +366,50 @@ class CopyServer:
         finally:
             self.storage.close(fd)
         send_message(conn, {"op": "end"})
+
+    def _describe(self, conn: socket.socket, status: StepStatus, step: int, save_id: str,
+                  source: int) -> tuple[ShardHeader, int, int]:
+        """Send the manifest and commit record of ``status``, a valid copy of the save asked
+        for, and open its shard: (header, descriptor, size)."""
+        files = status.files or FileSet(source)
+        if not status.valid or status.save_id != save_id or status.header is None:
+            raise ProtocolError(f"rank {self.rank} holds no valid copy of rank {source}'s "
+                                f"shard of step {step} (save {save_id}): "
+                                f"{status.reason or 'another save'}")
+        manifest = read_small(self.storage, os.path.join(status.dir_name, files.manifest))
+        commit = read_small(self.storage, os.path.join(status.dir_name, files.commit))
+        send_message(conn, {"op": "meta", "size": status.shard_size, "manifest": manifest,
+                            "commit": commit})
+        fd, size = self.storage.open_read(os.path.join(status.dir_name, files.shard),
+                                          status.shard_size)
+        return status.header, fd, size
+
+    def _send_ranges(self, conn: socket.socket, hello: dict[str, Any]) -> None:
+        """A reshard's reads of a saved rank's shard, under whichever name this root holds it
+        (the rank's own files, or a copy): the manifest and commit record, then the bytes of
+        each ``read`` the reader asks for, as data frames of at most ``PIECE_BYTES`` in order,
+        until it says ``end``. The reader verifies them by the shard's checksum blocks."""
+        step, save_id, source = (hello.get(k) for k in ("step", "save_id", "source"))
+        if not (isinstance(step, int) and isinstance(save_id, str) and isinstance(source, int)):
+            raise ProtocolError("a range read without step, save id and source")
+        status = scan_any_name(self.storage, source, step, step_dir_name(step), save_id)
+        _, fd, size = self._describe(conn, status, step, save_id, source)
+        try:
+            with piece_buffer(PIECE_BYTES) as area:
+                while (message := recv_message(conn))["op"] != "end":
+                    if message["op"] != "read":
+                        raise ProtocolError(f"unexpected {message['op']!r} in a range read")
+                    offset, length = message.get("offset"), message.get("length")
+                    if not (type(offset) is int and type(length) is int and offset >= 0
+                            and length > 0 and offset + length <= size):
+                        raise ProtocolError(f"a read of {length!r} bytes at {offset!r}, "
+                                            f"outside the {size}-byte shard")
+                    for start in range(offset, offset + length, PIECE_BYTES):
+                        buf = area[:min(offset + length, start + PIECE_BYTES) - start]
+                        self.storage.pread_into(fd, buf, start)
+                        send_data(conn, start, buf, checksum(buf))
+        finally:
+            self.storage.close(fd)
 
     def _send_frames(self, conn: socket.socket, fd: int,
                      frames: list[tuple[int, int, int | None]], area: memoryview,
