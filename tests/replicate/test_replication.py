@@ -275,7 +275,7 @@ def test_transfers_slower_than_saves_apply_backpressure_with_flat_memory(
     (when_busy="block"). Nothing is dropped or missing, the pool stays one slot, and the
     process's memory stops growing once the pipeline is warm (a holder receives into a mapped
     piece buffer per connection, unmapped after it)."""
-    steps = "10,20,30,40,50,60,70,80"
+    steps = ",".join(str(10 * k) for k in range(1, 13))
     results = launch("save", tmp_path / "root", tmp_path / "logs", steps=steps,
                      args=("--scenario", "slow-holder", "--delay", "0.25", "--no-wait",
                            "--numel", "6000000"))
@@ -288,10 +288,12 @@ def test_transfers_slower_than_saves_apply_backpressure_with_flat_memory(
         assert len(set(memory)) == 1 and memory[0] < 25_000_000, memory  # one slot
         # No growth with saves once warm (the pool, the threads and their buffers are made in
         # the first saves). The allocator moves RSS by up to two states (48 MB) either way
-        # between saves, so the check compares peaks: keeping one state (24 MB) per save would
-        # lift the peak of the last four saves some 96 MB above the peak of the first four.
+        # between saves (53 MB was seen once, on a loaded 2-core machine), so the check
+        # compares peaks, eight saves apart: keeping one state (24 MB) per save would lift
+        # the peak of the last four of the 12 saves some 192 MB above the peak of the first
+        # four; the bound is three states.
         rss = out["rss_bytes"]
-        assert max(rss[4:]) - max(rss[:4]) < 48_000_000, rss
+        assert len(rss) == 12 and max(rss[8:]) - max(rss[:4]) < 72_000_000, rss
 
 
 @pytest.mark.slow
