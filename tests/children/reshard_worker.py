@@ -299,7 +299,8 @@ def main() -> None:
                "tier_read": events.field("ckpt.recovery.reshard_tier_read", "bytes"),
                "tier_sizes": events.field("ckpt.recovery.reshard_tier_read", "sizes"),
                "peer_read": events.field("ckpt.recovery.reshard_peer_read", "bytes"),
-               "peer_sizes": events.field("ckpt.recovery.reshard_peer_read", "sizes")}
+               "peer_sizes": events.field("ckpt.recovery.reshard_peer_read", "sizes"),
+               "failed": events.field("ckpt.recovery.reshard_failed", "failures")}
         with open(args.out, "w") as f:
             json.dump(out, f)
     elif args.mode == "volume-save":

@@ -223,6 +223,20 @@ def test_a_mesh_of_another_shape_on_as_many_ranks_asks_for_a_choice_on_per_rank_
         assert r["consumed"] == 5 * (rank + 1) and r["extra"] == {"seen": rank, "lr": 0.5}
 
 
+def _flip_data_byte(shard: Path) -> None:
+    """Flip a bit in the middle of the first checksum block of a shard file."""
+    from ckpt_pipeline._format.shard import PREAMBLE_SIZE, decode_header, decode_preamble
+
+    raw = bytearray(shard.read_bytes())
+    version, offset, length, _ = decode_preamble(bytes(raw[:PREAMBLE_SIZE]), len(raw),
+                                                 str(shard))
+    header = decode_header(bytes(raw[offset:offset + length]), str(shard),
+                           file_size=len(raw), header_offset=offset, version=version)
+    start, end, _ = header.checks()[0]
+    raw[(start + end) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+
+
 def _files(root: Path) -> list[str]:
     """Every file under ``root`` (paths relative to it), sorted; the pipelines' lock files
     left out (each open of a root makes its own)."""
@@ -239,7 +253,9 @@ def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) ->
     without the tier, saying what to do; with it, each rank reads the ranges it needs of the
     saved ranks' files its root lacks from the tier and reshards. Either way live rank 0
     (its root holds saved rank 0's files) reads saved rank 1's header and nothing of its
-    data, which it does not need. Nothing read stays in the roots."""
+    data, which it does not need. Nothing read stays in the roots. A block of saved rank 1's
+    shard damaged in the tier: the two ranks that read it fail step 2 on its checksum, and
+    all three fall back to step 1 together."""
     import shutil
 
     tier = tmp_path / "tier"
@@ -275,6 +291,14 @@ def test_node_local_roots_reshard_through_the_persistent_tier(tmp_path: Path) ->
         assert all(0 < one[0][r] <= size[0][r] for r in one[0]), (read, sizes)
     assert read[2][0]["1"] > header_only  # live rank 2's rows are in saved rank 1's shard
     assert _files(tmp_path / "ckpt") == [f for f in before if not f.startswith("rank-1/")]
+    # a block of saved rank 1's shard of step 2 damaged in the tier: the ranks that need it
+    # find it by its checksum, and every rank falls back to step 1 together
+    _flip_data_byte(tier / "step-0000000002" / "rank-00001.shard")
+    for r in _restore(tmp_path, 3, "restore", "--own-roots", "--tier", str(tier)):
+        assert r.get("step") == 1 and r["resharded_from"] == 2, r
+        failures = r["failed"][0]  # step 2's vote: the ranks that needed the block
+        assert sorted(failures) == ["1", "2"], failures
+        assert all("checksum mismatch" in e for e in failures.values()), failures
 
 
 def test_a_node_that_is_lost_reshards_from_the_copies_on_the_node_left(tmp_path: Path) -> None:
