@@ -348,3 +348,14 @@ def test_node_local_roots_reshard_from_the_copies_on_the_other_nodes(tmp_path: P
                    for s in r["peer_read"][0]), r
     assert [sorted(p.name for p in root.iterdir()) for root in roots] == before
     assert _files(tmp_path / "ckpt") == files
+    # a block of saved rank 1's own shard of step 2 damaged in live rank 1's root: rank 0,
+    # which reads it over the data plane, and rank 1, which reads it from its root (both
+    # need rows of it: of a 50-row weight saved rank 1 holds rows 13-25, live rank 0 takes
+    # rows 0-24 and live rank 1 rows 25-49), find it by its checksum; both fall back to
+    # step 1 together
+    _flip_data_byte(roots[1] / "rank-00001.shard")
+    for r in _restore(tmp_path, 2, "restore", "--own-roots", "--copies", "1"):
+        assert r.get("step") == 1 and r["resharded_from"] == 4, r
+        failures = r["failed"][0]
+        assert sorted(failures) == ["0", "1"], failures
+        assert all("checksum mismatch" in e for e in failures.values()), failures
