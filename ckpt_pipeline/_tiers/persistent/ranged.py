@@ -14,34 +14,23 @@ from __future__ import annotations
 
 import threading
 
-from ..._format.filesets import FileSet
-from ..._format.names import step_dir_name
-from ..._format.scan import StepStatus, check_arriving
+from ..._format.scan import StepStatus
 from ...errors import CheckpointError, StorageError
-from .layout import StepRecord, rank_keys
+from .layout import StepRecord
 from .remote import Remote
-from .stream import fetch_small
+from .stream import RankObjects
 
 __all__ = ("RemoteShard",)
 
 
-class RemoteShard:
+class RemoteShard(RankObjects):
     """One saved rank's shard of a persisted step, as a ``RangeSource`` (``open_read``,
     ``pread_into``, ``close``) over the object that holds it. ``bytes`` counts what was read
     from the store. Thread-safe."""
 
     def __init__(self, remote: Remote, record: StepRecord, rank: int) -> None:
-        self.remote = remote
-        self.step = record.step
-        self.rank = rank
-        self.files = FileSet(rank)
-        self.dir_name = step_dir_name(record.step)
-        try:
-            self.small = fetch_small(remote, record, rank)
-            self.size = record.rank_objects(rank)[self.files.shard].size
-        except CheckpointError as exc:
-            raise self._named(exc) from None
-        self.key = rank_keys(record.step, rank)[self.files.shard]
+        super().__init__(remote, record, rank)
+        self.size = self.shard.size
         self.bytes = 0
         self._lock = threading.Lock()
 
@@ -50,13 +39,9 @@ class RemoteShard:
         return self.remote.url.rstrip("/")
 
     def status(self) -> StepStatus:
-        """The shard's files checked as a restore checks any shard's: the commit record and
-        the manifest (against the commit object already), the header against the manifest."""
+        """The shard's files checked as a restore checks any shard's (``check``)."""
         try:
-            return check_arriving(self, self.step, self.dir_name, self.rank,
-                                  commit_raw=self.small[self.files.commit],
-                                  manifest_raw=self.small[self.files.manifest],
-                                  shard_file=self.files.shard)
+            return self.check(self, self.files.shard)
         except CheckpointError as exc:
             raise self._named(exc) from None
 
@@ -82,9 +67,3 @@ class RemoteShard:
 
     def close(self, fd: int) -> None:
         return None
-
-    def _named(self, exc: CheckpointError) -> CheckpointError:
-        """``exc`` with this shard's step and rank where it names neither."""
-        exc.step = self.step if exc.step is None else exc.step
-        exc.rank = self.rank if exc.rank is None else exc.rank
-        return exc

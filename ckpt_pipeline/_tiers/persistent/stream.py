@@ -23,11 +23,11 @@ from ..._format.publish import ArrivingShard
 from ..._format.scan import StepStatus, check_arriving
 from ..._format.shard import PREAMBLE_SIZE, decode_preamble
 from ...errors import CheckpointError, CheckpointIntegrityError, StorageError
-from ...storage import Storage
+from ...storage import RangeSource, Storage
 from .layout import MAX_COMMIT_BYTES, StepRecord, rank_keys
 from .remote import ObjectSum, Remote
 
-__all__ = ("ShardStream", "fetch_small")
+__all__ = ("RankObjects", "ShardStream", "fetch_small")
 
 
 class _Stopped(Exception):
@@ -56,13 +56,14 @@ def fetch_small(remote: Remote, record: StepRecord, rank: int) -> dict[str, byte
     return small
 
 
-class ShardStream:
-    """See the module docstring. ``wait`` may be called from several threads at once."""
+class RankObjects:
+    """One rank's files of a persisted step in the store: the manifest and commit record,
+    fetched and checked against the step's commit object (``small``), and the shard's
+    object (``key``, its ``shard`` sum), which a ``ShardStream`` downloads and a reshard's
+    ``RemoteShard`` (``ranged.py``) reads in ranges."""
 
-    def __init__(self, remote: Remote, storage: Storage, record: StepRecord, rank: int
-                 ) -> None:
+    def __init__(self, remote: Remote, record: StepRecord, rank: int) -> None:
         self.remote = remote
-        self.storage = storage
         self.step = record.step
         self.rank = rank
         self.files = FileSet(rank)
@@ -71,6 +72,35 @@ class ShardStream:
             self.small = fetch_small(remote, record, rank)
             self.shard = record.rank_objects(rank)[self.files.shard]
             self.key = rank_keys(record.step, rank)[self.files.shard]
+        except CheckpointError as exc:
+            raise self._named(exc) from None
+
+    def check(self, storage: RangeSource, shard_file: str) -> StepStatus:
+        """The rank's files checked as a restore checks any shard's: the commit record and
+        manifest (against the commit object already), the shard's header, read from
+        ``shard_file`` of ``storage``, against the manifest."""
+        return check_arriving(storage, self.step, self.dir_name, self.rank,
+                              commit_raw=self.small[self.files.commit],
+                              manifest_raw=self.small[self.files.manifest],
+                              shard_file=shard_file)
+
+    def _named(self, exc: BaseException) -> BaseException:
+        """``exc`` with this rank's step and rank where it names neither (an error of the
+        store names only its URL and key)."""
+        if isinstance(exc, CheckpointError):
+            exc.step = self.step if exc.step is None else exc.step
+            exc.rank = self.rank if exc.rank is None else exc.rank
+        return exc
+
+
+class ShardStream(RankObjects):
+    """See the module docstring. ``wait`` may be called from several threads at once."""
+
+    def __init__(self, remote: Remote, storage: Storage, record: StepRecord, rank: int
+                 ) -> None:
+        super().__init__(remote, record, rank)
+        self.storage = storage
+        try:
             self.started = time.perf_counter()
             self.incoming = ArrivingShard(storage, self.dir_name, self.files)
         except CheckpointError as exc:
@@ -143,10 +173,7 @@ class ShardStream:
             self.storage.close(fd)
         _, offset, length, _ = decode_preamble(bytes(pre), size, self.incoming.path)
         self.wait(offset, offset + length)
-        return check_arriving(
-            self.storage, self.step, self.dir_name, self.rank,
-            commit_raw=self.small[self.files.commit],
-            manifest_raw=self.small[self.files.manifest], shard_file=self.shard_file)
+        return self.check(self.storage, self.shard_file)
 
     def publish(self) -> tuple[str, int, float]:
         """Wait for the download's end and publish the files (commit record last). Returns
@@ -161,14 +188,6 @@ class ShardStream:
             raise self._named(exc) from None
         size = self.shard.size + sum(len(v) for v in self.small.values())
         return self.incoming.path, size, time.perf_counter() - self.started
-
-    def _named(self, exc: BaseException) -> BaseException:
-        """``exc`` with this stream's step and rank where it names neither (an error of the
-        store names only its URL and key)."""
-        if isinstance(exc, CheckpointError):
-            exc.step = self.step if exc.step is None else exc.step
-            exc.rank = self.rank if exc.rank is None else exc.rank
-        return exc
 
     def discard(self) -> None:
         """Stop the download (parts in flight end first) and remove what it wrote."""
