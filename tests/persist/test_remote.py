@@ -133,6 +133,30 @@ def test_upload_then_download_gives_the_same_bytes_and_sum(
     assert _download(remote, key, uploaded, tmp_path / "back.bin") == src.read_bytes()
 
 
+
+def test_ranges_read_straight_from_an_object_are_its_bytes_in_requests_of_a_part_at_most(
+    tier: Tier, opened: Callable[..., Remote], tmp_path: Path
+) -> None:
+    """``read_into`` (a reshard's range reads, ``RemoteShard``): any range of an object,
+    inside one part, across parts, a whole object, into a view of a larger buffer; a range
+    beyond the object's end is an error (the store's short answer, or the directory's end
+    of file), never short data."""
+    url, options, part_bytes = tier
+    remote = opened(url, options, part_bytes=part_bytes)
+    src = _file(tmp_path, int(2.5 * part_bytes))
+    data = src.read_bytes()
+    key = "step-0000000051/rank-00001.shard"
+    remote.upload(*_local(src), key)
+    for start, end in [(0, 10), (part_bytes - 5, part_bytes + 7), (3, len(data)),
+                       (len(data) - 1, len(data))]:
+        into = bytearray(end - start + 8)
+        remote.read_into(key, start, memoryview(into)[4:4 + end - start])
+        assert bytes(into[4:4 + end - start]) == data[start:end], (start, end)
+        assert into[:4] == into[-4:] == bytearray(4)  # nothing written outside the view
+    with pytest.raises((CheckpointIntegrityError, RemoteError),
+                       match=r"came back as|unexpected end of file"):
+        remote.read_into(key, len(data) - 4, memoryview(bytearray(8)))
+
 def test_s3_upload_larger_than_a_part_is_multipart(
     s3_url: tuple[str, dict[str, Any]], fault_proxy: Callable[..., FaultProxy],
     opened: Callable[..., Remote], tmp_path: Path
