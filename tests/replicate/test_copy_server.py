@@ -544,6 +544,35 @@ def test_a_reshard_reads_ranges_of_a_saved_ranks_own_files_which_a_restores_fetc
     assert [p.name for p in new_root.rglob("*")] == []
 
 
+@pytest.mark.timeout(60)
+def test_a_range_read_on_a_connection_the_server_closed_while_idle_is_made_again(
+        source: Source, tmp_path: Path) -> None:
+    """A holder whose copy server waits 0.3 s for the next message: the connection a
+    ``PeerShard`` opened first sits idle past that (as while a reshard plans), so the server
+    closes it; the next read finds it closed and is made again on a new connection, once."""
+    root = tmp_path / "holder"
+    (root / STEP_DIR).mkdir(parents=True)
+    for kind in ("shard", "manifest", "commit"):
+        (root / STEP_DIR / f"rank-00000.{kind}").write_bytes(
+            (source.root / STEP_DIR / f"rank-00000.{kind}").read_bytes())
+    server = CopyServer(LocalStorage(root), 1, bind_host="127.0.0.1",
+                        advertise_host="127.0.0.1", timeout_s=0.3, emit=lambda _e: None)
+    server.token, server.sources, server.world_size = TOKEN, frozenset({0}), 1
+    try:
+        shard = PeerShard(Peer(1, "nodeB", *server.address), token=TOKEN, step=STEP,
+                          save_id=source.save_id, source=0, world_size=1, timeout_s=5)
+        try:
+            time.sleep(1.0)  # past the server's wait: it has closed the pooled connection
+            start, end = source.checks[0][0], source.checks[-1][1]
+            data = bytearray(end - start)
+            shard.pread_into(0, memoryview(data), start)
+            assert bytes(data) == source.shard[start:end]
+        finally:
+            shard.close(0)
+    finally:
+        server.close()
+
+
 # ---------------------------------------------------------------------------- scrubbing
 
 

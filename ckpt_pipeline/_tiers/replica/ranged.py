@@ -11,7 +11,9 @@ verified by the shard's checksum blocks (``_reshard/ranges.py``) before any of i
 used. Nothing is written to the root.
 
 The reading threads share the shard: each takes a connection from a small pool (one more
-is opened when none is free), and one that failed is closed, not returned.
+is opened when none is free), and one that failed is closed, not returned. A pooled
+connection that fails a read (the server gives up on one that sat idle past its timeout,
+as while the reshard planned) is closed and the read made again, once, on a new connection.
 """
 
 from __future__ import annotations
@@ -118,12 +120,21 @@ class PeerShard:
                                             f"beyond the {self.size}-byte shard"))
         if not view:
             return
-        connection = self._take()
+        connection, reused = self._take()
         try:
             self._read(connection, view, offset)
         except (CheckpointError, OSError) as exc:
             connection.close(polite=False)
-            raise self._error(exc) from exc
+            if not reused:
+                raise self._error(exc) from exc
+            # perhaps an idle connection the server gave up on (its timeout): once more, on
+            # a new one; what is really wrong fails again there
+            connection, _ = self._connect()
+            try:
+                self._read(connection, view, offset)
+            except (CheckpointError, OSError) as again:
+                connection.close(polite=False)
+                raise self._error(again) from again
         with self._lock:
             self._idle.append(connection)
             self.bytes += len(view)
@@ -154,12 +165,14 @@ class PeerShard:
             recv_data(connection.sock, message, received, write, connection.piece)
             at = offset + received.bytes
 
-    def _take(self) -> _Connection:
+    def _take(self) -> tuple[_Connection, bool]:
+        """An idle connection (True: it served earlier, and may have been idle longer than
+        the server waits), else a new one."""
         with self._lock:
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop(), True
         connection, _ = self._connect()
-        return connection
+        return connection, False
 
     def _connect(self) -> tuple[_Connection, dict[str, object]]:
         """A new ``range`` connection, and the shard's description it starts with."""
