@@ -115,7 +115,8 @@ class Storage(Protocol):
 class RangeSource(Protocol):
     """What reading a saved shard's header and byte ranges needs (``read_shard_header``, a
     reshard's ``ShardRanges``): every ``Storage``, and a shard read in ranges straight from the
-    persistent tier (``_tiers/persistent/ranged.py``). ``root`` names where, in messages."""
+    persistent tier (``_tiers/persistent/ranged.py``) or from another live rank's copy server
+    (``_tiers/replica/ranged.py``). ``root`` names where, in messages."""
 
     @property
     def root(self) -> str | os.PathLike[str]: ...

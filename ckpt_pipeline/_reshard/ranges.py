@@ -9,7 +9,8 @@ not read again (and nothing is copied for a range whose successor starts further
 What a range costs beyond its own bytes is therefore at most one block on each side.
 
 ``ShardRanges`` is one saved rank's file (its header, its descriptor; shared by the threads),
-in a root or in the persistent tier (a ``RangeSource``: each read a ranged request there).
+in a root, in the persistent tier or in another live rank's root (a ``RangeSource``: there
+each read is a ranged request).
 ``Span`` is one range to copy into a destination tensor (``spans_of`` cuts a box of a saved
 tensor into them: ``runs.spans``). ``read_spans`` reads a list of spans with several threads,
 each taking a contiguous run of them in file order, cut only where two runs share no block, so

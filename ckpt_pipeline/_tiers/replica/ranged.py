@@ -79,14 +79,19 @@ class PeerShard:
         self.bytes = 0
         self._lock = threading.Lock()
         self._idle: list[_Connection] = []
-        first, meta = self._connect()
+        self._meta: dict[str, object] | None = None
+        first = self._connect()  # sets _meta: what every later connection must describe
         self._idle.append(first)
-        size, manifest, commit = meta.get("size"), meta.get("manifest"), meta.get("commit")
+        assert self._meta is not None
+        size = self._meta.get("size")
+        manifest, commit = self._meta.get("manifest"), self._meta.get("commit")
         if not (isinstance(size, int) and size > 0 and isinstance(manifest, bytes)
                 and isinstance(commit, bytes)):
             self.close(0)
             raise self._error(ProtocolError("the shard's description is malformed"))
-        self.size, self._manifest, self._commit = size, manifest, commit
+        self.size: int = size
+        self._manifest: bytes = manifest
+        self._commit: bytes = commit
 
     @property
     def root(self) -> str:
@@ -129,7 +134,7 @@ class PeerShard:
                 raise self._error(exc) from exc
             # perhaps an idle connection the server gave up on (its timeout): once more, on
             # a new one; what is really wrong fails again there
-            connection, _ = self._connect()
+            connection = self._connect()
             try:
                 self._read(connection, view, offset)
             except (CheckpointError, OSError) as again:
@@ -171,11 +176,12 @@ class PeerShard:
         with self._lock:
             if self._idle:
                 return self._idle.pop(), True
-        connection, _ = self._connect()
-        return connection, False
+        return self._connect(), False
 
-    def _connect(self) -> tuple[_Connection, dict[str, object]]:
-        """A new ``range`` connection, and the shard's description it starts with."""
+    def _connect(self) -> _Connection:
+        """A new ``range`` connection. The shard's description it starts with is kept from
+        the first; every later one must be the same (the same file, the same manifest and
+        commit record), or the connection is refused."""
         try:
             sock = connect(self.peer.host, self.peer.port, self.timeout_s)
         except OSError as exc:
@@ -184,14 +190,27 @@ class PeerShard:
         try:
             send_message(sock, {"op": "range", "token": self.token, "step": self.step,
                                 "save_id": self.save_id, "source": self.source})
-            return connection, recv_message(sock, expect="meta")
+            meta = recv_message(sock, expect="meta")
+            if self._meta is None:
+                self._meta = meta
+            elif meta != self._meta:
+                raise ProtocolError("another connection describes another shard file")
+            return connection
         except (CheckpointError, OSError) as exc:
             connection.close(polite=False)
             raise self._error(exc) from exc
 
     def _error(self, exc: BaseException) -> CheckpointIntegrityError:
+        """``exc`` as the error naming this shard and its peer (once: one that already does
+        is returned as it is)."""
+        if isinstance(exc, _PeerError):
+            return exc
         what = exc.message if isinstance(exc, CheckpointError) else (
             f"{type(exc).__name__}: {exc}")
-        return CheckpointIntegrityError(
+        return _PeerError(
             f"reading rank {self.source}'s shard from {self.peer.describe()} failed: {what}",
             step=self.step, rank=self.source, path=self.root)
+
+
+class _PeerError(CheckpointIntegrityError):
+    """A ``PeerShard``'s failure, named once (its message says which shard and which peer)."""
