@@ -7,7 +7,7 @@ that order, and falls back to the next when one fails on any rank.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -158,7 +158,7 @@ class Agreement:
                       scanned=scanned, rejected=rejected, memory=memory)
 
     async def first_loaded(self, agreed: Agreed, load: CandidateLoad[_L]
-                           ) -> tuple[_L, list[Any], frozenset[int]] | None:
+                           ) -> tuple[_L, Sequence[Any], frozenset[int]] | None:
         """Try the candidates newest first, falling back: this rank loads its shard of one
         (``load``), then the ranks vote on it; the first that loads on every rank is the
         restore's. Returns its load, every rank's extra, and the candidates every rank

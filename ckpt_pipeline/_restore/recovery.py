@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Set
+from collections.abc import Callable, Mapping, MutableMapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -328,7 +328,7 @@ class Recovery:
         return RejectedStep(step, path, reason)
 
 
-def _foreign_by_rank(extras: list[Any]) -> dict[int, tuple[str, ...]]:
+def _foreign_by_rank(extras: Sequence[Any]) -> dict[int, tuple[str, ...]]:
     out: dict[int, tuple[str, ...]] = {}
     for rank, extra in enumerate(extras):
         ids = extra.get("foreign") if isinstance(extra, dict) else None

@@ -15,6 +15,7 @@ import anyio
 from .._format.scan import StepStatus
 from .._format.timeline import Lineage
 from ..coordination._agree import VotePart
+from ..coordination._runs import Runs
 from ..errors import CheckpointError, CheckpointIntegrityError, StorageError
 from ..storage import Storage
 
@@ -37,7 +38,9 @@ class Vote(Generic[P]):
     the rank sent none, or voted on another save)."""
 
     agreed: bool
-    parts: tuple[P | None, ...]
+    parts: Runs[P | None]
+    """By rank, as runs of equal parts (``Runs``: ``parts[rank]``, or ``runs()`` to read a
+    vote in O(runs) rather than O(ranks))."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,23 +14,27 @@ from typing import Any, Generic, Protocol, TypeVar
 from .._format.documents import decode_message, encode_message
 from ..errors import CheckpointError, CheckpointIntegrityError, CoordinationError
 from ._control_plane import Coordinator
+from ._runs import Runs
 
-__all__ = ("Ballot", "Candidates", "Opening", "Tally", "VotePart", "agree_barrier",
+__all__ = ("Ballot", "Candidates", "Opening", "Runs", "Tally", "VotePart", "agree_barrier",
            "agree_candidates", "agree_open", "agree_outcome", "gather_outcome", "gather_parts",
            "gather_shared", "gather_vote")
 
 
 async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: str,
-                    step: int | None = None) -> list[dict[str, Any]]:
-    """Every rank's ``message``, indexed by rank. Each distinct message is decoded once, and
-    ranks that sent the same bytes get the same object: read the answers, never change them."""
+                    step: int | None = None) -> Runs[dict[str, Any]]:
+    """Every rank's ``message``, indexed by rank, as runs of equal answers (``Runs``). Each
+    distinct message is decoded once, and ranks that sent the same bytes get the same
+    object: read the answers, never change them. From the per-node coordinator this costs
+    O(runs), not O(ranks)."""
     raw = await coordinator.all_gather(encode_message(message), what=what, step=step)
     if len(raw) != coordinator.world_size:
         raise CoordinationError(f"{what}: {len(raw)} answers for {coordinator.world_size} "
                                 "ranks", step=step, rank=coordinator.rank)
-    out = []
+    stops: list[int] = []
+    out: list[dict[str, Any]] = []
     seen: dict[bytes, dict[str, Any]] = {}
-    for rank, payload in enumerate(raw):
+    for rank, stop, payload in (raw if isinstance(raw, Runs) else Runs.of(raw)).runs():
         decoded = seen.get(payload)
         if decoded is None:
             try:
@@ -40,8 +44,9 @@ async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: 
                                         f"({exc.message})", step=step, rank=coordinator.rank,
                                         hint=_VERSIONS_HINT, ranks=(rank,)) from exc
             seen[payload] = decoded
+        stops.append(stop)
         out.append(decoded)
-    return out
+    return Runs(stops, out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +99,14 @@ async def agree_outcome(coordinator: Coordinator, step: int, save_id: str,
 
 async def gather_outcome(coordinator: Coordinator, step: int, save_id: str,
                          error: str | None, *, what: str, fatal: bool = False,
-                         extra: Any = None) -> tuple[dict[int, str], bool, list[Any]]:
+                         extra: Any = None) -> tuple[dict[int, str], bool, Runs[Any]]:
     """``agree_outcome``, and every rank's ``extra`` (None for a rank that answered for
-    another step or save id)."""
+    another step or save id), by rank."""
     answers = await _exchange(coordinator, {"step": step, "save_id": save_id, "error": error,
                                             "fatal": fatal, "extra": extra},
                               what=what, step=step)
     failures, any_fatal = _outcomes(answers, step, save_id)
-    extras = [answer.get("extra") if _same(answer, step, save_id) else None
-              for answer in answers]
+    extras = answers.map(lambda a: a.get("extra") if _same(a, step, save_id) else None)
     return failures, any_fatal, extras
 
 
@@ -110,14 +114,14 @@ def _same(answer: Mapping[str, Any], step: int, save_id: str) -> bool:
     return answer.get("step") == step and answer.get("save_id") == save_id
 
 
-def _outcomes(answers: Sequence[Mapping[str, Any]], step: int, save_id: str
+def _outcomes(answers: Runs[Mapping[str, Any]], step: int, save_id: str
               ) -> tuple[dict[int, str], bool]:
     """({rank: error}, any fatal) of one outcome exchange: a rank that answered for another
-    step or save id counts as failed."""
+    step or save id counts as failed. O(runs + failed ranks)."""
     failures: dict[int, str] = {}
     any_fatal = False
     read: dict[int, str | None] = {}  # id of a distinct answer: its failure (shared answers)
-    for rank, answer in enumerate(answers):
+    for start, stop, answer in answers.runs():
         key = id(answer)
         if key not in read:
             err = answer.get("error")
@@ -127,7 +131,7 @@ def _outcomes(answers: Sequence[Mapping[str, Any]], step: int, save_id: str
             any_fatal = any_fatal or bool(answer.get("fatal"))
         failure = read[key]
         if failure is not None:
-            failures[rank] = failure
+            failures.update(dict.fromkeys(range(start, stop), failure))
     return failures, any_fatal
 
 
@@ -158,11 +162,11 @@ class Ballot(Generic[P]):
 @dataclass(frozen=True, slots=True)
 class Tally:
     """Every rank's outcome of one vote: ({rank: error}, any fatal) as ``agree_outcome``
-    says it, and every participant's parts by key, indexed by rank."""
+    says it, and every participant's parts by key, indexed by rank (``Runs``)."""
 
     failures: Mapping[int, str]
     fatal: bool
-    parts: Mapping[str, tuple[VotePart | None, ...]]
+    parts: Mapping[str, Runs[VotePart | None]]
 
 
 async def gather_vote(coordinator: Coordinator, step: int, save_id: str, error: str | None,
@@ -174,7 +178,7 @@ async def gather_vote(coordinator: Coordinator, step: int, save_id: str, error: 
         "parts": {key: None if b.part is None else b.part.to_msg()
                   for key, b in ballots.items()}}, what=what, step=step)
     failures, any_fatal = _outcomes(answers, step, save_id)
-    parts: dict[str, tuple[VotePart | None, ...]] = {}
+    parts: dict[str, Runs[VotePart | None]] = {}
     for key, ballot in ballots.items():
         parts[key] = _decode_parts(
             answers, key, ballot, what=what, me=coordinator.rank,
@@ -183,7 +187,7 @@ async def gather_vote(coordinator: Coordinator, step: int, save_id: str, error: 
 
 
 async def gather_parts(coordinator: Coordinator, key: str, ballot: Ballot[P], *, what: str,
-                       step: int | None = None) -> tuple[P | None, ...]:
+                       step: int | None = None) -> Runs[P | None]:
     """Every rank's part of one participant outside a save's vote, indexed by rank."""
     answers = await _exchange(coordinator, {"parts": {key: None if ballot.part is None
                                                       else ballot.part.to_msg()}},
@@ -191,19 +195,21 @@ async def gather_parts(coordinator: Coordinator, key: str, ballot: Ballot[P], *,
     return _decode_parts(answers, key, ballot, what=what, me=coordinator.rank)
 
 
-def _decode_parts(answers: Sequence[Mapping[str, Any]], key: str, ballot: Ballot[P], *,
+def _decode_parts(answers: Runs[Mapping[str, Any]], key: str, ballot: Ballot[P], *,
                   what: str, me: int, counts: Callable[[Mapping[str, Any]], bool] | None = None
-                  ) -> tuple[P | None, ...]:
+                  ) -> Runs[P | None]:
     """Every rank's ``key`` part (None where ``counts`` says the answer does not count),
-    decoded once per distinct answer (``_exchange`` shares equal ones)."""
+    decoded once per distinct answer (``_exchange`` shares equal ones): O(runs)."""
     done: dict[int, P | None] = {}
+    stops: list[int] = []
     out: list[P | None] = []
-    for rank, answer in enumerate(answers):
+    for rank, stop, answer in answers.runs():
         if id(answer) not in done:
             done[id(answer)] = (None if counts is not None and not counts(answer) else
                                 _decode_part(answer, key, ballot, what=what, rank=rank, me=me))
+        stops.append(stop)
         out.append(done[id(answer)])
-    return tuple(out)
+    return Runs(stops, out)
 
 
 def _decode_part(answer: Mapping[str, Any], key: str, ballot: Ballot[P], *, what: str,
@@ -377,10 +383,11 @@ def _entries(answer: dict[str, Any], key: str, width: int, me: int, rank: int
 
 
 async def gather_shared(coordinator: Coordinator, message: Any, *, what: str,
-                        step: int | None = None) -> list[Any]:
-    """Every rank's ``message``, indexed by rank."""
+                        step: int | None = None) -> Runs[Any]:
+    """Every rank's ``message``, indexed by rank (equal ones as one shared object: read
+    them, never change them)."""
     answers = await _exchange(coordinator, {"shared": message}, what=what, step=step)
-    return [answer.get("shared") for answer in answers]
+    return answers.map(lambda answer: answer.get("shared"))
 
 
 async def agree_barrier(coordinator: Coordinator, *, what: str, step: int | None = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -42,8 +43,8 @@ class Coordinator(Protocol):
     world_size: int
 
     async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
-                         ) -> list[bytes]:
-        """Every rank's payload, indexed by rank.
+                         ) -> Sequence[bytes]:
+        """Every rank's payload, indexed by rank (a list, or ``Runs`` of equal payloads).
 
         Raises CoordinationError (naming the ranks that did not answer) when the exchange does
         not complete within the coordinator's timeout.

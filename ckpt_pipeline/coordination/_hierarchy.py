@@ -37,7 +37,7 @@ import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,9 +47,10 @@ from .._logging import log
 from .._threads import in_thread
 from ..errors import ConfigError, CoordinationError
 from ._control_plane import DistributedCoordinator, default_store, destroy_group, gather_bytes
+from ._runs import Runs
 
 __all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "log_gather",
-           "node_ids", "node_size_from_env", "pack_distinct", "pack_frames", "pack_relay",
+           "merge_nodes", "node_ids", "node_size_from_env", "pack_distinct", "pack_frames", "pack_relay",
            "unpack_distinct", "unpack_frames", "unpack_relay")
 
 _COUNT = struct.Struct("<I")
@@ -94,23 +95,25 @@ def pack_distinct(items: Sequence[bytes]) -> bytes:
     items in a row, which distinct payload) in little-endian u32, then the distinct payloads
     framed (``pack_frames``), in order of first use. On the good path every rank votes alike
     and a whole job's votes are one run and one payload; each rank that differs adds a run or
-    two and, where its payload is new, that payload."""
+    two and, where its payload is new, that payload. ``Runs`` are packed in O(runs)."""
     index: dict[bytes, int] = {}
     runs: list[int] = []  # count, index, count, index, ...
-    for item in items:
+    spans = (items.runs() if isinstance(items, Runs)
+             else ((at, at + 1, item) for at, item in enumerate(items)))
+    for start, stop, item in spans:
         at = index.setdefault(item, len(index))
         if runs and runs[-1] == at:
-            runs[-2] += 1
+            runs[-2] += stop - start
         else:
-            runs += (1, at)
-    if len(runs) // 2 >= 1 << 32:
-        raise ValueError("a frame holds at most 2**32 - 1 runs")
+            runs += (stop - start, at)
+    if len(runs) // 2 >= 1 << 32 or any(n >= 1 << 32 for n in runs[0::2]):
+        raise ValueError("a frame holds at most 2**32 - 1 runs of at most 2**32 - 1 items")
     return struct.pack(f"<I{len(runs)}I", len(runs) // 2, *runs) + pack_frames(list(index))
 
 
-def unpack_distinct(data: bytes) -> list[bytes]:
-    """The items ``pack_distinct`` packed, equal payloads as one shared object; ValueError for
-    anything else (short, trailing bytes, a run of no items or of a payload it lacks, a
+def unpack_distinct(data: bytes) -> Runs[bytes]:
+    """The items ``pack_distinct`` packed, as its runs (O(runs), whatever the number of
+    items: equal payloads are one shared object); ValueError for anything else (short, trailing bytes, a run of no items or of a payload it lacks, a
     payload no run uses)."""
     if len(data) < _COUNT.size:
         raise ValueError(f"a frame of {len(data)} bytes has no run count")
@@ -126,10 +129,11 @@ def unpack_distinct(data: bytes) -> list[bytes]:
                          f"its {len(distinct)}")
     if len(used) != len(distinct):
         raise ValueError(f"a frame holds {len(distinct)} payloads, {len(used)} of them used")
-    out: list[bytes] = []
-    for n, at in zip(runs[0::2], runs[1::2], strict=True):
-        out += [distinct[at]] * n
-    return out
+    stops, stop = [], 0
+    for n in runs[0::2]:
+        stop += n
+        stops.append(stop)
+    return Runs(stops, [distinct[at] for at in runs[1::2]])
 
 
 def pack_relay(items: Sequence[bytes] | None, failure: str | None = None) -> bytes:
@@ -143,7 +147,7 @@ def pack_relay(items: Sequence[bytes] | None, failure: str | None = None) -> byt
     return bytes([_RELAYED]) + pack_distinct(items)
 
 
-def unpack_relay(data: bytes) -> tuple[list[bytes] | None, str | None]:
+def unpack_relay(data: bytes) -> tuple[Runs[bytes] | None, str | None]:
     """(items, None) or (None, failure) of a ``pack_relay`` message; ValueError otherwise."""
     if not data or data[0] not in (_RELAYED, _FAILED):
         raise ValueError("a relay message starts with its kind (0: items, 1: a failure)")
@@ -160,6 +164,15 @@ class NodeLayout:
     rank), each node's ranks ascending."""
 
     nodes: tuple[tuple[int, ...], ...]
+    consecutive: bool = field(init=False, compare=False, repr=False)
+    """Whether the nodes, in order, hold ranks 0, 1, 2, ... one after the other."""
+
+    def __post_init__(self) -> None:
+        at, consecutive = 0, True
+        for node in self.nodes:
+            consecutive = consecutive and node == tuple(range(at, at + len(node)))
+            at += len(node)
+        object.__setattr__(self, "consecutive", consecutive)
 
     @classmethod
     def from_ids(cls, ids: Sequence[int]) -> NodeLayout:
@@ -175,6 +188,7 @@ class NodeLayout:
 
     def node_of(self, rank: int) -> tuple[int, ...]:
         return next(node for node in self.nodes if rank in node)
+
 
 
 def node_ids(world_size: int, *, nodes: Sequence[int] | None = None,
@@ -329,7 +343,7 @@ class HierarchicalCoordinator:
     # ------------------------------------------------------------ an exchange
 
     async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
-                         ) -> list[bytes]:
+                         ) -> Runs[bytes]:
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -355,7 +369,7 @@ class HierarchicalCoordinator:
                 hint="a rank died or is stuck; restart the job, it resumes from the newest "
                      "checkpoint committed on every rank", ranks=tuple(missing or ())) from exc
 
-    def _gather(self, payload: bytes) -> list[bytes]:
+    def _gather(self, payload: bytes) -> Runs[bytes]:
         """The three stages, on this rank's part of the layout. Raises _StageFailed, or the
         error of the stage that failed here."""
         begun = time.monotonic()
@@ -416,7 +430,7 @@ class HierarchicalCoordinator:
                                        deadline)]
 
     def _across_nodes(self, ours: list[bytes] | None, failure: str | None, deadline: float
-                      ) -> tuple[bytes, list[bytes] | None, str | None]:
+                      ) -> tuple[bytes, Runs[bytes] | None, str | None]:
         """The leaders' stage: (what this leader relays to its node, the result or None, why
         not). Never raises: whatever happens, the node hears of it."""
         try:
@@ -427,26 +441,14 @@ class HierarchicalCoordinator:
         except Exception as exc:
             why = f"leaders: {_short(exc)}"
             return pack_relay(None, why), None, why
-        result: list[bytes] = [b""] * self.world_size
-        failures = []
-        for node, frame in zip(self.layout.nodes, frames, strict=True):
-            try:
-                items, failed = unpack_relay(frame)
-                if items is not None and len(items) != len(node):
-                    raise ValueError(f"{len(items)} payloads for {len(node)} ranks")
-            except ValueError as exc:
-                items, failed = None, f"leader {node[0]} sent a malformed message ({exc})"
-            if items is None:
-                failures.append(failed or "")
-                continue
-            for rank, item in zip(node, items, strict=True):
-                result[rank] = item
-        if failures:
-            why = "; ".join(failures)
+        try:
+            result = merge_nodes(self.layout, frames)
+        except ValueError as exc:
+            why = str(exc)
             return pack_relay(None, why), None, why
         return pack_relay(result), result, None
 
-    def _result(self, relayed: bytes) -> list[bytes]:
+    def _result(self, relayed: bytes) -> Runs[bytes]:
         try:
             items, failure = unpack_relay(relayed)
         except ValueError as exc:
@@ -546,6 +548,36 @@ class HierarchicalCoordinator:
                 own = group
                 self._groups.append(group)
         return own
+
+
+def merge_nodes(layout: NodeLayout, frames: Sequence[bytes]) -> Runs[bytes]:
+    """Every rank's payload, from each node's ``pack_relay`` frame (in the order of
+    ``layout.nodes``). When each node's ranks follow one another (consecutive ranks a node,
+    as ``LOCAL_WORLD_SIZE`` makes them) the nodes' runs are joined in O(nodes + runs);
+    otherwise each rank's payload is put in its place (O(ranks)). ValueError names every
+    node whose leader relayed a failure or a malformed frame."""
+    parts: list[Runs[bytes]] = []
+    failures: list[str] = []
+    for node, frame in zip(layout.nodes, frames, strict=True):
+        try:
+            items, failed = unpack_relay(frame)
+            if items is not None and len(items) != len(node):
+                raise ValueError(f"{len(items)} payloads for {len(node)} ranks")
+        except ValueError as exc:
+            items, failed = None, f"leader {node[0]} sent a malformed message ({exc})"
+        if items is None:
+            failures.append(failed or "")
+        else:
+            parts.append(items)
+    if failures:
+        raise ValueError("; ".join(failures))
+    if layout.consecutive:
+        return Runs.join(parts)
+    result: list[bytes] = [b""] * sum(len(node) for node in layout.nodes)
+    for node, items in zip(layout.nodes, parts, strict=True):
+        for rank, item in zip(node, items, strict=True):
+            result[rank] = item
+    return Runs.of(result)
 
 
 def log_gather(dist: Any, group: Any, members: Sequence[int], payload: bytes,

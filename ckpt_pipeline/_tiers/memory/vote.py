@@ -57,8 +57,7 @@ class WriteThroughVote:
     async def voted(self, vote: Vote[DiskBusy]) -> None:
         if not vote.agreed or not self.due:
             return
-        self.busy_ranks = tuple(r for r, part in enumerate(vote.parts)
-                                if part is None or part.busy)
+        self.busy_ranks = tuple(vote.parts.indices(lambda part: part is None or part.busy))
         self.decision = "skip" if self.busy_ranks else "write"
 
     async def confirm(self, recorded: Recorded) -> None:

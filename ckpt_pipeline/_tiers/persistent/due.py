@@ -10,6 +10,7 @@ from typing import Any
 from ..._format.timeline import Lineage
 from ..._logging import log
 from ...coordination._agree import Ballot
+from ...coordination._runs import Runs
 from ...events import PersistFailed, PersistSkipped
 from ..base import Recorded, Vote, VotePart, no_part
 from .commit_object import Committing
@@ -47,7 +48,9 @@ class Assigning(Committing, Rewinding, Uploading):
 
     def on_reports(self, reports: Sequence[PersistReport | None]) -> None:
         """Every rank's ``report()`` of one exchange: record finished uploads, commit the
-        steps every rank finished, give up the steps a rank failed. Same on every rank."""
+        steps every rank finished, give up the steps a rank failed. Same on every rank.
+        Ranks with equal reports are read once (``Runs``); only a report that finished or
+        failed an upload is read for each of its ranks."""
         lost = reports[0].lost if reports and reports[0] is not None else None
         if lost is not None and self._lost_url is None:
             self._stop_promoting(lost)
@@ -55,20 +58,22 @@ class Assigning(Committing, Rewinding, Uploading):
             return
         busiest = (0, 0)
         failed: dict[int, dict[int, str]] = {}
-        unreachable = []
-        for rank, report in enumerate(reports):
+        unreachable: list[int] = []
+        runs = reports if isinstance(reports, Runs) else Runs.of(reports)
+        for start, stop, report in runs.runs():
             if report is None:  # a rank without the tier: nothing completes
-                busiest = max(busiest, (_QUEUED_MAX, rank), key=lambda b: b[0])
+                busiest = max(busiest, (_QUEUED_MAX, start), key=lambda b: b[0])
                 continue
             if not report.reachable:
-                unreachable.append(rank)
-            busiest = max(busiest, (report.unfinished, rank), key=lambda b: b[0])
-            for step, upload in report.done.items():
-                if step in self._assigned:
-                    self._assigned[step].reports[rank] = upload
-            for step, error in report.failed.items():
-                if step in self._assigned:
-                    failed.setdefault(step, {})[rank] = error
+                unreachable.extend(range(start, min(stop, start + 9)))
+            busiest = max(busiest, (report.unfinished, start), key=lambda b: b[0])
+            for rank in range(start, stop) if report.done or report.failed else ():
+                for step, upload in report.done.items():
+                    if step in self._assigned:
+                        self._assigned[step].reports[rank] = upload
+                for step, error in report.failed.items():
+                    if step in self._assigned:
+                        failed.setdefault(step, {})[rank] = error
         self._busy = busiest
         self._unreachable = "" if not unreachable else (
             f"rank{'s' if len(unreachable) > 1 else ''} "

@@ -13,8 +13,8 @@ rank 2, rank 1's on rank 3, rank 2's on rank 0, rank 3's on rank 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ...errors import ConfigError
 
@@ -29,14 +29,23 @@ class Placement:
     """The ranks of each node, nodes ordered by their lowest rank."""
     holders: tuple[tuple[int, ...], ...]
     """For each rank, the ranks that hold copies of its shard (the k-th copy k-th)."""
+    _held: Mapping[int, tuple[int, ...]] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        held: dict[int, list[int]] = {}
+        for source, holders in enumerate(self.holders):
+            for holder in holders:
+                held.setdefault(holder, []).append(source)
+        object.__setattr__(self, "_held", {h: tuple(s) for h, s in held.items()})
 
     def held_by_any(self) -> tuple[int, ...]:
         """Every rank that holds some copy, in increasing order."""
-        return tuple(sorted({h for holders in self.holders for h in holders}))
+        return tuple(sorted(self._held))
 
     def held_by(self, rank: int) -> tuple[int, ...]:
-        """The ranks whose shards ``rank`` holds copies of, in increasing order."""
-        return tuple(src for src, holders in enumerate(self.holders) if rank in holders)
+        """The ranks whose shards ``rank`` holds copies of, in increasing order (O(1): the
+        placement's inverse, made once)."""
+        return self._held.get(rank, ())
 
 
 def place_replicas(node_names: Sequence[str], replicas: int) -> Placement:
