@@ -1,11 +1,13 @@
-"""What reading one commit vote costs a rank, by the number of ranks: the per-node control
-plane's relay (``pack_relay`` on the leader, ``unpack_relay`` on a rank) and the tally
-(``gather_vote``: decoding the answers and their parts), in one process, no gloo.
+"""What reading one commit vote costs, by the number of ranks: the per-node control plane's
+leader (``merge_nodes`` of its nodes' frames, ``--ranks-per-node`` ranks a node, then
+``pack_relay`` of the result), a rank's ``unpack_relay`` and its tally (``gather_vote``:
+decoding the answers and their parts), in one process, no gloo.
 
-Three votes at each size: every rank alike (the good path), one rank in 100 with an error,
-and every rank different (each answer carries its own rank number, which is what every vote
-cost before each distinct answer was decoded once). The timings are the least of
-``--repeats`` runs, on this machine, the machine recorded beside them.
+Three votes at each size: every rank alike (the good path: replication's part is "every
+holder acknowledged"), one rank in 100 with an error, and every rank different (each answer
+carries its own rank number, which is what every vote cost before each distinct answer was
+decoded once). The timings are the least of ``--repeats`` runs, on this machine, the machine
+recorded beside them.
 
     python benchmarks/bench_vote_decode.py                    # 1,000, 4,000 and 16,000 ranks
     python benchmarks/bench_vote_decode.py --ranks 1000 --repeats 3 --out /tmp/v.json
@@ -27,7 +29,13 @@ from _machine import machine_info
 from ckpt_pipeline._format.documents import encode_message
 from ckpt_pipeline._tiers.replica.vote import CopiesAcked
 from ckpt_pipeline.coordination._agree import Ballot, gather_vote
-from ckpt_pipeline.coordination._hierarchy import pack_relay, unpack_relay
+from ckpt_pipeline.coordination._hierarchy import (
+    NodeLayout,
+    merge_nodes,
+    pack_relay,
+    unpack_relay,
+)
+from ckpt_pipeline.coordination._runs import Runs
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "vote_decode_cpu_2core.json"
@@ -36,7 +44,7 @@ STEP, SAVE = 42, "0123456789abcdef"
 
 def _message(rank: int, kind: str) -> bytes:
     error = "disk full on /local/ckpt" if kind == "1pct" and rank % 100 == 7 else None
-    part = CopiesAcked((rank,) if kind == "distinct" else (1,)).to_msg()
+    part = CopiesAcked((rank,) if kind == "distinct" else None).to_msg()
     return encode_message({"step": STEP, "save_id": SAVE, "error": error, "fatal": False,
                            "parts": {"replicas": part}})
 
@@ -48,7 +56,7 @@ class _Relayed:
         self.rank, self.world_size, self.relayed = 0, world, relayed
 
     async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
-                         ) -> list[bytes]:
+                         ) -> Runs[bytes]:
         items, failure = unpack_relay(self.relayed)
         assert items is not None and failure is None
         return items
@@ -63,10 +71,13 @@ def _least(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def measure(ranks: int, kind: str, repeats: int) -> dict[str, Any]:
+def measure(ranks: int, kind: str, repeats: int, per_node: int) -> dict[str, Any]:
     payloads = [_message(rank, kind) for rank in range(ranks)]
-    relayed = pack_relay(payloads)
-    ballot = Ballot(CopiesAcked((1,)), CopiesAcked.from_msg)
+    layout = NodeLayout(tuple(tuple(range(at, min(at + per_node, ranks)))
+                              for at in range(0, ranks, per_node)))
+    frames = [pack_relay(payloads[node[0]:node[-1] + 1]) for node in layout.nodes]
+    relayed = pack_relay(merge_nodes(layout, frames))
+    ballot = Ballot(CopiesAcked(None), CopiesAcked.from_msg)
 
     async def vote() -> Any:
         return await gather_vote(_Relayed(relayed, ranks), STEP, SAVE, None, what="commit",
@@ -81,9 +92,9 @@ def measure(ranks: int, kind: str, repeats: int) -> dict[str, Any]:
         return len(tally.failures), best
 
     failures, tally_s = anyio.run(votes)
-    return {"ranks": ranks, "votes": kind, "failures": failures,
+    return {"ranks": ranks, "votes": kind, "failures": failures, "ranks_per_node": per_node,
             "relay_bytes": len(relayed), "payload_bytes_each": len(payloads[0]),
-            "leader_pack_s": _least(lambda: pack_relay(payloads), repeats),
+            "leader_pack_s": _least(lambda: pack_relay(merge_nodes(layout, frames)), repeats),
             "rank_unpack_s": _least(lambda: unpack_relay(relayed), repeats),
             "rank_unpack_and_tally_s": tally_s}
 
@@ -92,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1000,4000,16000")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    rows = [measure(int(n), kind, args.repeats) for n in args.ranks.split(",")
+    rows = [measure(int(n), kind, args.repeats, args.ranks_per_node)
+            for n in args.ranks.split(",")
             for kind in ("alike", "1pct", "distinct")]
     report = {"benchmark": "vote_decode", "machine": machine_info(HERE),
               "repeats": args.repeats, "rows": rows}

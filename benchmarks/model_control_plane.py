@@ -20,7 +20,10 @@ halves) to the right neighbour, a step starting only when the previous one is do
 cost ``alpha + beta * segment``, every rank finishes at the last rank's entry plus (N-1) steps
 (``ring_allgather_finish`` simulates it step by step; the event loop uses that closed form).
 
-**hier-p2p** is what ``coordination/_hierarchy.py`` does. Per exchange: each rank of a node
+**hier-runs** is what ``coordination/_hierarchy.py`` does: hier-p2p below, with every
+rank's answers kept as runs of equal answers (``coordination/_runs.py``), so that the leader's
+work beyond the decodes is ``per_node_s`` a node (reading its nodes' frames, joining their
+runs) and a rank's is the decodes alone. **hier-p2p** (as built at e2dc8ef's parent). Per exchange: each rank of a node
 sends its message to the node's leader (its length, then its bytes; the leader receives all
 at once: two hops and ``message_s`` per message); the leaders all-gather their nodes' relays
 in ceil(log2 nodes) rounds (``log_gather``, Bruck: segments doubling; a round's length and
@@ -79,9 +82,14 @@ MESSAGE_S = 10e-6
 beyond the hop (assumed, not measured: about a gloo receive's bookkeeping and one copy of a
 100-byte message)."""
 PER_RANK_S = 0.18e-6
-"""The built protocol's work per rank of the job that is not a decode: the leader's packing
-(one dict lookup a rank), a rank's unpacking (a list of shared references) and the tally's
-loop over the answers; bench_vote_decode.py, 16,000 ranks voting alike, 2.85 ms in all."""
+"""hier-p2p's work per rank of the job that is not a decode: the leader's packing (one dict
+lookup a rank), a rank's unpacking (a list of shared references) and the tally's loop over
+the answers; bench_vote_decode.py at a8d0de8, 16,000 ranks voting alike, 2.85 ms in all."""
+PER_NODE_S = 0.60e-6
+"""hier-runs (the answers kept as runs, ``Runs``): the leader's work per node of the job,
+reading the nodes' frames (equal ones once) and joining their runs, then packing the result;
+bench_vote_decode.py at b7f9b82+, 16,000 ranks in 2,000 nodes voting alike, 1.20 ms. A rank's
+unpacking and tally are O(runs): 0.02 ms at 16,000 ranks, one decode included."""
 
 # Measured on the 2-core development VM (torch 2.13 CPU, Python 3.11, under a CI load; the
 # least of 7 repeats), not on the 32-core host of scale.json: see PARAMETER_SOURCES.
@@ -108,8 +116,11 @@ PARAMETER_SOURCES = {
                       "the benchmark's host (no extra for the network)",
     "per_rank_s": "measured: bench_vote_decode.py, 16,000 ranks voting alike, unpack and tally "
                   "2.85 ms and the leader's pack 1.26 ms, per rank (dev VM, under load)",
-    "message_s": "assumed: a leader's cost per message of its node's ranks (hier-p2p), beyond "
-                 "the hop; not measured",
+    "message_s": "a leader's cost per message of its node's ranks (hier-p2p, hier-runs), "
+                 "beyond the hop: 10 us assumed by default; --message-s sets it (33 us: the "
+                 "H100 host's commit grew 0.20 ms a rank added to a node, six messages)",
+    "per_node_s": "measured: bench_vote_decode.py, 16,000 ranks in nodes of 8 voting alike, "
+                  "the leader's merge_nodes and pack_relay 1.20 ms, per node (dev VM)",
 }
 
 
@@ -128,6 +139,7 @@ class Params:
     failures: int = 0
     per_rank_s: float = PER_RANK_S
     message_s: float = MESSAGE_S
+    per_node_s: float = PER_NODE_S
 
     @property
     def alpha_leader(self) -> float:
@@ -266,12 +278,13 @@ def simulate_flat(ranks: int, exchanges: Exchanges, fixed_s: float, p: Params
 
 
 def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed_s: float,
-                          p: Params, *, log_depth: bool = False, p2p_node: bool = False
-                          ) -> dict[str, float]:
+                          p: Params, *, log_depth: bool = False, p2p_node: bool = False,
+                          runs: bool = False) -> dict[str, float]:
     """The per-node protocol (module docstring): in each node ring all-gathers, or with
     ``p2p_node`` every rank's message straight to the leader; the leaders' all-gather (Bruck's
     with ``log_depth``, else gloo's ring); the relay back (two broadcasts, or with
-    ``p2p_node`` the leader's message to each rank)."""
+    ``p2p_node`` the leader's message to each rank). ``runs``: the answers kept as runs, so
+    that the leader's work beyond the decodes is ``per_node_s`` a node and a rank's none."""
     loop = Loop()
     nodes = -(-ranks // per_node)
     sizes = [min(per_node, ranks - n * per_node) for n in range(nodes)]
@@ -282,7 +295,10 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
         across = [ring_allgather_s(nodes, seg, p.alpha_leader, p.beta_s_per_byte)
                   for seg in (SIZE_BYTES, frame)]
     leaders = [[Collective(nodes, seconds) for seconds in across] for _ in exchanges]
-    tally = (1 + p.failures) * p.decode_s + ranks * p.per_rank_s
+    decodes = (1 + p.failures) * p.decode_s
+    tally = decodes + ranks * p.per_rank_s
+    lead_tally = decodes + nodes * p.per_node_s if runs else tally
+    rank_tally = decodes if runs else tally
 
     def rank(node_stage: list[list[Collective]], relay: list[Collective], leads: bool
              ) -> Process:
@@ -293,10 +309,10 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
             if leads:
                 for collective in leaders[e]:
                     yield (JOIN, collective)
-                yield (DELAY, tally)  # decode the relays, pack the node's
+                yield (DELAY, lead_tally)  # decode the relays, pack the node's
             yield (JOIN, relay[e])
             if not leads:
-                yield (DELAY, tally)
+                yield (DELAY, rank_tally)
 
     for size in sizes:
         steps = max(size - 1, 0)
@@ -313,7 +329,7 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
     return {"seconds": loop.run(), "nodes": nodes}
 
 
-PROTOCOLS = ("flat", "hier", "hier-log", "hier-p2p")
+PROTOCOLS = ("flat", "hier", "hier-log", "hier-p2p", "hier-runs")
 
 
 def simulate(protocol: str, ranks: int, per_node: int, operation: str, p: Params
@@ -325,7 +341,8 @@ def simulate(protocol: str, ranks: int, per_node: int, operation: str, p: Params
         return simulate_flat(ranks, exchanges, fixed, p)
     return simulate_hierarchical(ranks, per_node, exchanges, fixed, p,
                                  log_depth=protocol != "hier",
-                                 p2p_node=protocol == "hier-p2p")
+                                 p2p_node=protocol in ("hier-p2p", "hier-runs"),
+                                 runs=protocol == "hier-runs")
 
 
 # --- calibration ---------------------------------------------------------------------------------
@@ -376,14 +393,15 @@ def _flat_s(ranks: int, operation: str, p: Params) -> float:
 
 
 def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS,
-              check_protocol: str = "hier-p2p") -> tuple[Params, dict[str, Any]]:
+              check_protocol: str = "hier-p2p", message_s: float = MESSAGE_S
+              ) -> tuple[Params, dict[str, Any]]:
     """Fit alpha_s and the fixed parts of the flat model to scale.json (module docstring).
 
     The model is linear in alpha_s and in the fixed parts, so two runs of it per size give the
     least-squares fit in closed form; the residuals then come from runs at the fitted values.
     """
     points = measured_points(scale)
-    base = Params(alpha_s=0.0)
+    base = Params(alpha_s=0.0, message_s=message_s)
     unit = 1e-3
     vote = [pt for pt in points if pt["figure"] == "vote" and pt["replicas"] == 0
             and pt["ranks"] in fit_ranks]
@@ -419,19 +437,20 @@ def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS,
 
 # --- the report ----------------------------------------------------------------------------------
 
-SENSITIVE = ("alpha_leader_s", "decode_s", "per_rank_s", "message_s")
+SENSITIVE = ("alpha_leader_s", "decode_s", "per_rank_s", "message_s", "per_node_s")
 
 
 def sensitivity(p: Params, ranks: int, per_node: int) -> dict[str, Any]:
     """The hierarchical commit at ``ranks`` with each uncertain parameter x0.5 and x2, and the
     leaders' step cost at which it would take GOAL_S."""
     out: dict[str, Any] = {"ranks": ranks, "ranks_per_node": per_node}
-    for protocol in ("hier", "hier-log", "hier-p2p"):
+    for protocol in ("hier", "hier-log", "hier-p2p", "hier-runs"):
         row: dict[str, Any] = {"base_s": simulate(protocol, ranks, per_node, "commit", p)[
             "seconds"]}
         for name in SENSITIVE:
             value = {"alpha_leader_s": p.alpha_leader, "decode_s": p.decode_s,
-                     "per_rank_s": p.per_rank_s, "message_s": p.message_s}[name]
+                     "per_rank_s": p.per_rank_s, "message_s": p.message_s,
+                     "per_node_s": p.per_node_s}[name]
             for factor in (0.5, 2.0):
                 changed: dict[str, Any] = {name: value * factor}
                 varied = dataclasses.replace(p, **changed)
@@ -455,8 +474,9 @@ def _solve_alpha_leader(protocol: str, ranks: int, per_node: int, p: Params) -> 
 
 def build_report(scale: dict[str, Any], sizes: Sequence[int], per_node: Sequence[int],
                  scale_path: str, fit_ranks: Sequence[int] = FIT_RANKS,
-                 check_protocol: str = "hier-p2p") -> dict[str, Any]:
-    p, fit = calibrate(scale, fit_ranks, check_protocol)
+                 check_protocol: str = "hier-p2p", message_s: float = MESSAGE_S
+                 ) -> dict[str, Any]:
+    p, fit = calibrate(scale, fit_ranks, check_protocol, message_s)
     results: list[dict[str, Any]] = []
     for rpn in per_node:
         for ranks in sizes:
@@ -535,18 +555,18 @@ def table(report: dict[str, Any]) -> str:
                   f"{free['fixed_commit_s'] * 1e3:.2f} ms"
                   + (" (negative: held at 0)" if free["fixed_commit_s"] < 0 else "")]
     lines += ["", f"{'ranks':>6}{'per node':>9}{'nodes':>6} | {'commit ms: flat':>16}"
-              f"{'hier':>9}{'hier-log':>9}{'hier-p2p':>9} | {'restore ms: flat':>17}"
-              f"{'hier':>9}{'hier-log':>9}{'hier-p2p':>9}"]
+              f"{'hier':>9}{'hier-log':>9}{'hier-p2p':>9}{'h-runs':>9} | "
+              f"{'restore ms: flat':>17}{'hier':>9}{'hier-log':>9}{'hier-p2p':>9}{'h-runs':>9}"]
     for row in report["results"]:
         c = [_ms(row[k]["commit_s"]) for k in PROTOCOLS]
         r = [_ms(row[k]["restore_s"]) for k in PROTOCOLS]
         lines.append(f"{row['ranks']:>6}{row['ranks_per_node']:>9}{row['nodes']:>6} | "
-                     f"{c[0]:>16}{c[1]:>9}{c[2]:>9}{c[3]:>9} | {r[0]:>17}{r[1]:>9}{r[2]:>9}"
-                     f"{r[3]:>9}")
+                     f"{c[0]:>16}{c[1]:>9}{c[2]:>9}{c[3]:>9}{c[4]:>9} | {r[0]:>17}{r[1]:>9}"
+                     f"{r[2]:>9}{r[3]:>9}{r[4]:>9}")
     sens = report["sensitivity"]
     lines += ["", f"sensitivity of the commit at {sens['ranks']:,} ranks, "
                   f"{sens['ranks_per_node']} per node (ms):"]
-    for protocol in ("hier", "hier-log", "hier-p2p"):
+    for protocol in ("hier", "hier-log", "hier-p2p", "hier-runs"):
         row = sens[protocol]
         parts = [f"{name} x{f:g} {_ms(row[f'{name}_x{f:g}'])}" for name in SENSITIVE
                  for f in (0.5, 2.0)]
@@ -573,11 +593,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-ranks", type=_int_list, default=list(FIT_RANKS),
                         help="the flat configurations fitted (default 8,16,32; fewer than "
                              "the cores, or the fit takes in the wait for a core)")
-    parser.add_argument("--check-protocol", choices=("hier", "hier-log", "hier-p2p"),
+    parser.add_argument("--check-protocol",
+                        choices=("hier", "hier-log", "hier-p2p", "hier-runs"),
                         default="hier-p2p",
-                        help="the per-node protocol the scale JSON measured: hier-p2p (as "
-                             "built), hier-log (eb84046: rings in each node), hier (39cf544: "
+                        help="the per-node protocol the scale JSON measured: hier-runs (as "
+                             "built), hier-p2p (a8d0de8), hier-log (eb84046: rings in each node), hier (39cf544: "
                              "gloo's ring between the leaders too)")
+    parser.add_argument("--message-s", type=float, default=MESSAGE_S,
+                        help="a leader's cost per message of its node's ranks beyond the hop "
+                             "(hier-p2p, hier-runs; default %(default)s s, assumed)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     args = parser.parse_args(argv)
@@ -587,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         shown = str(args.scale)
     report = build_report(scale, args.ranks, args.ranks_per_node, shown, args.fit_ranks,
-                          args.check_protocol)
+                          args.check_protocol, args.message_s)
     text = json.dumps(report, indent=1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")

@@ -552,23 +552,31 @@ class HierarchicalCoordinator:
 
 def merge_nodes(layout: NodeLayout, frames: Sequence[bytes]) -> Runs[bytes]:
     """Every rank's payload, from each node's ``pack_relay`` frame (in the order of
-    ``layout.nodes``). When each node's ranks follow one another (consecutive ranks a node,
-    as ``LOCAL_WORLD_SIZE`` makes them) the nodes' runs are joined in O(nodes + runs);
-    otherwise each rank's payload is put in its place (O(ranks)). ValueError names every
-    node whose leader relayed a failure or a malformed frame."""
+    ``layout.nodes``). Equal frames (nodes whose ranks voted alike) are read once. When each
+    node's ranks follow one another (consecutive ranks a node, as ``LOCAL_WORLD_SIZE`` makes
+    them) the nodes' runs are joined in O(nodes + runs); otherwise each rank's payload is put
+    in its place (O(ranks)). ValueError names every node whose leader relayed a failure or a
+    malformed frame."""
     parts: list[Runs[bytes]] = []
     failures: list[str] = []
+    read: dict[tuple[bytes, int], tuple[Runs[bytes] | None, str, bool]] = {}
     for node, frame in zip(layout.nodes, frames, strict=True):
-        try:
-            items, failed = unpack_relay(frame)
-            if items is not None and len(items) != len(node):
-                raise ValueError(f"{len(items)} payloads for {len(node)} ranks")
-        except ValueError as exc:
-            items, failed = None, f"leader {node[0]} sent a malformed message ({exc})"
-        if items is None:
-            failures.append(failed or "")
-        else:
+        key = (frame, len(node))
+        got = read.get(key)
+        if got is None:  # (items, why not, whether the frame was malformed)
+            try:
+                items, failed = unpack_relay(frame)
+                if items is not None and len(items) != len(node):
+                    raise ValueError(f"{len(items)} payloads for {len(node)} ranks")
+                got = read[key] = (items, failed or "", False)
+            except ValueError as exc:
+                got = read[key] = (None, str(exc), True)
+        items, why, malformed = got
+        if items is not None:
             parts.append(items)
+        else:
+            failures.append(f"leader {node[0]} sent a malformed message ({why})" if malformed
+                            else why)
     if failures:
         raise ValueError("; ".join(failures))
     if layout.consecutive:
