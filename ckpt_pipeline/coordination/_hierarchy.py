@@ -56,7 +56,7 @@ __all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "log_gath
 _COUNT = struct.Struct("<I")
 _RELAYED, _FAILED = 0, 1
 _RELAY = 2
-"""The relay's tags on the node's group (length, bytes), after the node stage's 0 and 1."""
+"""The relay's tags on the node's group (first frame, rest), after the node stage's 0 and 1."""
 _REASON_CHARS = 400
 """How much of one failure's text travels to the other ranks."""
 
@@ -620,34 +620,50 @@ def _swap(dist: Any, group: Any, out: bytes, to: int, source: int, tag: int,
     return got
 
 
+_FRAME_BYTES = 1024
+"""A message's first frame, always this size: its length (u32, little-endian) and its first
+1,020 bytes. A longer message sends the rest as a second frame of exactly that size (tag +
+1). A vote (about 100 bytes) is thus one gloo message where a length and then the bytes were
+two: gloo posts each receive before the sender may send, so every message costs the leader a
+round trip, and on the 2-core VM one frame made a node's exchange 1.5-2x faster."""
+
+
 def _send(dist: Any, group: Any, out: bytes, to: int, tag: int) -> list[Any]:
-    """Start sending ``out`` to rank ``to``: its length (tag ``tag``), then its bytes (tag
-    ``tag + 1``, at least one byte); the works to wait for."""
-    length = torch.tensor([len(out)], dtype=torch.int64)
-    data = torch.zeros(max(len(out), 1), dtype=torch.uint8)
-    if out:
-        data[:len(out)] = torch.frombuffer(bytearray(out), dtype=torch.uint8)
-    return [dist.isend(length, dst=to, group=group, tag=tag),
-            dist.isend(data, dst=to, group=group, tag=tag + 1)]
+    """Start sending ``out`` to rank ``to``: its first frame (tag ``tag``), and what does
+    not fit in it (tag ``tag + 1``); the works to wait for."""
+    head = _FRAME_BYTES - _COUNT.size
+    first = bytearray(_FRAME_BYTES)
+    _COUNT.pack_into(first, 0, len(out))
+    first[_COUNT.size:_COUNT.size + min(len(out), head)] = out[:head]
+    works = [dist.isend(torch.frombuffer(first, dtype=torch.uint8), dst=to, group=group,
+                        tag=tag)]
+    if len(out) > head:
+        rest = torch.frombuffer(bytearray(out[head:]), dtype=torch.uint8)
+        works.append(dist.isend(rest, dst=to, group=group, tag=tag + 1))
+    return works
 
 
 def _receive_all(dist: Any, group: Any, sources: Sequence[int], tag: int,
                  deadline: float) -> list[bytes]:
-    """What each of ``sources`` sends this rank with ``_send``, received at once (every
-    length, then every payload), by ``deadline``."""
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in sources]
-    works = [dist.irecv(n, src=source, group=group, tag=tag)
-             for n, source in zip(lengths, sources, strict=True)]
+    """What each of ``sources`` sends this rank with ``_send``, received at once (every first
+    frame, then the rest of the longer ones), by ``deadline``."""
+    head = _FRAME_BYTES - _COUNT.size
+    frames = [torch.empty(_FRAME_BYTES, dtype=torch.uint8) for _ in sources]
+    works = [dist.irecv(frame, src=source, group=group, tag=tag)
+             for frame, source in zip(frames, sources, strict=True)]
     for work in works:
         _wait(work, deadline)
-    sizes = [int(n.item()) for n in lengths]
-    buffers = [torch.empty(max(size, 1), dtype=torch.uint8) for size in sizes]
-    works = [dist.irecv(buffer, src=source, group=group, tag=tag + 1)
-             for buffer, source in zip(buffers, sources, strict=True)]
+    firsts = [bytes(byte_view(frame, 0, _FRAME_BYTES)) for frame in frames]
+    sizes = [_COUNT.unpack_from(first)[0] for first in firsts]
+    rests = {at: torch.empty(size - head, dtype=torch.uint8)
+             for at, size in enumerate(sizes) if size > head}
+    works = [dist.irecv(rest, src=sources[at], group=group, tag=tag + 1)
+             for at, rest in rests.items()]
     for work in works:
         _wait(work, deadline)
-    return [bytes(byte_view(b, 0, n)) if n else b""
-            for b, n in zip(buffers, sizes, strict=True)]
+    return [first[_COUNT.size:_COUNT.size + min(size, head)]
+            + (bytes(byte_view(rests[at], 0, size - head)) if at in rests else b"")
+            for at, (first, size) in enumerate(zip(firsts, sizes, strict=True))]
 
 
 def _wait(work: Any, deadline: float) -> None:

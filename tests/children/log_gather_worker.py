@@ -1,6 +1,7 @@
 """One rank of tests/coordination/test_log_gather.py: ``log_gather`` (the leaders' stage of
 the per-node control plane) over gloo groups of the first k ranks, k = 1..world, each member
-with payloads of its own (empty ones among them); ``--absent R``: rank R never takes part,
+with payloads of its own (empty ones among them, and sizes whose message ends just before,
+at and after a first frame's 1,020 bytes: ``_hierarchy._FRAME_BYTES``); ``--absent R``: rank R never takes part,
 and the others report how they ended. Writes ``--out``/rank-R.json."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tests._support.children import exit_without_teardown
 
 def payload(rank: int, members: int, trial: int) -> bytes:
     rnd = random.Random(f"{rank}/{members}/{trial}")
-    return bytes(rnd.randrange(256) for _ in range(rnd.choice([0, 1, 7, 300, 5000])))
+    return bytes(rnd.randrange(256) for _ in range(rnd.choice([0, 1, 7, 300, 1011, 1012, 1013, 5000])))
 
 
 def main() -> None:
