@@ -13,12 +13,14 @@ set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 ulimit -n 65536 2>/dev/null || true
 LOG="$OUT/frames_ab.log"
+RUNS=/tmp/frames-ab-runs
+rm -rf "$RUNS"; mkdir -p "$RUNS"
 echo "$(nproc) cores; $(head -1 "$OUT/gpu.txt"); old $(cd .ab_old && git rev-parse --short HEAD 2>/dev/null || echo '?')" > "$LOG"
 run() {  # TREE RANKS PER_NODE NAME
   rm -rf /dev/shm/ckpt-ab
   (cd "$1" && PYTHONPATH="/tmp/site:$PWD" timeout -k 10 60 python3 benchmarks/bench_scale.py \
     --ranks "$2" --replicas 0 --saves "${SAVES:-20}" --ranks-per-node "$3" --control hier \
-    --dir /dev/shm/ckpt-ab --timeout-s 50 --out "/tmp/ab_$4.json" >> "$LOG" 2>&1)
+    --dir /dev/shm/ckpt-ab --timeout-s 50 --out "$RUNS/ab_$4.json" >> "$LOG" 2>&1)
   echo "$4: exit $? after ${SECONDS} s" >> "$LOG"
 }
 for round in $(seq 1 "${ROUNDS:-3}"); do
@@ -36,7 +38,7 @@ for ranks in 4 8 16; do
   done
 done
 rm -rf /dev/shm/ckpt-ab
-python3 - "$OUT/frames_ab.json" /tmp/ab_*.json <<'PY' >> "$LOG" 2>&1
+python3 - "$OUT/frames_ab.json" "$RUNS"/ab_*.json <<'PY' >> "$LOG" 2>&1
 import json, os, statistics, sys
 runs = {os.path.basename(p)[3:-5]: json.load(open(p)) for p in sys.argv[2:]}
 rows = {}
