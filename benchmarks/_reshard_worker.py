@@ -253,6 +253,57 @@ def _profiler() -> Any:
     return profile
 
 
+class _Sampler:
+    """Where every thread of the process is, every ``CKPT_BENCH_SAMPLE_MS`` (default 2 ms)
+    while the timed call runs (``sys._current_frames``): for each sample, each thread's
+    innermost frame in ckpt_pipeline or torch (else its innermost frame), counted by
+    ``file:function``; written to ``CKPT_BENCH_SAMPLE``.LIB.RANK.json. Made for the 16-core
+    GPU host, where py-spy is not there; the sampling thread holds the GIL for each sample,
+    so the figures are then not comparable with unsampled ones."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.period = float(os.environ.get("CKPT_BENCH_SAMPLE_MS", "2")) / 1e3
+        self.counts: dict[str, int] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _where(frame: Any) -> str:
+        inner = frame
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if "ckpt_pipeline" in name or "/torch/" in name:
+                inner = frame
+                break
+            frame = frame.f_back
+        code = inner.f_code
+        parts = code.co_filename.split("/")
+        return f"{'/'.join(parts[-2:])}:{code.co_name}"
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.period):
+            self.samples += 1
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    key = self._where(frame)
+                    self.counts[key] = self.counts.get(key, 0) + 1
+
+    def dump(self, lib: str, rank: int) -> None:
+        self._stop.set()
+        self._thread.join()
+        top = sorted(self.counts.items(), key=lambda kv: -kv[1])[:60]
+        with open(f"{os.environ['CKPT_BENCH_SAMPLE']}.{lib}.{rank}.json", "w") as f:
+            json.dump({"samples": self.samples, "period_s": self.period, "top": top}, f,
+                      indent=0)
+
+
 def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]:
     built = time.monotonic()
     model, tensors = build(specs, values=False)
@@ -291,9 +342,12 @@ def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]
         out["hwm_before_kib"] = _status_kib("VmHWM")
         dist.barrier()
         profile = _profiler()
+        sampler = _Sampler() if os.environ.get("CKPT_BENCH_SAMPLE") else None
         started = time.perf_counter()
         call()
         out["restore_s"] = time.perf_counter() - started
+        if sampler is not None:
+            sampler.dump(args.lib, dist.get_rank())
         if profile is not None:
             profile.disable()
             profile.dump_stats(f"{os.environ['CKPT_BENCH_PROFILE']}.{args.lib}.{dist.get_rank()}")
