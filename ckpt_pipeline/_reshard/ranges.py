@@ -12,8 +12,9 @@ What a range costs beyond its own bytes is therefore at most one block on each s
 in a root, in the persistent tier or in another live rank's root (a ``RangeSource``: there
 each read is a ranged request).
 ``Span`` is one range to copy into a destination tensor (``spans_of`` cuts a box of a saved
-tensor into them: ``runs.spans``). ``read_spans`` reads a list of spans with several threads,
-each taking a contiguous run of them in file order, cut only where two runs share no block, so
+tensor into them: ``runs.spans``). ``group_spans`` and ``read_group`` read a list of spans
+with several threads, each taking a contiguous run of them in file order, cut where two runs
+share no block or, inside a span that fills its destination in order, at a block's end, so
 that no block is read twice.
 """
 
@@ -214,24 +215,56 @@ def spans_of(shard: ShardRanges, source: int, record: TensorRecord, box: Box,
 def group_spans(shards: Sequence[ShardRanges], all_spans: Sequence[Span], parts: int
                 ) -> list[list[Span]]:
     """At most ``parts`` groups of similar bytes, each a run of the spans in file order (by
-    source, then offset), cut only between spans of one shard that share no block."""
+    source, then offset), so that no block is read twice: a group ends between two spans of
+    one shard that share no block, or where the span that would start the next group shares
+    its first block with the span before it, at that block's end, the span cut in two there
+    (``_split``: its head, inside the shared block, stays with the group that reads that
+    block). The tensors of a shard lie one after the other, each ending inside the block
+    where the next begins, so without the cut a whole shard's spans were one group: a rank
+    that read two saved shards read with two threads, whatever ``parts`` said."""
     order = sorted(all_spans, key=lambda s: (s.source, s.start))
     total = sum(s.end - s.start for s in order)
     target = max(1, total // max(1, parts))
     groups: list[list[Span]] = []
     acc = 0
     previous: tuple[int, int] | None = None  # (source, last block) of the span before
-    for span in order:
-        first, last = shards[span.source].blocks(span.start, span.end)
-        same = previous is not None and previous[0] == span.source
+    for whole in order:
+        shard = shards[whole.source]
+        first, last = shard.blocks(whole.start, whole.end)
+        same = previous is not None and previous[0] == whole.source
         shares = same and previous is not None and first <= previous[1]
-        if not groups or (acc >= target and not shares and len(groups) < parts):
-            groups.append([])
-            acc = 0
-        groups[-1].append(span)
-        acc += span.end - span.start
-        previous = (span.source, max(last, previous[1]) if same and previous else last)
+        pieces = [whole]
+        if groups and acc >= target and len(groups) < parts and shares:
+            pieces = _split(whole, shard.checks[first][1])
+        for span in pieces:
+            first, last = shard.blocks(span.start, span.end)
+            shares = same and previous is not None and first <= previous[1]
+            if not groups or (acc >= target and not shares and len(groups) < parts):
+                groups.append([])
+                acc = 0
+            groups[-1].append(span)
+            acc += span.end - span.start
+            previous = (span.source, max(last, previous[1]) if same and previous else last)
+            same = True
     return groups
+
+
+def _split(span: Span, at: int) -> list[Span]:
+    """``span`` as two spans, the file's bytes [start, at) and [at, end), where its bytes fill
+    a contiguous destination in order (and ``at`` falls between two of its elements);
+    otherwise ``[span]``."""
+    into = span.into
+    item = span.dtype.itemsize
+    if not (span.start < at < span.end and (at - span.start) % item == 0
+            and into.dtype == span.dtype and into.is_contiguous()
+            and into.numel() * item == span.end - span.start):
+        return [span]
+    flat = into.reshape(-1)
+    head = (at - span.start) // item
+    return [Span(span.source, span.start, at, span.dtype, (head,), (1,), flat[:head],
+                 span.before),
+            Span(span.source, at, span.end, span.dtype, (flat.numel() - head,), (1,),
+                 flat[head:], span.before)]
 
 
 def _direct(span: Span) -> bool:
