@@ -50,8 +50,8 @@ from ._control_plane import DistributedCoordinator, default_store, destroy_group
 from ._runs import Runs
 
 __all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "log_gather",
-           "merge_nodes", "node_ids", "node_size_from_env", "pack_distinct", "pack_frames", "pack_relay",
-           "unpack_distinct", "unpack_frames", "unpack_relay")
+           "merge_nodes", "node_ids", "node_size_from_env", "pack_distinct", "pack_frames",
+           "pack_relay", "unpack_distinct", "unpack_frames", "unpack_relay")
 
 _COUNT = struct.Struct("<I")
 _RELAYED, _FAILED = 0, 1
@@ -113,8 +113,8 @@ def pack_distinct(items: Sequence[bytes]) -> bytes:
 
 def unpack_distinct(data: bytes) -> Runs[bytes]:
     """The items ``pack_distinct`` packed, as its runs (O(runs), whatever the number of
-    items: equal payloads are one shared object); ValueError for anything else (short, trailing bytes, a run of no items or of a payload it lacks, a
-    payload no run uses)."""
+    items: equal payloads are one shared object); ValueError for anything else (short,
+    trailing bytes, a run of no items or of a payload it lacks, a payload no run uses)."""
     if len(data) < _COUNT.size:
         raise ValueError(f"a frame of {len(data)} bytes has no run count")
     (count,) = _COUNT.unpack_from(data)
@@ -188,7 +188,6 @@ class NodeLayout:
 
     def node_of(self, rank: int) -> tuple[int, ...]:
         return next(node for node in self.nodes if rank in node)
-
 
 
 def node_ids(world_size: int, *, nodes: Sequence[int] | None = None,
