@@ -109,7 +109,8 @@ class OpenSequence:
         rewinds = await in_thread(self.limiter, read_rewinds, self.storage)
         mine = await in_thread(self.limiter, local_timeline, self.storage, self.rank)
         answers = await gather_shared(self.coordinator, mine, what="open timeline")
-        self.timeline.timeline = max((a for a in answers if type(a) is int), default=0)
+        self.timeline.timeline = max((a for a in answers.distinct() if type(a) is int),
+                                     default=0)
         if self.promoter is not None and rewinds:
             await in_thread(self.limiter, self.promoter.rewound, rewinds)
 

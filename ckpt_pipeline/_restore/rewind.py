@@ -79,7 +79,7 @@ async def agree_timeline(coordinator: Coordinator, *, own: Iterable[StepStatus],
     all_marks: set[Mark] = set()
     all_entries: set[tuple[int, str, int]] = set()
     tops: list[int] = []
-    for rank, answer in enumerate(answers):
+    for rank, _stop, answer in answers.runs():  # ranks that answered alike: read once
         try:
             all_marks |= {Mark(int(t), int(s)) for t, s in _pairs(answer["marks"], 2)}
             all_entries |= {(int(s), str(i), int(t)) for s, i, t in _pairs(answer["entries"], 3)}
