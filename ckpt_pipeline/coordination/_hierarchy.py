@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import os
 import struct
 import threading
@@ -51,7 +52,7 @@ from ._runs import Runs
 
 __all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "log_gather",
            "merge_nodes", "node_ids", "node_size_from_env", "pack_distinct", "pack_frames",
-           "pack_relay", "unpack_distinct", "unpack_frames", "unpack_relay")
+           "pack_relay", "store_vote", "unpack_distinct", "unpack_frames", "unpack_relay")
 
 _COUNT = struct.Struct("<I")
 _RELAYED, _FAILED = 0, 1
@@ -234,14 +235,30 @@ def job_coordinator(*, timeout_s: float) -> DistributedCoordinator | Hierarchica
     first when ``LOCAL_WORLD_SIZE`` makes more than one node (``node_size_from_env``) on every
     rank alike, else flat.
 
-    The ranks decide together: each makes the flat coordinator (a collective every rank
-    makes), then they exchange what ``LOCAL_WORLD_SIZE`` says on each. A rank that decided
-    alone could make the hierarchical groups while another made the flat one (a launcher
-    that sets another node size on some ranks), and their collectives would not match."""
+    The ranks decide together: each says what ``LOCAL_WORLD_SIZE`` makes of the job in the
+    job's store (``store_vote``: a few store operations a rank, no gloo group of every rank);
+    without a store, over the flat coordinator's group. A rank that decided alone could make
+    the hierarchical groups while another made the flat one (a launcher that sets another
+    node size on some ranks), and their collectives would not match."""
     import torch.distributed as dist
 
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = node_size_from_env(world)
+    store = default_store(dist)
+    if store is not None:
+        try:
+            differ = store_vote(store, f"ckpt_pipeline/job/{next(_VOTES)}", rank, world,
+                                str(mine or 0).encode(), timeout_s)
+        except TimeoutError as exc:
+            raise CoordinationError(f"open: {exc}", rank=rank,
+                                    hint="every rank must open the pipeline; restart the job"
+                                    ) from exc
+        if differ is None and mine is not None:
+            return HierarchicalCoordinator(node_size=mine, timeout_s=timeout_s)
+        if differ is not None:
+            _sizes_differ(rank, [v.decode(errors="replace") for v in differ])
+        return DistributedCoordinator(timeout_s=timeout_s)
     flat = DistributedCoordinator(timeout_s=timeout_s)
-    mine = node_size_from_env(dist.get_world_size())
     try:
         sizes = gather_bytes(dist, flat.group, str(mine or 0).encode(), flat.world_size)
     except Exception as exc:  # a dead rank at open: the flat coordinator reports it later
@@ -252,11 +269,48 @@ def job_coordinator(*, timeout_s: float) -> DistributedCoordinator | Hierarchica
         flat.close()
         return HierarchicalCoordinator(node_size=mine, timeout_s=timeout_s)
     if len(set(sizes)) > 1:
-        log.warning("ckpt.control.node_sizes_differ", rank=flat.rank,
-                    sizes=sorted({s.decode(errors="replace") for s in sizes}),
-                    hint="LOCAL_WORLD_SIZE differs between the ranks: the flat control plane "
-                         "is used")
+        _sizes_differ(flat.rank, sorted({s.decode(errors="replace") for s in sizes}))
     return flat
+
+
+def _sizes_differ(rank: int, sizes: Sequence[str]) -> None:
+    log.warning("ckpt.control.node_sizes_differ", rank=rank, sizes=sorted(sizes),
+                hint="LOCAL_WORLD_SIZE differs between the ranks: the flat control plane "
+                     "is used")
+
+
+_VOTES = itertools.count()
+"""Numbers the store votes of this process: every rank makes them in the same order (each
+where every rank opens a pipeline or makes a coordinator), so a vote has the same key on every
+rank. The job's store is one of this run (torchrun scopes it by attempt)."""
+
+
+def store_vote(store: Any, key: str, rank: int, world: int, value: bytes, timeout_s: float
+               ) -> dict[bytes, list[int]] | None:
+    """Whether every rank put the same ``value`` under ``key`` in the job's store: None when
+    they did, at four store operations a rank (its entry, a count of its value, a count of
+    the ranks come, a wait for the last of them); otherwise {value: its ranks}, read from each
+    rank's entry (O(ranks), on this path only). TimeoutError, naming the ranks that did not
+    come, when some rank did not within ``timeout_s``."""
+    digest = hashlib.blake2b(value, digest_size=8).hexdigest()
+    store.set(f"{key}/rank/{rank}", value)
+    store.add(f"{key}/value/{digest}", 1)  # before it counts as come: the last one sees all
+    everyone = f"{key}/all"
+    if store.add(f"{key}/come", 1) >= world:
+        store.set(everyone, b"1")
+    else:
+        try:
+            store.wait([everyone], datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            missing = [r for r in range(world) if not store.check([f"{key}/rank/{r}"])]
+            raise TimeoutError(f"rank(s) {_ranks_text(missing)} did not come within "
+                               f"{timeout_s:.0f} s") from exc
+    if store.add(f"{key}/value/{digest}", 0) == world:
+        return None
+    seen: dict[bytes, list[int]] = {}
+    for r in range(world):
+        seen.setdefault(bytes(store.get(f"{key}/rank/{r}")), []).append(r)
+    return seen
 
 
 # ---------------------------------------------------------------- the coordinator
@@ -488,10 +542,10 @@ class HierarchicalCoordinator:
 
     def _agree_layout(self, nodes: Sequence[int] | None, node_size: int | None
                       ) -> tuple[NodeLayout, str]:
-        """Every rank's node, checked over a flat gloo group (made for this, then destroyed):
-        every rank must see the same layout, or every rank raises ConfigError. Also the flat
-        group's name, the same on every rank, which keys this coordinator's store entries."""
-        dist = self._dist
+        """Every rank's node, checked in the job's store (``store_vote``; without a store,
+        over a flat gloo group made for this and destroyed): every rank must see the same
+        layout, or every rank raises ConfigError. Also a name, the same on every rank, which
+        keys this coordinator's store entries."""
         reason = None
         try:
             ids = node_ids(self.world_size, nodes=nodes, node_size=node_size)
@@ -500,6 +554,47 @@ class HierarchicalCoordinator:
         digest = int.from_bytes(
             hashlib.blake2b(struct.pack(f"<{len(ids)}q", *ids), digest_size=8).digest(),
             "little", signed=True)
+        store = default_store(self._dist)
+        if store is None:
+            unset, views, name = self._layout_over_gloo(ids, digest, reason)
+        else:
+            n = next(_VOTES)
+            name = f"hierarchy-{n}"
+            try:
+                differ = store_vote(store, f"ckpt_pipeline/layout/{n}", self.rank,
+                                    self.world_size,
+                                    b"unset" if reason is not None else str(digest).encode(),
+                                    self.timeout_s)
+            except TimeoutError as exc:
+                raise CoordinationError(
+                    f"the control plane's node layout could not be checked ({exc})",
+                    rank=self.rank, hint="every rank must construct the coordinator at the "
+                                         "same point") from exc
+            if differ is None:  # every rank alike: a layout, or none on any rank
+                differ = {b"": list(range(self.world_size))} if reason is None else {
+                    b"unset": list(range(self.world_size))}
+            unset = differ.pop(b"unset", [])
+            views = differ
+        if unset:
+            raise ConfigError(
+                f"rank(s) {_ranks_text(unset)} have no node layout for the control plane"
+                + (f": {reason}" if reason else ""), rank=self.rank,
+                hint="set LOCAL_WORLD_SIZE (torchrun does), or pass nodes= or node_size= "
+                     "alike on every rank")
+        if len(views) > 1:
+            groups = " | ".join(_ranks_text(ranks) for ranks in views.values())
+            raise ConfigError(
+                f"the ranks disagree on which ranks share a node: {len(views)} layouts, seen "
+                f"by ranks {groups}", rank=self.rank,
+                hint="give every rank the same LOCAL_WORLD_SIZE, nodes= or node_size=")
+        return NodeLayout.from_ids(ids), name
+
+    def _layout_over_gloo(self, ids: Sequence[int], digest: int, reason: str | None
+                          ) -> tuple[list[int], dict[Any, list[int]], str]:
+        """``_agree_layout`` without a store: every rank's (node, layout hash, set) over a
+        flat gloo group made for this and destroyed. (ranks with no layout, {hash: ranks},
+        the group's name)."""
+        dist = self._dist
         mine = torch.tensor([ids[self.rank] if ids else -1, digest, int(reason is None)],
                             dtype=torch.int64)
         rows = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world_size)]
@@ -517,22 +612,11 @@ class HierarchicalCoordinator:
             destroy_group(dist, flat)
         seen = [row.tolist() for row in rows]
         unset = [rank for rank, row in enumerate(seen) if not row[2]]
-        if unset:
-            raise ConfigError(
-                f"rank(s) {_ranks_text(unset)} have no node layout for the control plane"
-                + (f": {reason}" if reason else ""), rank=self.rank,
-                hint="set LOCAL_WORLD_SIZE (torchrun does), or pass nodes= or node_size= "
-                     "alike on every rank")
-        views: dict[int, list[int]] = {}
+        views: dict[Any, list[int]] = {}
         for rank, row in enumerate(seen):
-            views.setdefault(row[1], []).append(rank)
-        if len(views) > 1:
-            groups = " | ".join(_ranks_text(ranks) for ranks in views.values())
-            raise ConfigError(
-                f"the ranks disagree on which ranks share a node: {len(views)} layouts, seen "
-                f"by ranks {groups}", rank=self.rank,
-                hint="give every rank the same LOCAL_WORLD_SIZE, nodes= or node_size=")
-        return NodeLayout.from_ids(ids), name
+            if row[2]:
+                views.setdefault(row[1], []).append(rank)
+        return unset, views, name
 
     def _own_group(self, members: Sequence[tuple[int, ...]], timeout_s: float) -> Any:
         """One gloo group per entry of ``members`` of more than one rank, made by every rank
