@@ -249,10 +249,11 @@ def job_coordinator(*, timeout_s: float) -> DistributedCoordinator | Hierarchica
         try:
             differ = store_vote(store, f"ckpt_pipeline/job/{next(_VOTES)}", rank, world,
                                 str(mine or 0).encode(), timeout_s)
-        except TimeoutError as exc:
-            raise CoordinationError(f"open: {exc}", rank=rank,
-                                    hint="every rank must open the pipeline; restart the job"
-                                    ) from exc
+        except Exception as exc:  # TimeoutError names the ranks; else the store is gone
+            raise CoordinationError(f"open: the ranks could not agree on the control plane "
+                                    f"({_short(exc)})", rank=rank,
+                                    hint="every rank must open the pipeline at the same "
+                                         "point; restart the job") from exc
         if differ is None and mine is not None:
             return HierarchicalCoordinator(node_size=mine, timeout_s=timeout_s)
         if differ is not None:
@@ -302,7 +303,11 @@ def store_vote(store: Any, key: str, rank: int, world: int, value: bytes, timeou
         try:
             store.wait([everyone], datetime.timedelta(seconds=timeout_s))
         except Exception as exc:
-            missing = [r for r in range(world) if not store.check([f"{key}/rank/{r}"])]
+            try:
+                missing = [r for r in range(world) if not store.check([f"{key}/rank/{r}"])]
+            except Exception:
+                raise TimeoutError("the job's store (rank 0's) stopped answering: rank 0 may "
+                                   "be gone") from exc
             raise TimeoutError(f"rank(s) {_ranks_text(missing)} did not come within "
                                f"{timeout_s:.0f} s") from exc
     if store.add(f"{key}/value/{digest}", 0) == world:
@@ -565,9 +570,9 @@ class HierarchicalCoordinator:
                                     self.world_size,
                                     b"unset" if reason is not None else str(digest).encode(),
                                     self.timeout_s)
-            except TimeoutError as exc:
+            except Exception as exc:  # TimeoutError names the ranks; else the store is gone
                 raise CoordinationError(
-                    f"the control plane's node layout could not be checked ({exc})",
+                    f"the control plane's node layout could not be checked ({_short(exc)})",
                     rank=self.rank, hint="every rank must construct the coordinator at the "
                                          "same point") from exc
             if differ is None:  # every rank alike: a layout, or none on any rank
