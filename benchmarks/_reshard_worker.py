@@ -257,7 +257,8 @@ class _Sampler:
     """Where every thread of the process is, every ``CKPT_BENCH_SAMPLE_MS`` (default 2 ms)
     while the timed call runs (``sys._current_frames``): for each sample, each thread's
     innermost frame in ckpt_pipeline or torch (else its innermost frame), counted by
-    ``file:function``; written to ``CKPT_BENCH_SAMPLE``.LIB.RANK.json. Made for the 16-core
+    ``file:function``; written to ``CKPT_BENCH_SAMPLE``.LIB.NtoM.RANK.json (N the saved
+    world size, M this one; the DCP case's N is its --saved-world too). Made for the 16-core
     GPU host, where py-spy is not there; the sampling thread holds the GIL for each sample,
     so the figures are then not comparable with unsampled ones."""
 
@@ -295,11 +296,11 @@ class _Sampler:
                     key = self._where(frame)
                     self.counts[key] = self.counts.get(key, 0) + 1
 
-    def dump(self, lib: str, rank: int) -> None:
+    def dump(self, lib: str, case: str, rank: int) -> None:
         self._stop.set()
         self._thread.join()
         top = sorted(self.counts.items(), key=lambda kv: -kv[1])[:60]
-        with open(f"{os.environ['CKPT_BENCH_SAMPLE']}.{lib}.{rank}.json", "w") as f:
+        with open(f"{os.environ['CKPT_BENCH_SAMPLE']}.{lib}.{case}.{rank}.json", "w") as f:
             json.dump({"samples": self.samples, "period_s": self.period, "top": top}, f,
                       indent=0)
 
@@ -347,7 +348,8 @@ def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]
         call()
         out["restore_s"] = time.perf_counter() - started
         if sampler is not None:
-            sampler.dump(args.lib, dist.get_rank())
+            sampler.dump(args.lib, f"{args.saved_world}to{dist.get_world_size()}",
+                         dist.get_rank())
         if profile is not None:
             profile.disable()
             profile.dump_stats(f"{os.environ['CKPT_BENCH_PROFILE']}.{args.lib}.{dist.get_rank()}")
