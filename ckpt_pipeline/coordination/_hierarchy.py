@@ -47,10 +47,10 @@ from .._hostmem import byte_view
 from .._logging import log
 from .._threads import in_thread
 from ..errors import ConfigError, CoordinationError
-from ._control_plane import DistributedCoordinator, default_store, destroy_group, gather_bytes
+from ._control_plane import DistributedCoordinator, default_store, destroy_group
 from ._runs import Runs
 
-__all__ = ("HierarchicalCoordinator", "NodeLayout", "job_coordinator", "log_gather",
+__all__ = ("HierarchicalCoordinator", "NodeLayout", "arrive", "job_coordinator", "log_gather",
            "merge_nodes", "node_ids", "node_size_from_env", "pack_distinct", "pack_frames",
            "pack_relay", "store_vote", "unpack_distinct", "unpack_frames", "unpack_relay")
 
@@ -237,7 +237,7 @@ def job_coordinator(*, timeout_s: float) -> DistributedCoordinator | Hierarchica
 
     The ranks decide together: each says what ``LOCAL_WORLD_SIZE`` makes of the job in the
     job's store (``store_vote``: a few store operations a rank, no gloo group of every rank);
-    without a store, over the flat coordinator's group. A rank that decided alone could make
+    a job without a store gets the flat one. A rank that decided alone could make
     the hierarchical groups while another made the flat one (a launcher that sets another
     node size on some ranks), and their collectives would not match."""
     import torch.distributed as dist
@@ -245,33 +245,21 @@ def job_coordinator(*, timeout_s: float) -> DistributedCoordinator | Hierarchica
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = node_size_from_env(world)
     store = default_store(dist)
-    if store is not None:
-        try:
-            differ = store_vote(store, f"ckpt_pipeline/job/{next(_VOTES)}", rank, world,
-                                str(mine or 0).encode(), timeout_s)
-        except Exception as exc:  # TimeoutError names the ranks; else the store is gone
-            raise CoordinationError(f"open: the ranks could not agree on the control plane "
-                                    f"({_short(exc)})", rank=rank,
-                                    hint="every rank must open the pipeline at the same "
-                                         "point; restart the job") from exc
-        if differ is None and mine is not None:
-            return HierarchicalCoordinator(node_size=mine, timeout_s=timeout_s)
-        if differ is not None:
-            _sizes_differ(rank, [v.decode(errors="replace") for v in differ])
+    if store is None:  # no store to agree in: the flat control plane works everywhere
         return DistributedCoordinator(timeout_s=timeout_s)
-    flat = DistributedCoordinator(timeout_s=timeout_s)
     try:
-        sizes = gather_bytes(dist, flat.group, str(mine or 0).encode(), flat.world_size)
-    except Exception as exc:  # a dead rank at open: the flat coordinator reports it later
-        log.warning("ckpt.control.layout_unknown", rank=flat.rank,
-                    error=f"{type(exc).__name__}: {exc}", hint="the flat control plane is used")
-        return flat
-    if mine is not None and all(size == str(mine).encode() for size in sizes):
-        flat.close()
+        differ = store_vote(store, f"ckpt_pipeline/job/{next(_VOTES)}", rank, world,
+                            str(mine or 0).encode(), timeout_s)
+    except Exception as exc:  # TimeoutError names the ranks; else the store is gone
+        raise CoordinationError(f"open: the ranks could not agree on the control plane "
+                                f"({_short(exc)})", rank=rank,
+                                hint="every rank must open the pipeline at the same "
+                                     "point; restart the job") from exc
+    if differ is None and mine is not None:
         return HierarchicalCoordinator(node_size=mine, timeout_s=timeout_s)
-    if len(set(sizes)) > 1:
-        _sizes_differ(flat.rank, sorted({s.decode(errors="replace") for s in sizes}))
-    return flat
+    if differ is not None:
+        _sizes_differ(rank, [v.decode(errors="replace") for v in differ])
+    return DistributedCoordinator(timeout_s=timeout_s)
 
 
 def _sizes_differ(rank: int, sizes: Sequence[str]) -> None:
@@ -289,33 +277,45 @@ rank. The job's store is one of this run (torchrun scopes it by attempt)."""
 def store_vote(store: Any, key: str, rank: int, world: int, value: bytes, timeout_s: float
                ) -> dict[bytes, list[int]] | None:
     """Whether every rank put the same ``value`` under ``key`` in the job's store: None when
-    they did, at four store operations a rank (its entry, a count of its value, a count of
-    the ranks come, a wait for the last of them); otherwise {value: its ranks}, read from each
-    rank's entry (O(ranks), on this path only). TimeoutError, naming the ranks that did not
-    come, when some rank did not within ``timeout_s``."""
+    they did, at four store operations a rank (a count of its value, then ``arrive``);
+    otherwise {value: its ranks}, read from each rank's entry (O(ranks), on this path only).
+    TimeoutError, naming the ranks that did not come, when some rank did not within
+    ``timeout_s``, or saying that the store stopped answering."""
     digest = hashlib.blake2b(value, digest_size=8).hexdigest()
-    store.set(f"{key}/rank/{rank}", value)
     store.add(f"{key}/value/{digest}", 1)  # before it counts as come: the last one sees all
-    everyone = f"{key}/all"
-    if store.add(f"{key}/come", 1) >= world:
-        store.set(everyone, b"1")
-    else:
-        try:
-            store.wait([everyone], datetime.timedelta(seconds=timeout_s))
-        except Exception as exc:
-            try:
-                missing = [r for r in range(world) if not store.check([f"{key}/rank/{r}"])]
-            except Exception:
-                raise TimeoutError("the job's store (rank 0's) stopped answering: rank 0 may "
-                                   "be gone") from exc
-            raise TimeoutError(f"rank(s) {_ranks_text(missing)} did not come within "
-                               f"{timeout_s:.0f} s") from exc
+    try:
+        missing = arrive(store, key, rank, world, value, timeout_s)
+    except Exception as exc:
+        raise TimeoutError("the job's store (rank 0's) stopped answering: rank 0 may be "
+                           "gone") from exc
+    if missing:
+        raise TimeoutError(f"rank(s) {_ranks_text(missing)} did not come within "
+                           f"{timeout_s:.0f} s")
     if store.add(f"{key}/value/{digest}", 0) == world:
         return None
     seen: dict[bytes, list[int]] = {}
     for r in range(world):
         seen.setdefault(bytes(store.get(f"{key}/rank/{r}")), []).append(r)
     return seen
+
+
+def arrive(store: Any, key: str, rank: int, world: int, entry: bytes, timeout_s: float
+           ) -> list[int]:
+    """Say in the job's store that this rank came to ``key`` (its ``entry``, and a count of
+    the ranks come), then wait, with one ``wait``, until every rank did or ``timeout_s``
+    passed: [] when every rank came, else the ranks with no entry. Raises what the store
+    raises when it does not answer."""
+    everyone = f"{key}/all"
+    store.set(f"{key}/rank/{rank}", entry)
+    if store.add(f"{key}/come", 1) >= world:
+        store.set(everyone, b"1")
+        return []
+    try:
+        store.wait([everyone], datetime.timedelta(seconds=max(timeout_s, 0.1)))
+        return []
+    except Exception:  # the wait ran out: somebody never came (or the store is gone)
+        pass
+    return [r for r in range(world) if not store.check([f"{key}/rank/{r}"])]
 
 
 # ---------------------------------------------------------------- the coordinator
@@ -525,21 +525,9 @@ class HierarchicalCoordinator:
         when the store does not answer (rank 0 serves it), [] without a store."""
         if self._store is None:
             return []
-        reached = f"{self._keys}/reached/{seq}"
-        everyone = f"{reached}/all"
         try:
-            self._store.set(f"{reached}/{self.rank}", b"1")
-            if self._store.add(reached, 1) >= self.world_size:
-                self._store.set(everyone, b"1")
-                return []
-            left = max(started + self.fail_bound_s - time.monotonic(), 0.1)
-            try:
-                self._store.wait([everyone], datetime.timedelta(seconds=left))
-                return []
-            except Exception:  # the wait ran out: somebody never came
-                pass
-            return [rank for rank in range(self.world_size)
-                    if not self._store.check([f"{reached}/{rank}"])]
+            return arrive(self._store, f"{self._keys}/reached/{seq}", self.rank,
+                          self.world_size, b"1", started + self.fail_bound_s - time.monotonic())
         except Exception:
             return None
 
@@ -547,10 +535,9 @@ class HierarchicalCoordinator:
 
     def _agree_layout(self, nodes: Sequence[int] | None, node_size: int | None
                       ) -> tuple[NodeLayout, str]:
-        """Every rank's node, checked in the job's store (``store_vote``; without a store,
-        over a flat gloo group made for this and destroyed): every rank must see the same
-        layout, or every rank raises ConfigError. Also a name, the same on every rank, which
-        keys this coordinator's store entries."""
+        """Every rank's node, checked in the job's store (``store_vote``): every rank must
+        see the same layout, or every rank raises ConfigError. Also a name, the same on every
+        rank, which keys this coordinator's store entries."""
         reason = None
         try:
             ids = node_ids(self.world_size, nodes=nodes, node_size=node_size)
@@ -561,25 +548,25 @@ class HierarchicalCoordinator:
             "little", signed=True)
         store = default_store(self._dist)
         if store is None:
-            unset, views, name = self._layout_over_gloo(ids, digest, reason)
-        else:
-            n = next(_VOTES)
-            name = f"hierarchy-{n}"
-            try:
-                differ = store_vote(store, f"ckpt_pipeline/layout/{n}", self.rank,
-                                    self.world_size,
-                                    b"unset" if reason is not None else str(digest).encode(),
-                                    self.timeout_s)
-            except Exception as exc:  # TimeoutError names the ranks; else the store is gone
-                raise CoordinationError(
-                    f"the control plane's node layout could not be checked ({_short(exc)})",
-                    rank=self.rank, hint="every rank must construct the coordinator at the "
-                                         "same point") from exc
-            if differ is None:  # every rank alike: a layout, or none on any rank
-                differ = {b"": list(range(self.world_size))} if reason is None else {
-                    b"unset": list(range(self.world_size))}
-            unset = differ.pop(b"unset", [])
-            views = differ
+            raise ConfigError("the per-node control plane checks its layout in the job's "
+                              "store, and this job has none (torch.distributed's default "
+                              "store could not be had)", rank=self.rank,
+                              hint="use cp.DistributedCoordinator (the flat control plane)")
+        n = next(_VOTES)
+        name = f"hierarchy-{n}"
+        try:
+            differ = store_vote(store, f"ckpt_pipeline/layout/{n}", self.rank, self.world_size,
+                                b"unset" if reason is not None else str(digest).encode(),
+                                self.timeout_s)
+        except Exception as exc:  # TimeoutError names the ranks; else the store is gone
+            raise CoordinationError(
+                f"the control plane's node layout could not be checked ({_short(exc)})",
+                rank=self.rank, hint="every rank must construct the coordinator at the "
+                                     "same point") from exc
+        if differ is None:  # every rank alike: a layout, or none on any rank
+            differ = {b"unset" if reason is not None else b"": list(range(self.world_size))}
+        unset = differ.pop(b"unset", [])
+        views = differ
         if unset:
             raise ConfigError(
                 f"rank(s) {_ranks_text(unset)} have no node layout for the control plane"
@@ -593,35 +580,6 @@ class HierarchicalCoordinator:
                 f"by ranks {groups}", rank=self.rank,
                 hint="give every rank the same LOCAL_WORLD_SIZE, nodes= or node_size=")
         return NodeLayout.from_ids(ids), name
-
-    def _layout_over_gloo(self, ids: Sequence[int], digest: int, reason: str | None
-                          ) -> tuple[list[int], dict[Any, list[int]], str]:
-        """``_agree_layout`` without a store: every rank's (node, layout hash, set) over a
-        flat gloo group made for this and destroyed. (ranks with no layout, {hash: ranks},
-        the group's name)."""
-        dist = self._dist
-        mine = torch.tensor([ids[self.rank] if ids else -1, digest, int(reason is None)],
-                            dtype=torch.int64)
-        rows = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world_size)]
-        flat = dist.new_group(backend="gloo",
-                              timeout=datetime.timedelta(seconds=self.timeout_s))
-        name = str(getattr(flat, "group_name", "hierarchy"))
-        try:
-            dist.all_gather(rows, mine, group=flat)
-        except Exception as exc:
-            raise CoordinationError(
-                f"the control plane's node layout could not be exchanged ({_short(exc)})",
-                rank=self.rank, hint="every rank must construct the coordinator at the same "
-                                     "point") from exc
-        finally:
-            destroy_group(dist, flat)
-        seen = [row.tolist() for row in rows]
-        unset = [rank for rank, row in enumerate(seen) if not row[2]]
-        views: dict[Any, list[int]] = {}
-        for rank, row in enumerate(seen):
-            if row[2]:
-                views.setdefault(row[1], []).append(rank)
-        return unset, views, name
 
     def _own_group(self, members: Sequence[tuple[int, ...]], timeout_s: float) -> Any:
         """One gloo group per entry of ``members`` of more than one rank, made by every rank
