@@ -305,6 +305,74 @@ class _Sampler:
                       indent=0)
 
 
+_PHASES = (  # (module, attribute): what CKPT_BENCH_PHASES times inside restore_latest
+    ("ckpt_pipeline._restore.recovery", "Recovery.load_latest"),
+    ("ckpt_pipeline._restore.recovery", "Recovery.apply"),
+    ("ckpt_pipeline._restore.recovery", "Recovery.finish"),
+    ("ckpt_pipeline._restore.reshard", "reshard_latest"),
+    ("ckpt_pipeline._restore.reshard", "_load"),
+    ("ckpt_pipeline._restore.reshard", "_plan"),
+    ("ckpt_pipeline._restore.reshard", "read_group"),
+    ("ckpt_pipeline._restore.reshard", "validate_state"),
+    ("ckpt_pipeline._restore.reshard", "prefetch_backup"),
+    ("ckpt_pipeline._restore.inplace", "_Entry.before"),
+    ("ckpt_pipeline._restore.recovery", "apply_state"),
+    ("ckpt_pipeline._restore.sourcing", "Sourcing.load"),
+)
+
+
+def _time_phases() -> dict[str, list[tuple[float, float]]]:
+    """With ``CKPT_BENCH_PHASES`` set: wrap each of ``_PHASES`` (where it exists) so that
+    every call's (start, end) is recorded; ``_phase_summary`` turns them into figures."""
+    import functools
+    import importlib
+    import inspect
+
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for module_name, attr in _PHASES:
+        owner: Any = importlib.import_module(module_name)
+        *outer, name = attr.split(".")
+        for part in outer:
+            owner = getattr(owner, part, None)
+        fn = getattr(owner, name, None) if owner is not None else None
+        if fn is None:
+            continue
+        record = spans.setdefault(attr, [])
+
+        def wrap(fn: Any, record: list[tuple[float, float]]) -> Any:
+            if inspect.iscoroutinefunction(fn):
+                @functools.wraps(fn)
+                async def timed_async(*a: Any, **k: Any) -> Any:
+                    at = time.perf_counter()
+                    try:
+                        return await fn(*a, **k)
+                    finally:
+                        record.append((at, time.perf_counter()))
+                return timed_async
+
+            @functools.wraps(fn)
+            def timed(*a: Any, **k: Any) -> Any:
+                at = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    record.append((at, time.perf_counter()))
+            return timed
+
+        setattr(owner, name, wrap(fn, record))
+    return spans
+
+
+def _phase_summary(spans: dict[str, list[tuple[float, float]]], started: float
+                   ) -> dict[str, Any]:
+    """Per phase: calls, the sum of their seconds (over threads), and the first start and
+    last end after ``started``."""
+    return {name: {"calls": len(v), "sum_s": sum(b - a for a, b in v),
+                   "first_start_s": min(a for a, _ in v) - started,
+                   "last_end_s": max(b for _, b in v) - started}
+            for name, v in spans.items() if v}
+
+
 def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]:
     built = time.monotonic()
     model, tensors = build(specs, values=False)
@@ -344,9 +412,12 @@ def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]
         dist.barrier()
         profile = _profiler()
         sampler = _Sampler() if os.environ.get("CKPT_BENCH_SAMPLE") else None
+        phases = _time_phases() if os.environ.get("CKPT_BENCH_PHASES") else None
         started = time.perf_counter()
         call()
         out["restore_s"] = time.perf_counter() - started
+        if phases is not None:
+            out["phases"] = _phase_summary(phases, started)
         if sampler is not None:
             sampler.dump(args.lib, f"{args.saved_world}to{dist.get_world_size()}",
                          dist.get_rank())

@@ -253,7 +253,9 @@ def restore_once(case: str, lib: str, args: argparse.Namespace, work: Path,
             "peak_rise_over_share": max(p / r["share_bytes"] for p, r in zip(peaks, ranks)),
             "peak_reset": all(r["peak_reset"] for r in ranks),
             "rss_before_bytes": [r["rss_before_kib"] * 1024 for r in ranks],
-            "problems": problems}
+            "problems": problems,
+            **({"phases": [r["phases"] for r in ranks]} if all("phases" in r for r in ranks)
+               else {})}
 
 
 def _peak_rise(rank: dict[str, Any]) -> int:
