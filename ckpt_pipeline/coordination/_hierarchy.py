@@ -2,18 +2,19 @@
 
 ``HierarchicalCoordinator`` keeps the contract of ``DistributedCoordinator`` (every rank's
 payload, indexed by global rank, identical on every rank; a CoordinationError naming the ranks
-that did not answer) and changes how an exchange travels. Each exchange runs three stages of
-gloo point-to-point messages, on groups made for them at construction, each by a deadline
-counted from the exchange's start on this rank:
+that did not answer) and changes how an exchange travels. Each exchange runs three stages,
+each by a deadline counted from the exchange's start on this rank:
 
-1. **node**: every rank of a node sends its payload to the node's leader (its lowest rank),
-   which receives them all at once (``timeout_s``);
+1. **node**: every rank of a node sends its payload to the node's leader (its lowest rank)
+   over a local socket made at construction (``_node_links.py``), and the leader receives
+   them all at once (``timeout_s``);
 2. **leaders**: the leaders all-gather their nodes' payloads, each distinct payload once with
-   runs saying whose it is (``pack_relay``), in ceil(log2 nodes) rounds (``log_gather``;
-   ``timeout_s + grace_s``). A leader whose node stage failed still takes part, with its
-   failure in place of its node's payloads, so that every node learns of it at once;
+   runs saying whose it is (``pack_relay``), in ceil(log2 nodes) rounds of gloo
+   point-to-point messages on the leaders' group (``log_gather``; ``timeout_s + grace_s``).
+   A leader whose node stage failed still takes part, with its failure in place of its
+   node's payloads, so that every node learns of it at once;
 3. **relay**: each leader sends the whole result so packed, or the failure, to each other
-   rank of its node (``timeout_s + 2 grace_s``).
+   rank of its node over its socket (``timeout_s + 2 grace_s``).
 
 Equal payloads come back as one shared object, so that a reader decodes each distinct one
 once (``_agree._exchange``): when the ranks vote alike, a rank decodes one vote, not one a
@@ -25,7 +26,9 @@ since its exchange began; the ranks that said nothing are the missing ones.
 
 Which ranks share a node comes from ``LOCAL_WORLD_SIZE`` (torchrun sets it; node = rank //
 LOCAL_WORLD_SIZE), or is given (``nodes=``, ``node_size=``). The ranks check at construction,
-over a flat gloo group made and destroyed for the purpose, that they all see the same layout.
+in the job's store, that they all see the same layout, and then that the ranks of each node
+reach their leader over a local socket (so run on one host): else every rank raises
+ConfigError. The only gloo group made is the leaders'.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ import torch
 from .._hostmem import byte_view
 from .._logging import log
 from .._threads import in_thread
-from ..errors import ConfigError, CoordinationError
+from ..errors import CheckpointError, ConfigError, CoordinationError
 from ._control_plane import DistributedCoordinator, default_store, destroy_group
+from ._node_links import NodeLinks
 from ._runs import Runs
 
 __all__ = ("HierarchicalCoordinator", "NodeLayout", "arrive", "job_coordinator", "log_gather",
@@ -56,8 +60,6 @@ __all__ = ("HierarchicalCoordinator", "NodeLayout", "arrive", "job_coordinator",
 
 _COUNT = struct.Struct("<I")
 _RELAYED, _FAILED = 0, 1
-_RELAY = 2
-"""The relay's tags on the node's group (first frame, rest), after the node stage's 0 and 1."""
 _REASON_CHARS = 400
 """How much of one failure's text travels to the other ranks."""
 
@@ -364,11 +366,14 @@ class HierarchicalCoordinator:
         self._leaders = self.layout.leaders
         self._leader = self._node[0]
         self._groups: list[Any] = []
-        # The node stage (tags 0, 1) and the relay (tags 2, 3) share the node's group; every
-        # wait has a deadline of its own, so the groups' timeouts only bound their setup.
-        self._node_group = self._own_group(self.layout.nodes, self.timeout_s)
-        self._leaders_group = self._own_group((self._leaders,), self.timeout_s + self.grace_s)
         self._store = default_store(dist)
+        self._links = self._link_node()
+        try:  # every wait has a deadline of its own: the timeout only bounds the group's setup
+            self._leaders_group = self._own_group((self._leaders,),
+                                                  self.timeout_s + self.grace_s)
+        except BaseException:
+            self.close()
+            raise
         self._seq = 0
         self._broken: str | None = None
         self._lock = threading.Lock()
@@ -392,9 +397,12 @@ class HierarchicalCoordinator:
         """Destroy this coordinator's gloo groups; later exchanges raise. Safe to call twice;
         never raises."""
         groups, self._groups = self._groups, []
-        self._node_group = self._leaders_group = None
+        self._leaders_group = None
+        links, self._links = self._links, None
         if self._broken is None:
             self._broken = "the coordinator was closed"
+        if links is not None:
+            links.close()
         for group in groups:
             destroy_group(self._dist, group)
 
@@ -442,8 +450,7 @@ class HierarchicalCoordinator:
             if failure is not None:
                 raise _StageFailed("node", failure)
             try:
-                (relayed,) = _receive_all(self._dist, self._node_group, (self._leader,), _RELAY,
-                                          relay_by)
+                (relayed,) = self._node_links().receive_all((self._leader,), relay_by)
             except Exception as exc:
                 raise _StageFailed("relay", _short(exc)) from exc
             return self._result(relayed)
@@ -459,33 +466,36 @@ class HierarchicalCoordinator:
         return result
 
     def _to_node(self, relayed: bytes, deadline: float) -> str | None:
-        """The leader's relay to each other rank of its node, point to point; why a send
-        failed (the first), or None."""
-        if self._node_group is None:
+        """The leader's relay to each other rank of its node; why a send failed (the first),
+        or None."""
+        if len(self._node) == 1:
             return None
-        sends = [_send(self._dist, self._node_group, relayed, rank, _RELAY)
-                 for rank in self._node[1:]]
+        links = self._node_links()
         lost = None
-        for rank, works in zip(self._node[1:], sends, strict=True):
+        for rank in self._node[1:]:
             try:
-                for work in works:
-                    _wait(work, deadline)
+                links.send(rank, relayed, deadline)
             except Exception as exc:
                 lost = lost or f"rank {rank}: {_short(exc)}"
         return lost
 
     def _into_node_leader(self, payload: bytes, deadline: float) -> list[bytes] | None:
-        """The node stage: every rank of the node sends its payload to the leader, which
-        receives them all at once (point to point: one hop, not a ring of the node's ranks).
-        The node's payloads in node order on the leader, None on the others."""
-        if self._node_group is None:  # a node of one rank: this one
+        """The node stage: every rank of the node sends its payload to the leader over its
+        local socket (``_node_links.py``), and the leader receives them all at once. The
+        node's payloads in node order on the leader, None on the others."""
+        if len(self._node) == 1:  # a node of one rank: this one
             return [payload]
+        links = self._node_links()
         if self.rank != self._leader:
-            for work in _send(self._dist, self._node_group, payload, self._leader, 0):
-                _wait(work, deadline)
+            links.send(self._leader, payload, deadline)
             return None
-        return [payload, *_receive_all(self._dist, self._node_group, self._node[1:], 0,
-                                       deadline)]
+        return [payload, *links.receive_all(self._node[1:], deadline)]
+
+    def _node_links(self) -> NodeLinks:
+        links = self._links
+        if links is None:
+            raise RuntimeError("the coordinator was closed")
+        return links
 
     def _across_nodes(self, ours: list[bytes] | None, failure: str | None, deadline: float
                       ) -> tuple[bytes, Runs[bytes] | None, str | None]:
@@ -581,6 +591,42 @@ class HierarchicalCoordinator:
                 hint="give every rank the same LOCAL_WORLD_SIZE, nodes= or node_size=")
         return NodeLayout.from_ids(ids), name
 
+    def _link_node(self) -> NodeLinks | None:
+        """This rank's links within its node (``NodeLinks``; None for a node of one rank),
+        made on every rank, then checked in the job's store (``store_vote``): where any rank
+        could not make its links, every rank raises ConfigError, naming what failed where."""
+        failure: str | None = None
+        links = None
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            if len(self._node) > 1:
+                links = NodeLinks(store=self._store, key=f"{self._keys}/node/{self._leader}",
+                                  rank=self.rank, node=self._node, deadline=deadline)
+        except CheckpointError as exc:
+            failure = exc.message
+        except Exception as exc:
+            failure = _short(exc)
+        try:
+            differ = store_vote(self._store, f"{self._keys}/links", self.rank, self.world_size,
+                                (failure or "").encode(), self.timeout_s)
+        except Exception as exc:
+            differ = {_short(exc).encode(): [self.rank]}
+        if differ is None and failure is None:
+            return links
+        if links is not None:
+            links.close()
+        if differ is None:  # every rank alike, and this one failed: so did they all
+            differ = {(failure or "").encode(): list(range(self.world_size))}
+        failed = {value.decode(errors="replace"): ranks for value, ranks in differ.items()
+                  if value}
+        listing = "; ".join(f"rank(s) {_ranks_text(ranks)}: {why}"
+                            for why, ranks in failed.items())
+        raise ConfigError(f"the per-node control plane could not link the ranks of each node "
+                          f"({listing})", rank=self.rank,
+                          hint="the ranks given as one node must run on one host: check "
+                               "LOCAL_WORLD_SIZE, nodes= or node_size=; or use "
+                               "cp.DistributedCoordinator (the flat control plane)")
+
     def _own_group(self, members: Sequence[tuple[int, ...]], timeout_s: float) -> Any:
         """One gloo group per entry of ``members`` of more than one rank, made by every rank
         in the same order; returns (and keeps) the one this rank belongs to, else None."""
@@ -670,8 +716,9 @@ _FRAME_BYTES = 1024
 """A message's first frame, always this size: its length (u32, little-endian) and its first
 1,020 bytes. A longer message sends the rest as a second frame of exactly that size (tag +
 1). A vote (about 100 bytes) is thus one gloo message where a length and then the bytes were
-two: gloo posts each receive before the sender may send, so every message costs the leader a
-round trip, and on the 2-core VM one frame made a node's exchange 1.5-2x faster."""
+two: gloo posts each receive before the sender may send, so every message costs a round trip,
+and on the 2-core VM one frame made a node's exchange 1.5-2x faster (when the node stage
+still went over gloo; it is the leaders' stage, ``log_gather``, that sends these now)."""
 
 
 def _send(dist: Any, group: Any, out: bytes, to: int, tag: int) -> list[Any]:

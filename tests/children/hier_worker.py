@@ -17,7 +17,8 @@ It joins a gloo process group, then runs each phase in order:
   rank is known to have sent;
 - ``save``: a ``CheckpointPipeline`` (its coordinator the pipeline's own choice) saves steps
   10 and 20, waiting for each handle's result; records which coordinator it made and how many
-  process groups this process holds before the pipeline, while it is open and after its close;
+  process groups and Unix domain sockets this process holds before the pipeline, while it is
+  open and after its close;
   after a failed save, it tries one more exchange on that coordinator and records its error;
 - ``restore``: a fresh pipeline restores into a state of zeros.
 
@@ -26,6 +27,11 @@ It joins a gloo process group, then runs each phase in order:
 - ``plain``: nothing;
 - ``dies``: SIGKILLs itself at the first write of its step-20 shard, before the commit vote;
 - ``ahead``: saves step 25 where the others save step 20.
+
+and in ``layout``, ``unreachable``: the victim's connection to its node's leader is refused
+(``socket.socket.connect`` raises ``ConnectionRefusedError`` in that process: what a rank of
+another host or network namespace given as the same node meets, which one host cannot produce
+on demand).
 
 The root of rank r is ``ROOT/rank-r``. After each phase the results so far are written to
 ``OUT`` (atomically) as JSON; errors as type, message, step, rank and ``ranks``. Every value
@@ -53,7 +59,7 @@ SAVE_STEPS = (10, 20)
 FAULTY_STEP = 20
 AHEAD_STEP = 25
 NUMEL = 1024
-SCENARIOS = ("plain", "dies", "ahead")
+SCENARIOS = ("plain", "dies", "ahead", "unreachable")
 PHASES = ("layout", "gather", "save", "restore")
 
 
@@ -84,6 +90,7 @@ def _error(exc: BaseException) -> dict[str, Any]:
     ranks = getattr(exc, "ranks", None)
     return {"type": type(exc).__name__, "message": str(exc),
             "step": getattr(exc, "step", None), "rank": getattr(exc, "rank", None),
+            "hint": getattr(exc, "hint", None),
             "ranks": None if ranks is None else list(ranks),
             "traceback": "".join(traceback.format_exception(exc))}
 
@@ -129,13 +136,40 @@ def _groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
+def _local_sockets() -> int:
+    """The Unix domain sockets this process holds open (Linux: ``/proc``)."""
+    try:
+        with open("/proc/self/net/unix") as f:
+            inodes = {line.split()[6] for line in list(f)[1:] if len(line.split()) > 6}
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return -1
+    held = 0
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            held += 1
+    return held
+
+
 def run_layout(args: argparse.Namespace, root: Path, rank: int) -> dict[str, Any]:
     import ckpt_pipeline as cp
 
+    if args.scenario == "unreachable" and rank == args.victim:
+        import socket
+
+        def refused(self: socket.socket, address: Any) -> None:
+            raise ConnectionRefusedError(111, "Connection refused (injected)")
+
+        socket.socket.connect = refused  # type: ignore[method-assign]
+    started = time.monotonic()
     try:
         made = cp.HierarchicalCoordinator(timeout_s=args.coordination_timeout)
     except cp.CheckpointError as exc:
-        return {"layout": None, "error": _error(exc)}
+        return {"layout": None, "error": _error(exc), "seconds": time.monotonic() - started}
     made.close()
     return {"layout": [list(node) for node in made.layout.nodes], "error": None}
 
@@ -173,12 +207,14 @@ def run_save(args: argparse.Namespace, root: Path, rank: int) -> dict[str, Any]:
     import ckpt_pipeline as cp
 
     before = _groups()
+    sockets_before = _local_sockets()
     pipe = cp.CheckpointPipeline(root, storage=_storage(args.scenario, root, rank, args.victim),
                                  keep_last=len(SAVE_STEPS),
                                  coordination_timeout_s=args.coordination_timeout)
     saves: list[dict[str, Any]] = []
     with pipe:
         held = _groups()
+        sockets_open = _local_sockets()
         state = {"w": torch.zeros(NUMEL)}
         for step in SAVE_STEPS:
             if args.scenario == "ahead" and rank == args.victim and step == FAULTY_STEP:
@@ -199,7 +235,9 @@ def run_save(args: argparse.Namespace, root: Path, rank: int) -> dict[str, Any]:
         coordinator = pipe._pipe.coordinator
         later = _later_exchange(coordinator) if not all(s["ok"] for s in saves) else None
     return {"coordinator": type(coordinator).__name__, "saves": saves, "later": later,
-            "groups_before": before, "groups_open": held, "groups_after_close": _groups()}
+            "groups_before": before, "groups_open": held, "groups_after_close": _groups(),
+            "sockets_before": sockets_before, "sockets_open": sockets_open,
+            "sockets_after_close": _local_sockets()}
 
 
 def _later_exchange(coordinator: Any) -> dict[str, Any]:

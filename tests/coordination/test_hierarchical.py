@@ -196,14 +196,18 @@ def test_restore_latest_restores_the_newest_step_on_every_rank(
 
 
 @pytest.mark.timeout(240)
-def test_the_pipeline_destroys_the_groups_of_the_coordinator_it_made(
+def test_the_pipeline_closes_the_group_and_the_sockets_of_the_coordinator_it_made(
         good_run: tuple[Path, dict[int, dict[str, Any]]]) -> None:
     _root, results = good_run
     for rank, out in phase(results, "save").items():
-        # A node group (the node stage and the relay), and the leaders' group on a leader.
-        made = 2 if rank % NODE == 0 else 1
-        assert out["groups_open"] == out["groups_before"] + made, (rank, out)
+        # The leaders' group, on a leader only: a node's ranks talk over local sockets, a
+        # connection to each other rank of the node on the leader, one to it on the others.
+        leader = rank % NODE == 0
+        assert out["groups_open"] == out["groups_before"] + (1 if leader else 0), (rank, out)
         assert out["groups_after_close"] == out["groups_before"], (rank, out)
+        links = NODE - 1 if leader else 1
+        assert out["sockets_open"] >= out["sockets_before"] + links, (rank, out)
+        assert out["sockets_after_close"] == out["sockets_before"], (rank, out)
 
 
 # ---------------------------------------------------------------- failures
@@ -292,6 +296,30 @@ def test_ranks_that_see_different_nodes_all_refuse_the_coordinator(
     for rank, out in phase(ranks.results(), "layout").items():
         assert out["layout"] is None and out["error"]["type"] == "ConfigError", (rank, out)
         assert re.search(match, out["error"]["message"]), (rank, out["error"]["message"])
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_that_cannot_reach_its_node_leader_fails_the_coordinator_on_every_rank(
+        tmp_path: Path) -> None:
+    """8 ranks in nodes of 4; rank 5's connection to its leader (rank 4) is refused, as for
+    a rank given as one node with ranks of another host: every rank raises a ConfigError
+    naming rank 5 and the node layout to check, and none hangs: the leader stops waiting
+    for rank 5 when rank 5 says in the store that it cannot connect, instead of waiting out
+    the coordination timeout."""
+    ranks = Ranks("unreachable", ["layout"], tmp_path / "root", tmp_path / "logs", world=8,
+                  victim=5)
+    try:
+        codes = ranks.wait()
+    finally:
+        ranks.kill()
+    assert codes == dict.fromkeys(range(8), 0), ranks.describe()
+    for rank, out in phase(ranks.results(), "layout").items():
+        error = out["error"]
+        assert out["layout"] is None and error["type"] == "ConfigError", (rank, out)
+        assert "rank 5 could not connect to its node's leader, rank 4" in error["message"], \
+            (rank, error)
+        assert "LOCAL_WORLD_SIZE" in error["hint"], (rank, error)
+        assert "in time" not in error["message"], (rank, error)
 
 
 @pytest.mark.timeout(240)
