@@ -4,7 +4,8 @@
 # working tree, in turns, on pretend nodes with no more ranks than cores. Made for the node
 # stage's one frame a message (_hierarchy._FRAME_BYTES) against a length and then the bytes.
 # ROUNDS rounds (default 3) of 2 nodes of 2, 4 and 8 ranks (SAVES saves, default 20), each
-# tree in turn; then one round of nodes of 2 (4, 8, 16 ranks) each. Results under $OUT:
+# tree in turn; then (unless NODES2=0) one round of nodes of 2 (4, 8, 16 ranks) each. Results
+# under $OUT:
 # frames_ab.json (every run's JSON and the medians), frames_ab.log; the table last.
 # Usage: git worktree add --detach .ab_old OLD; git rev-parse HEAD > commit.txt;
 #        OUT=/some/empty/dir bash benchmarks/gpu_issue28_frames_ab.sh  (carry .ab_old)
@@ -31,7 +32,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     done
   done
 done
-for ranks in 4 8 16; do
+for ranks in $([ "${NODES2:-1}" = 1 ] && echo 4 8 16); do
   for tree in old new; do
     dir=.; [ "$tree" = old ] && dir=.ab_old
     run "$dir" "$ranks" 2 "nodes2_${ranks}_${tree}"
