@@ -121,19 +121,21 @@ class Prewrites:
         be (the others are put back still)."""
         failed: list[str] = []
         first: BaseException | None = None
+        first_path: str | None = None
         for entry in self._entries.values():
             try:
                 entry.restore()
             except Exception as exc:
                 failed.append(f"{entry.path}: {type(exc).__name__}: {exc}")
-                first = first or exc
+                if first is None:
+                    first, first_path = exc, entry.path
         self._entries.clear()
         if failed:
             raise RestoreError(
                 f"putting back the live tensors a reshard of step {step} read into failed "
                 f"for {'; '.join(failed)}: the live state is partly loaded", step=step,
-                rank=rank, hint="do not train on this state: rebuild it, or restart the job"
-            ) from first
+                rank=rank, path=first_path,
+                hint="do not train on this state: rebuild it, or restart the job") from first
 
 
 class PrewrittenBackup(Backup):

@@ -89,6 +89,35 @@ def test_undo_puts_back_only_the_regions_written() -> None:
     assert prewrites.written_bytes == 0  # nothing is left to undo twice
 
 
+def test_an_undo_that_fails_for_one_tensor_names_it_and_puts_back_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Putting back tensor "a" fails (injected: a real copy between host tensors does not
+    fail on demand): the error names "a" (its path too) and says the state is partly loaded,
+    and "b" is put back all the same."""
+    from ckpt_pipeline._restore import inplace
+
+    originals = {name: torch.randn(N) for name in ("a", "b")}
+    live = {name: t.clone() for name, t in originals.items()}
+    prewrites = Prewrites()
+    for index, name in enumerate(live):
+        before = prewrites.add(index, live[name], name)
+        before(live[name])
+        live[name].fill_(7.0)
+    real = inplace._Entry.restore
+
+    def restore(entry: Any) -> None:
+        if entry.path == "a":
+            raise RuntimeError("injected: the copy back failed")
+        real(entry)
+
+    monkeypatch.setattr(inplace._Entry, "restore", restore)
+    with pytest.raises(CheckpointError, match="partly loaded") as info:
+        prewrites.undo(step=5, rank=1)
+    assert info.value.path == "a" and info.value.step == 5 and info.value.rank == 1
+    assert "a: RuntimeError: injected" in info.value.message
+    assert torch.equal(live["b"], originals["b"])
+
+
 def test_overlapping_ranges_are_found_in_one_sweep() -> None:
     """The live tensors a reshard may read straight into share memory with no other: every
     range that touches another is found, the ones that only abut are not, and a range listed
