@@ -16,7 +16,9 @@ network namespace), which is what connecting checks.
 
 A message is its length (u32, little-endian) and its bytes. Every wait has a deadline; a peer
 that went away shows as its connection closing, which fails the wait at once instead of at
-the deadline.
+the deadline. A forked child (a DataLoader worker, say) would hold the connections open after
+its parent died, so an ``os.register_at_fork`` hook closes the child's copies (the parent's
+stay open: a connection closes with its last descriptor).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +59,7 @@ class NodeLinks:
         self.leader = node[0]
         self._path: str | None = None
         self._peers: dict[int, socket.socket] = {}
+        _track(self)
         try:
             if rank == self.leader:
                 self._accept(store, key, tuple(node[1:]), deadline)
@@ -182,6 +187,30 @@ class NodeLinks:
         if path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+_live: weakref.WeakSet[NodeLinks] = weakref.WeakSet()
+_live_guard = threading.Lock()
+_fork_hook = False
+
+
+def _track(links: NodeLinks) -> None:
+    global _fork_hook
+    with _live_guard:
+        _live.add(links)
+        if not _fork_hook and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_close_in_child)
+            _fork_hook = True
+
+
+def _close_in_child() -> None:
+    """In a forked child: close the child's copies of every connection (the parent's stay
+    open), so that the parent's death closes them for its peers. The lock is not taken: a
+    child has one thread, and the lock may have been held by another thread at the fork."""
+    for links in list(_live):
+        links._path = None  # the parent's socket file, if any, is the parent's to remove
+        links.close()
+    _live.clear()
 
 
 _NOT_ONE_HOST = ("the ranks given as one node must run on one host (and in one network "

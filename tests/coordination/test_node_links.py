@@ -1,0 +1,182 @@
+"""The per-node control plane's local sockets (``coordination/_node_links.py``): a node's ranks
+linked to their leader through a real store (torch.distributed's ``HashStore``, which the
+job's TCPStore speaks like) and real Unix-domain sockets, each rank a thread of this process.
+The multi-process runs of the whole coordinator are in ``test_hierarchical.py``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ckpt_pipeline.coordination._node_links import NodeLinks
+from ckpt_pipeline.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.HashStore()
+
+
+def link(node: tuple[int, ...], *, store: Any | None = None, key: str = "k",
+         deadline_s: float = 20.0) -> dict[int, NodeLinks | BaseException]:
+    """Every rank of ``node``'s links, each made on a thread of its own, as each rank does."""
+    store = store if store is not None else _store()
+    made: dict[int, NodeLinks | BaseException] = {}
+    deadline = time.monotonic() + deadline_s
+
+    def make(rank: int) -> None:
+        try:
+            made[rank] = NodeLinks(store=store, key=key, rank=rank, node=node,
+                                   deadline=deadline)
+        except BaseException as exc:
+            made[rank] = exc
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in node]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(deadline_s + 10)
+    return made
+
+
+def linked(node: tuple[int, ...]) -> dict[int, NodeLinks]:
+    made = link(node)
+    assert all(isinstance(v, NodeLinks) for v in made.values()), made
+    return {r: v for r, v in made.items() if isinstance(v, NodeLinks)}
+
+
+def in_threads(*calls: Callable[[], Any]) -> list[Any]:
+    """Run ``calls`` at once, each on a thread; their results (or exceptions) in order."""
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_a_node_exchanges_payloads_of_every_size_both_ways() -> None:
+    """Three ranks send their leader payloads from empty to 1 MiB (many reads each), in two
+    exchanges; the leader gets each in node order and its answer reaches every rank."""
+    links = linked((4, 5, 6, 7))
+    try:
+        for exchange in range(2):
+            payloads = {r: bytes([r, exchange]) * (0 if r == 5 else (1 << 19) * (r - 5) + 3)
+                        for r in (5, 6, 7)}
+            deadline = time.monotonic() + 20
+            results = in_threads(
+                lambda d=deadline: links[4].receive_all((5, 6, 7), d),
+                *[lambda r=r, p=payloads[r], d=deadline: links[r].send(4, p, d)
+                  for r in (5, 6, 7)])
+            assert results[0] == [payloads[5], payloads[6], payloads[7]]
+            answer = b"relay %d" % exchange
+            for r in (5, 6, 7):
+                links[4].send(r, answer, deadline)
+            for r in (5, 6, 7):
+                assert links[r].receive_all((4,), deadline) == [answer]
+    finally:
+        for one in links.values():
+            one.close()
+
+
+def test_a_rank_that_sends_nothing_is_named_when_the_deadline_passes() -> None:
+    links = linked((0, 1, 2))
+    try:
+        links[1].send(0, b"vote", time.monotonic() + 5)
+        with pytest.raises(TimeoutError, match=r"rank\(s\) \[2\] sent nothing in time"):
+            links[0].receive_all((1, 2), time.monotonic() + 0.3)
+    finally:
+        for one in links.values():
+            one.close()
+
+
+def test_a_rank_that_goes_away_fails_its_leaders_wait_at_once_and_the_leaders_its_ranks() -> None:
+    links = linked((0, 1, 2))
+    try:
+        links[2].close()  # the deadline would raise TimeoutError: the close is seen first
+        with pytest.raises(ConnectionError, match="rank 2 closed its connection"):
+            links[0].receive_all((1, 2), time.monotonic() + 20)
+        links[0].close()
+        with pytest.raises(ConnectionError, match="rank 0 closed its connection"):
+            links[1].receive_all((0,), time.monotonic() + 20)
+    finally:
+        for one in links.values():
+            one.close()
+
+
+def test_a_rank_that_cannot_connect_stops_its_leader_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2's connection is refused (injected: what a rank of another host meets): it
+    raises ConfigError naming its leader, and the leader stops waiting for it (it said so in
+    the store) with a ConfigError naming rank 2, not a timeout."""
+    import socket
+
+    real = socket.socket.connect
+
+    def connect(self: socket.socket, address: Any) -> None:
+        if threading.current_thread().name == "rank-2":
+            raise ConnectionRefusedError(111, "Connection refused (injected)")
+        real(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    store = _store()
+    made: dict[int, Any] = {}
+    deadline = time.monotonic() + 30
+
+    def make(rank: int) -> None:
+        try:
+            made[rank] = NodeLinks(store=store, key="k", rank=rank, node=(0, 1, 2),
+                                   deadline=deadline)
+        except BaseException as exc:
+            made[rank] = exc
+
+    threads = [threading.Thread(target=make, args=(r,), name=f"rank-{r}") for r in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert isinstance(made[2], ConfigError), made
+    assert "rank 2 could not connect to its node's leader, rank 0" in str(made[2])
+    assert isinstance(made[0], ConfigError), made
+    # Not TimeoutError ("did not connect to its leader in time"): the store said it first.
+    assert "rank 2 could not connect to its node's leader, rank 0" in str(made[0])
+    if isinstance(made[1], NodeLinks):
+        made[1].close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_keep_its_parents_connections_open() -> None:
+    """A child forked from rank 1 (a DataLoader worker, say) outlives rank 1's connection:
+    the fork hook closed the child's copy, so the leader sees rank 1 go at once instead of
+    waiting out its deadline."""
+    links = linked((0, 1))
+    child = os.fork()
+    if child == 0:  # the child: hold whatever it has for a while, touch nothing
+        time.sleep(30)
+        os._exit(0)
+    try:
+        links[1].close()  # without the hook the child's copy keeps it open: TimeoutError
+        with pytest.raises(ConnectionError, match="rank 1 closed its connection"):
+            links[0].receive_all((1,), time.monotonic() + 20)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        for one in links.values():
+            one.close()
