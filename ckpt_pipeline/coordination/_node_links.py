@@ -27,7 +27,7 @@ import contextlib
 import datetime
 import os
 import secrets
-import select
+import selectors
 import socket
 import struct
 import sys
@@ -148,28 +148,31 @@ class NodeLinks:
         """The next message of each of ``sources``, waited for together, by ``deadline``:
         TimeoutError naming those that sent none, ConnectionError naming one that closed its
         connection."""
-        conns = {self._peers[r].fileno(): r for r in sources}
         buffers = {r: bytearray() for r in sources}
         done: dict[int, bytes] = {}
-        while len(done) < len(sources):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"rank(s) {sorted(set(sources) - set(done))} sent nothing "
-                                   f"in time")
-            ready, _, _ = select.select([f for f, r in conns.items() if r not in done], [], [],
-                                        left)
-            for fileno in ready:
-                source = conns[fileno]
-                chunk = self._peers[source].recv(1 << 16)
-                if not chunk:
-                    raise ConnectionError(f"rank {source} closed its connection: it may have "
-                                          f"died")
-                buffer = buffers[source]
-                buffer += chunk
-                if len(buffer) >= _LENGTH.size:
-                    (size,) = _LENGTH.unpack_from(buffer)
-                    if len(buffer) >= _LENGTH.size + size:
-                        done[source] = bytes(buffer[_LENGTH.size:_LENGTH.size + size])
+        # A selector (epoll, kqueue, poll), not select(): a process of many ranks' gloo
+        # connections holds descriptors beyond select's 1,024.
+        with selectors.DefaultSelector() as selector:
+            for r in sources:
+                selector.register(self._peers[r], selectors.EVENT_READ, r)
+            while len(done) < len(sources):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank(s) {sorted(set(sources) - set(done))} sent "
+                                       f"nothing in time")
+                for key, _ in selector.select(left):
+                    source = key.data
+                    chunk = self._peers[source].recv(1 << 16)
+                    if not chunk:
+                        raise ConnectionError(f"rank {source} closed its connection: it may "
+                                              f"have died")
+                    buffer = buffers[source]
+                    buffer += chunk
+                    if len(buffer) >= _LENGTH.size:
+                        (size,) = _LENGTH.unpack_from(buffer)
+                        if len(buffer) >= _LENGTH.size + size:
+                            done[source] = bytes(buffer[_LENGTH.size:_LENGTH.size + size])
+                            selector.unregister(self._peers[source])
         return [done[r] for r in sources]
 
     # ------------------------------------------------------------ the end

@@ -180,3 +180,31 @@ def test_a_forked_child_does_not_keep_its_parents_connections_open() -> None:
         os.waitpid(child, 0)
         for one in links.values():
             one.close()
+
+
+def test_connections_on_descriptors_beyond_1024_work() -> None:
+    """A rank of a large job holds many descriptors (gloo's connections to every rank): the
+    node's sockets then have numbers beyond 1,024, which ``select()`` refuses."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1400
+    if hard != resource.RLIM_INFINITY and hard < want:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        links = linked((0, 1))
+        try:
+            assert min(c.fileno() for one in links.values()
+                       for c in one._peers.values()) > 1024
+            deadline = time.monotonic() + 10
+            links[1].send(0, b"vote", deadline)
+            assert links[0].receive_all((1,), deadline) == [b"vote"]
+        finally:
+            for one in links.values():
+                one.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
