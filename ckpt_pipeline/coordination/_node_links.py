@@ -59,6 +59,8 @@ class NodeLinks:
         self.leader = node[0]
         self._path: str | None = None
         self._peers: dict[int, socket.socket] = {}
+        self._early: dict[int, bytearray] = {}
+        """Bytes a peer sent beyond the message last read from it (the start of its next)."""
         _track(self)
         try:
             if rank == self.leader:
@@ -148,13 +150,17 @@ class NodeLinks:
         """The next message of each of ``sources``, waited for together, by ``deadline``:
         TimeoutError naming those that sent none, ConnectionError naming one that closed its
         connection."""
-        buffers = {r: bytearray() for r in sources}
-        done: dict[int, bytes] = {}
+        if len(sources) == 1:  # one peer: its socket's own timeout, no selector to set up
+            return [self._receive_one(sources[0], deadline)]
+        buffers = {r: self._early.pop(r, bytearray()) for r in sources}
+        done: dict[int, bytes] = {r: m for r in sources
+                                  if (m := self._complete(r, buffers[r])) is not None}
         # A selector (epoll, kqueue, poll), not select(): a process of many ranks' gloo
         # connections holds descriptors beyond select's 1,024.
         with selectors.DefaultSelector() as selector:
             for r in sources:
-                selector.register(self._peers[r], selectors.EVENT_READ, r)
+                if r not in done:
+                    selector.register(self._peers[r], selectors.EVENT_READ, r)
             while len(done) < len(sources):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -166,14 +172,41 @@ class NodeLinks:
                     if not chunk:
                         raise ConnectionError(f"rank {source} closed its connection: it may "
                                               f"have died")
-                    buffer = buffers[source]
-                    buffer += chunk
-                    if len(buffer) >= _LENGTH.size:
-                        (size,) = _LENGTH.unpack_from(buffer)
-                        if len(buffer) >= _LENGTH.size + size:
-                            done[source] = bytes(buffer[_LENGTH.size:_LENGTH.size + size])
-                            selector.unregister(self._peers[source])
+                    buffers[source] += chunk
+                    message = self._complete(source, buffers[source])
+                    if message is not None:
+                        done[source] = message
+                        selector.unregister(self._peers[source])
         return [done[r] for r in sources]
+
+    def _receive_one(self, source: int, deadline: float) -> bytes:
+        conn = self._peers[source]
+        buffer = self._early.pop(source, bytearray())
+        while (message := self._complete(source, buffer)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"rank(s) [{source}] sent nothing in time")
+            conn.settimeout(left)
+            try:
+                chunk = conn.recv(1 << 16)
+            except (TimeoutError, BlockingIOError):
+                continue
+            if not chunk:
+                raise ConnectionError(f"rank {source} closed its connection: it may have died")
+            buffer += chunk
+        return message
+
+    def _complete(self, source: int, buffer: bytearray) -> bytes | None:
+        """The message at the start of ``buffer`` once it is all there (what follows it is
+        kept for the next read from ``source``), else None."""
+        if len(buffer) < _LENGTH.size:
+            return None
+        end = _LENGTH.size + _LENGTH.unpack_from(buffer)[0]
+        if len(buffer) < end:
+            return None
+        if len(buffer) > end:
+            self._early[source] = buffer[end:]
+        return bytes(buffer[_LENGTH.size:end])
 
     # ------------------------------------------------------------ the end
 

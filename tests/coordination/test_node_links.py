@@ -208,3 +208,27 @@ def test_connections_on_descriptors_beyond_1024_work() -> None:
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_messages_sent_back_to_back_are_read_one_at_a_time_in_order() -> None:
+    """Two messages that arrive in one read: the second is kept for the next read, whether
+    the leader waits on one rank or on several."""
+    links = linked((0, 1, 2))
+    try:
+        deadline = time.monotonic() + 10
+        for message in (b"first", b"", b"third" * 1000):
+            links[1].send(0, message, deadline)
+            links[2].send(0, message, deadline)
+        time.sleep(0.2)  # let them all arrive before the first read
+        assert links[0].receive_all((1,), deadline) == [b"first"]
+        assert links[0].receive_all((1, 2), deadline) == [b"", b"first"]
+        assert links[0].receive_all((2, 1), deadline) == [b"", b"third" * 1000]
+        assert links[0].receive_all((2,), deadline) == [b"third" * 1000]
+        links[0].send(1, b"a", deadline)
+        links[0].send(1, b"b", deadline)
+        time.sleep(0.2)
+        assert links[1].receive_all((0,), deadline) == [b"a"]
+        assert links[1].receive_all((0,), deadline) == [b"b"]
+    finally:
+        for one in links.values():
+            one.close()
