@@ -394,8 +394,8 @@ class HierarchicalCoordinator:
                                        grace_s=self.grace_s)
 
     def close(self) -> None:
-        """Destroy this coordinator's gloo groups; later exchanges raise. Safe to call twice;
-        never raises."""
+        """Destroy this coordinator's gloo group and close its node's sockets; later
+        exchanges raise. Safe to call twice; never raises."""
         groups, self._groups = self._groups, []
         self._leaders_group = None
         links, self._links = self._links, None
@@ -609,8 +609,13 @@ class HierarchicalCoordinator:
         try:
             differ = store_vote(self._store, f"{self._keys}/links", self.rank, self.world_size,
                                 (failure or "").encode(), self.timeout_s)
-        except Exception as exc:
-            differ = {_short(exc).encode(): [self.rank]}
+        except Exception as exc:  # TimeoutError names the ranks; else the store is gone
+            if links is not None:
+                links.close()
+            raise CoordinationError(
+                f"the control plane's node links could not be checked ({_short(exc)})"
+                + (f"; here: {failure}" if failure else ""), rank=self.rank,
+                hint="every rank must construct the coordinator at the same point") from exc
         if differ is None and failure is None:
             return links
         if links is not None:
