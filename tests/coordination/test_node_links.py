@@ -5,11 +5,13 @@ The multi-process runs of the whole coordinator are in ``test_hierarchical.py``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 def _store() -> Any:
     import torch.distributed as dist
 
-    return dist.HashStore()
+    return dist.HashStore()  # type: ignore[attr-defined]
 
 
 def link(node: tuple[int, ...], *, store: Any | None = None, key: str = "k",
@@ -48,10 +50,17 @@ def link(node: tuple[int, ...], *, store: Any | None = None, key: str = "k",
     return made
 
 
-def linked(node: tuple[int, ...]) -> dict[int, NodeLinks]:
+@contextlib.contextmanager
+def linked(node: tuple[int, ...]) -> Iterator[dict[int, NodeLinks]]:
+    """Every rank of ``node`` linked; every link closed at the end."""
     made = link(node)
-    assert all(isinstance(v, NodeLinks) for v in made.values()), made
-    return {r: v for r, v in made.items() if isinstance(v, NodeLinks)}
+    try:
+        assert all(isinstance(v, NodeLinks) for v in made.values()), made
+        yield {r: v for r, v in made.items() if isinstance(v, NodeLinks)}
+    finally:
+        for one in made.values():
+            if isinstance(one, NodeLinks):
+                one.close()
 
 
 def in_threads(*calls: Callable[[], Any]) -> list[Any]:
@@ -75,50 +84,38 @@ def in_threads(*calls: Callable[[], Any]) -> list[Any]:
 def test_a_node_exchanges_payloads_of_every_size_both_ways() -> None:
     """Three ranks send their leader payloads from empty to 1 MiB (many reads each), in two
     exchanges; the leader gets each in node order and its answer reaches every rank."""
-    links = linked((4, 5, 6, 7))
-    try:
+    with linked((4, 5, 6, 7)) as links:
         for exchange in range(2):
             payloads = {r: bytes([r, exchange]) * (0 if r == 5 else (1 << 19) * (r - 5) + 3)
                         for r in (5, 6, 7)}
             deadline = time.monotonic() + 20
-            results = in_threads(
-                lambda d=deadline: links[4].receive_all((5, 6, 7), d),
-                *[lambda r=r, p=payloads[r], d=deadline: links[r].send(4, p, d)
-                  for r in (5, 6, 7)])
+            leader = functools.partial(links[4].receive_all, (5, 6, 7), deadline)
+            senders = [functools.partial(links[r].send, 4, payloads[r], deadline)
+                       for r in (5, 6, 7)]
+            results = in_threads(leader, *senders)
             assert results[0] == [payloads[5], payloads[6], payloads[7]]
             answer = b"relay %d" % exchange
             for r in (5, 6, 7):
                 links[4].send(r, answer, deadline)
             for r in (5, 6, 7):
                 assert links[r].receive_all((4,), deadline) == [answer]
-    finally:
-        for one in links.values():
-            one.close()
 
 
 def test_a_rank_that_sends_nothing_is_named_when_the_deadline_passes() -> None:
-    links = linked((0, 1, 2))
-    try:
+    with linked((0, 1, 2)) as links:
         links[1].send(0, b"vote", time.monotonic() + 5)
         with pytest.raises(TimeoutError, match=r"rank\(s\) \[2\] sent nothing in time"):
             links[0].receive_all((1, 2), time.monotonic() + 0.3)
-    finally:
-        for one in links.values():
-            one.close()
 
 
 def test_a_rank_that_goes_away_fails_its_leaders_wait_at_once_and_the_leaders_its_ranks() -> None:
-    links = linked((0, 1, 2))
-    try:
+    with linked((0, 1, 2)) as links:
         links[2].close()  # the deadline would raise TimeoutError: the close is seen first
         with pytest.raises(ConnectionError, match="rank 2 closed its connection"):
             links[0].receive_all((1, 2), time.monotonic() + 20)
         links[0].close()
         with pytest.raises(ConnectionError, match="rank 0 closed its connection"):
             links[1].receive_all((0,), time.monotonic() + 20)
-    finally:
-        for one in links.values():
-            one.close()
 
 
 def test_a_rank_that_cannot_connect_stops_its_leader_waiting(
@@ -166,20 +163,18 @@ def test_a_forked_child_does_not_keep_its_parents_connections_open() -> None:
     """A child forked from rank 1 (a DataLoader worker, say) outlives rank 1's connection:
     the fork hook closed the child's copy, so the leader sees rank 1 go at once instead of
     waiting out its deadline."""
-    links = linked((0, 1))
-    child = os.fork()
-    if child == 0:  # the child: hold whatever it has for a while, touch nothing
-        time.sleep(30)
-        os._exit(0)
-    try:
-        links[1].close()  # without the hook the child's copy keeps it open: TimeoutError
-        with pytest.raises(ConnectionError, match="rank 1 closed its connection"):
-            links[0].receive_all((1,), time.monotonic() + 20)
-    finally:
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
-        for one in links.values():
-            one.close()
+    with linked((0, 1)) as links:
+        child = os.fork()
+        if child == 0:  # the child: hold whatever it has for a while, touch nothing
+            time.sleep(30)
+            os._exit(0)
+        try:
+            links[1].close()  # without the hook the child's copy keeps it open: TimeoutError
+            with pytest.raises(ConnectionError, match="rank 1 closed its connection"):
+                links[0].receive_all((1,), time.monotonic() + 20)
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
 
 
 def test_connections_on_descriptors_beyond_1024_work() -> None:
@@ -194,16 +189,12 @@ def test_connections_on_descriptors_beyond_1024_work() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     try:
-        links = linked((0, 1))
-        try:
+        with linked((0, 1)) as links:
             assert min(c.fileno() for one in links.values()
                        for c in one._peers.values()) > 1024
             deadline = time.monotonic() + 10
             links[1].send(0, b"vote", deadline)
             assert links[0].receive_all((1,), deadline) == [b"vote"]
-        finally:
-            for one in links.values():
-                one.close()
     finally:
         for fd in held:
             os.close(fd)
@@ -213,8 +204,7 @@ def test_connections_on_descriptors_beyond_1024_work() -> None:
 def test_messages_sent_back_to_back_are_read_one_at_a_time_in_order() -> None:
     """Two messages that arrive in one read: the second is kept for the next read, whether
     the leader waits on one rank or on several."""
-    links = linked((0, 1, 2))
-    try:
+    with linked((0, 1, 2)) as links:
         deadline = time.monotonic() + 10
         for message in (b"first", b"", b"third" * 1000):
             links[1].send(0, message, deadline)
@@ -229,6 +219,3 @@ def test_messages_sent_back_to_back_are_read_one_at_a_time_in_order() -> None:
         time.sleep(0.2)
         assert links[1].receive_all((0,), deadline) == [b"a"]
         assert links[1].receive_all((0,), deadline) == [b"b"]
-    finally:
-        for one in links.values():
-            one.close()
