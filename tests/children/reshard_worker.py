@@ -51,14 +51,14 @@ BATCH = 12  # divisible by 1, 2, 3 and 4 ranks: the same global batch at every w
 
 def build(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(),
-                                torch.nn.Linear(50, 7))  # 7 and 50 rows: uneven shards
+    model: torch.nn.Module = torch.nn.Sequential(
+        torch.nn.Linear(30, 50), torch.nn.ReLU(), torch.nn.Linear(50, 7))  # uneven shards
     if kind == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
+        for layer in model.children():
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -85,7 +85,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) ->
 
 
 def full(t: torch.Tensor) -> np.ndarray:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().numpy().copy()
+    whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return np.array(whole.detach().cpu().numpy(), copy=True)
 
 
 def params(model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -269,8 +270,8 @@ def main() -> None:
         train_step(model, opt, seed=3)
         after = params(model)
         if rank == 0:
-            np.savez(os.path.join(here, "saved.npz"), **saved)
-            np.savez(os.path.join(here, "next.npz"), **after)
+            np.savez(os.path.join(here, "saved.npz"), **saved)  # type: ignore[arg-type]
+            np.savez(os.path.join(here, "next.npz"), **after)  # type: ignore[arg-type]
     elif args.mode == "restore":
         model, opt = build(args.kind, seed=7)
         events = Events()
@@ -292,7 +293,7 @@ def main() -> None:
         expected = np.load(os.path.join(here, "next.npz"))
         diff = max(float(np.abs(v - expected[k]).max(initial=0.0))
                    for k, v in params(model).items())
-        out = {"step": result.step, "resharded_from": result.resharded_from,
+        out: dict[str, Any] = {"step": result.step, "resharded_from": result.resharded_from,
                "bytes": result.bytes, "equal": equal, "next_step_max_diff": diff,
                "differ": differ,
                "in_place": events.field("ckpt.recovery.resharded", "read_in_place"),
@@ -397,7 +398,7 @@ def main() -> None:
         try:
             with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
                 result = pipe.restore_latest({"t": live})
-            out: dict[str, Any] = {"resharded_from": result and result.resharded_from}
+            out = {"resharded_from": result and result.resharded_from}
             for name, (shape, _) in PLACEMENTS.items():
                 expected = torch.arange(float(np.prod(shape))).reshape(shape) * (len(name) + 1)
                 out[name] = bool(torch.equal(live[name].full_tensor(), expected))
