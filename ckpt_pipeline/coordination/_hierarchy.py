@@ -365,12 +365,11 @@ class HierarchicalCoordinator:
         self._node = self.layout.node_of(self.rank)
         self._leaders = self.layout.leaders
         self._leader = self._node[0]
-        self._groups: list[Any] = []
+        self._leaders_group: Any = None
         self._store = default_store(dist)
         self._links = self._link_node()
         try:  # every wait has a deadline of its own: the timeout only bounds the group's setup
-            self._leaders_group = self._own_group((self._leaders,),
-                                                  self.timeout_s + self.grace_s)
+            self._leaders_group = self._group_of(self._leaders, self.timeout_s + self.grace_s)
         except BaseException:
             self.close()
             raise
@@ -396,14 +395,13 @@ class HierarchicalCoordinator:
     def close(self) -> None:
         """Destroy this coordinator's gloo group and close its node's sockets; later
         exchanges raise. Safe to call twice; never raises."""
-        groups, self._groups = self._groups, []
-        self._leaders_group = None
+        group, self._leaders_group = self._leaders_group, None
         links, self._links = self._links, None
         if self._broken is None:
             self._broken = "the coordinator was closed"
         if links is not None:
             links.close()
-        for group in groups:
+        if group is not None:
             destroy_group(self._dist, group)
 
     # ------------------------------------------------------------ an exchange
@@ -632,19 +630,14 @@ class HierarchicalCoordinator:
                                "LOCAL_WORLD_SIZE, nodes= or node_size=; or use "
                                "cp.DistributedCoordinator (the flat control plane)")
 
-    def _own_group(self, members: Sequence[tuple[int, ...]], timeout_s: float) -> Any:
-        """One gloo group per entry of ``members`` of more than one rank, made by every rank
-        in the same order; returns (and keeps) the one this rank belongs to, else None."""
-        own = None
-        for ranks in members:
-            if len(ranks) == 1:
-                continue
-            group = self._dist.new_group(ranks=list(ranks), backend="gloo",
-                                         timeout=datetime.timedelta(seconds=timeout_s))
-            if self.rank in ranks:
-                own = group
-                self._groups.append(group)
-        return own
+    def _group_of(self, ranks: Sequence[int], timeout_s: float) -> Any:
+        """A gloo group of ``ranks``, made by every rank (torch requires it): the group on
+        its members, None on the others and for a single rank."""
+        if len(ranks) == 1:
+            return None
+        group = self._dist.new_group(ranks=list(ranks), backend="gloo",
+                                     timeout=datetime.timedelta(seconds=timeout_s))
+        return group if self.rank in ranks else None
 
 
 def merge_nodes(layout: NodeLayout, frames: Sequence[bytes]) -> Runs[bytes]:

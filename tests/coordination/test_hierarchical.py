@@ -107,9 +107,11 @@ class Ranks:
 
 
 def launch(scenario: str, phases: Sequence[str], root: Path, logs: Path, *,
-           victim: int = -1) -> tuple[dict[int, int], dict[int, dict[str, Any]], str]:
+           victim: int = -1, world: int = WORLD,
+           env_of: Mapping[int, Mapping[str, str]] | None = None
+           ) -> tuple[dict[int, int], dict[int, dict[str, Any]], str]:
     """Run every rank to its end: (exit codes, each rank's results, the ranks' logs)."""
-    ranks = Ranks(scenario, phases, root, logs, victim=victim)
+    ranks = Ranks(scenario, phases, root, logs, victim=victim, world=world, env_of=env_of)
     try:
         codes = ranks.wait()
     finally:
@@ -118,11 +120,14 @@ def launch(scenario: str, phases: Sequence[str], root: Path, logs: Path, *,
 
 
 def run_clean(scenario: str, phases: Sequence[str], root: Path, logs: Path, *,
-              victim: int = -1) -> dict[int, dict[str, Any]]:
+              victim: int = -1, world: int = WORLD,
+              env_of: Mapping[int, Mapping[str, str]] | None = None
+              ) -> dict[int, dict[str, Any]]:
     """A launch in which every rank exits 0 and writes its results."""
-    codes, results, logs_text = launch(scenario, phases, root, logs, victim=victim)
-    assert codes == dict.fromkeys(range(WORLD), 0), logs_text
-    assert sorted(results) == list(range(WORLD)), logs_text
+    codes, results, logs_text = launch(scenario, phases, root, logs, victim=victim,
+                                       world=world, env_of=env_of)
+    assert codes == dict.fromkeys(range(world), 0), logs_text
+    assert sorted(results) == list(range(world)), logs_text
     return results
 
 
@@ -286,14 +291,9 @@ def test_ranks_that_see_different_nodes_all_refuse_the_coordinator(
     """4 ranks in nodes of 2, but rank 3 is told another node size: every rank raises
     ConfigError when it makes the coordinator, none hangs."""
     nodes_of_2 = {"LOCAL_WORLD_SIZE": "2"}
-    ranks = Ranks("plain", ["layout"], tmp_path / "root", tmp_path / "logs", world=4,
-                  env_of={0: nodes_of_2, 1: nodes_of_2, 2: nodes_of_2, 3: env})
-    try:
-        codes = ranks.wait()
-    finally:
-        ranks.kill()
-    assert codes == dict.fromkeys(range(4), 0), ranks.describe()
-    for rank, out in phase(ranks.results(), "layout").items():
+    results = run_clean("plain", ["layout"], tmp_path / "root", tmp_path / "logs", world=4,
+                        env_of={0: nodes_of_2, 1: nodes_of_2, 2: nodes_of_2, 3: env})
+    for rank, out in phase(results, "layout").items():
         assert out["layout"] is None and out["error"]["type"] == "ConfigError", (rank, out)
         assert re.search(match, out["error"]["message"]), (rank, out["error"]["message"])
 
@@ -306,14 +306,9 @@ def test_a_rank_that_cannot_reach_its_node_leader_fails_the_coordinator_on_every
     naming rank 5 and the node layout to check, and none hangs: the leader stops waiting
     for rank 5 when rank 5 says in the store that it cannot connect, instead of waiting out
     the coordination timeout."""
-    ranks = Ranks("unreachable", ["layout"], tmp_path / "root", tmp_path / "logs", world=8,
-                  victim=5)
-    try:
-        codes = ranks.wait()
-    finally:
-        ranks.kill()
-    assert codes == dict.fromkeys(range(8), 0), ranks.describe()
-    for rank, out in phase(ranks.results(), "layout").items():
+    results = run_clean("unreachable", ["layout"], tmp_path / "root", tmp_path / "logs",
+                        world=8, victim=5)
+    for rank, out in phase(results, "layout").items():
         error = out["error"]
         assert out["layout"] is None and error["type"] == "ConfigError", (rank, out)
         assert "rank 5 could not connect to its node's leader, rank 4" in error["message"], \
@@ -329,14 +324,9 @@ def test_a_pipeline_whose_ranks_see_different_node_sizes_agrees_on_the_flat_one(
     pipelines choose together, every rank makes the flat coordinator, and every save
     commits (a rank that chose alone would make other groups than the rest)."""
     nodes_of_2 = {"LOCAL_WORLD_SIZE": "2"}
-    ranks = Ranks("plain", ["save"], tmp_path / "root", tmp_path / "logs", world=4,
-                  env_of={0: nodes_of_2, 1: nodes_of_2, 2: nodes_of_2,
-                          3: {"LOCAL_WORLD_SIZE": "4"}})
-    try:
-        codes = ranks.wait()
-    finally:
-        ranks.kill()
-    assert codes == dict.fromkeys(range(4), 0), ranks.describe()
-    for rank, out in phase(ranks.results(), "save").items():
+    results = run_clean("plain", ["save"], tmp_path / "root", tmp_path / "logs", world=4,
+                        env_of={0: nodes_of_2, 1: nodes_of_2, 2: nodes_of_2,
+                                3: {"LOCAL_WORLD_SIZE": "4"}})
+    for rank, out in phase(results, "save").items():
         assert out["coordinator"] == "DistributedCoordinator", (rank, out)
         assert all(s["ok"] for s in out["saves"]), (rank, out["saves"])
