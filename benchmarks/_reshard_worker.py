@@ -318,17 +318,21 @@ _PHASES = (  # (module, attribute): what CKPT_BENCH_PHASES times inside restore_
     ("ckpt_pipeline._restore.inplace", "_Entry.before"),
     ("ckpt_pipeline._restore.recovery", "apply_state"),
     ("ckpt_pipeline._restore.sourcing", "Sourcing.load"),
+    ("ckpt_pipeline._reshard.ranges", "ShardRanges.read_blocks"),
+    ("ckpt_pipeline._reshard.ranges", "checksum"),
+    ("ckpt_pipeline._reshard.ranges", "_Staging.copy"),
 )
 
 
 def _time_phases() -> dict[str, list[tuple[float, float]]]:
     """With ``CKPT_BENCH_PHASES`` set: wrap each of ``_PHASES`` (where it exists) so that
-    every call's (start, end) is recorded; ``_phase_summary`` turns them into figures."""
+    every call's (start, end, thread CPU seconds) is recorded; ``_phase_summary`` turns them
+    into figures."""
     import functools
     import importlib
     import inspect
 
-    spans: dict[str, list[tuple[float, float]]] = {}
+    spans: dict[str, list[tuple[float, float, float]]] = {}
     for module_name, attr in _PHASES:
         owner: Any = importlib.import_module(module_name)
         *outer, name = attr.split(".")
@@ -339,37 +343,39 @@ def _time_phases() -> dict[str, list[tuple[float, float]]]:
             continue
         record = spans.setdefault(attr, [])
 
-        def wrap(fn: Any, record: list[tuple[float, float]]) -> Any:
-            if inspect.iscoroutinefunction(fn):
+        def wrap(fn: Any, record: list[tuple[float, float, float]]) -> Any:
+            if inspect.iscoroutinefunction(fn):  # CPU seconds: not this thread's alone
                 @functools.wraps(fn)
                 async def timed_async(*a: Any, **k: Any) -> Any:
                     at = time.perf_counter()
                     try:
                         return await fn(*a, **k)
                     finally:
-                        record.append((at, time.perf_counter()))
+                        record.append((at, time.perf_counter(), float("nan")))
                 return timed_async
 
             @functools.wraps(fn)
             def timed(*a: Any, **k: Any) -> Any:
-                at = time.perf_counter()
+                at, cpu = time.perf_counter(), time.thread_time()
                 try:
                     return fn(*a, **k)
                 finally:
-                    record.append((at, time.perf_counter()))
+                    record.append((at, time.perf_counter(), time.thread_time() - cpu))
             return timed
 
         setattr(owner, name, wrap(fn, record))
     return spans
 
 
-def _phase_summary(spans: dict[str, list[tuple[float, float]]], started: float
+def _phase_summary(spans: dict[str, list[tuple[float, float, float]]], started: float
                    ) -> dict[str, Any]:
-    """Per phase: calls, the sum of their seconds (over threads), and the first start and
-    last end after ``started``."""
-    return {name: {"calls": len(v), "sum_s": sum(b - a for a, b in v),
-                   "first_start_s": min(a for a, _ in v) - started,
-                   "last_end_s": max(b for _, b in v) - started}
+    """Per phase: calls, the sum of their seconds (over threads), the sum of the calling
+    threads' CPU seconds in them (``time.thread_time``; nested phases count in each), and
+    the first start and last end after ``started``."""
+    return {name: {"calls": len(v), "sum_s": sum(b - a for a, b, _ in v),
+                   "cpu_s": sum(c for _, _, c in v),
+                   "first_start_s": min(a for a, _, _ in v) - started,
+                   "last_end_s": max(b for _, b, _ in v) - started}
             for name, v in spans.items() if v}
 
 
@@ -383,8 +389,10 @@ def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]
         if args.lib == "ckpt_pipeline":
             dist.barrier()
             started = time.perf_counter()
+            threads = int(os.environ.get("CKPT_BENCH_IO_THREADS", "0"))  # 0: the default
             pipe = stack.enter_context(cp.CheckpointPipeline(
-                args.root, coordination_timeout_s=args.timeout_s))
+                args.root, coordination_timeout_s=args.timeout_s,
+                **({"io_threads": threads} if threads else {})))
             out["open_s"] = time.perf_counter() - started
             state: dict[str, Any] = {"model": model, "tensors": tensors}
 

@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                    "timeout_s": args.timeout_s, "omp_num_threads": 1,
                    "ckpt_pipeline": "CheckpointPipeline defaults (restore_latest timed, the "
                                     "pipeline opened before the timer: open_s)",
+                   "bench_env": {k: v for k, v in os.environ.items()
+                                 if k.startswith("CKPT_BENCH_") and k != "CKPT_BENCH_COMMIT"},
                    "dcp": "dcp.save / dcp.load defaults (FileSystemWriter/Reader); the timed "
                           "call is DCP's recipe for FSDP2: get_model_state_dict, dcp.load, "
                           "set_model_state_dict (each also apart: dcp_*_s)"},
