@@ -324,7 +324,7 @@ _PHASES = (  # (module, attribute): what CKPT_BENCH_PHASES times inside restore_
 )
 
 
-def _time_phases() -> dict[str, list[tuple[float, float]]]:
+def _time_phases() -> dict[str, list[tuple[float, float, float]]]:
     """With ``CKPT_BENCH_PHASES`` set: wrap each of ``_PHASES`` (where it exists) so that
     every call's (start, end, thread CPU seconds) is recorded; ``_phase_summary`` turns them
     into figures."""
@@ -390,9 +390,9 @@ def restore(args: argparse.Namespace, specs: list[TensorSpec]) -> dict[str, Any]
             dist.barrier()
             started = time.perf_counter()
             threads = int(os.environ.get("CKPT_BENCH_IO_THREADS", "0"))  # 0: the default
+            extra: dict[str, Any] = {"io_threads": threads} if threads else {}
             pipe = stack.enter_context(cp.CheckpointPipeline(
-                args.root, coordination_timeout_s=args.timeout_s,
-                **({"io_threads": threads} if threads else {})))
+                args.root, coordination_timeout_s=args.timeout_s, **extra))
             out["open_s"] = time.perf_counter() - started
             state: dict[str, Any] = {"model": model, "tensors": tensors}
 
