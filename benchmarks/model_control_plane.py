@@ -20,7 +20,14 @@ halves) to the right neighbour, a step starting only when the previous one is do
 cost ``alpha + beta * segment``, every rank finishes at the last rank's entry plus (N-1) steps
 (``ring_allgather_finish`` simulates it step by step; the event loop uses that closed form).
 
-**hier-runs** is what ``coordination/_hierarchy.py`` does: hier-p2p below, with every
+**hier-sockets** is what ``coordination/_hierarchy.py`` does now: hier-runs below, with the
+node stage over local sockets (``coordination/_node_links.py``, ``68f6bd3``): a rank's message
+to its leader is one hop of ``node_hop_s`` (its length and bytes in one send), the relay back
+one hop of ``node_hop_s``, each with ``message_s`` a message at the leader, where hier-runs
+prices them at the gloo step ``alpha_s`` (two hops in, one out). The leaders' stage is
+hier-runs' (gloo, ``log_gather``).
+
+**hier-runs** (as built at ``3ba9993``): hier-p2p below, with every
 rank's answers kept as runs of equal answers (``coordination/_runs.py``), so that the leader's
 work beyond the decodes is ``per_node_s`` a node (reading its nodes' frames, joining their
 runs) and a rank's is the decodes alone. **hier-p2p** (as built at e2dc8ef's parent). Per exchange: each rank of a node
@@ -91,6 +98,11 @@ reading the nodes' frames (equal ones once) and joining their runs, then packing
 bench_vote_decode.py at b7f9b82+, 16,000 ranks in 2,000 nodes voting alike, 1.20 ms. A rank's
 unpacking and tally are O(runs): 0.02 ms at 16,000 ranks, one decode included."""
 
+NODE_HOP_S = 36.2e-6 / 2
+"""hier-sockets: one message over a node's Unix-domain socket; half the median round trip of
+``probe_node_messages.py`` on the 2-core development VM (36.2 us, 100 bytes,
+results/probe_node_messages_cpu_2core.json)."""
+
 # Measured on the 2-core development VM (torch 2.13 CPU, Python 3.11, under a CI load; the
 # least of 7 repeats), not on the 32-core host of scale.json: see PARAMETER_SOURCES.
 DECODE_S = 11.8e-6
@@ -121,6 +133,9 @@ PARAMETER_SOURCES = {
                  "H100 host's commit grew 0.20 ms a rank added to a node, six messages)",
     "per_node_s": "measured: bench_vote_decode.py, 16,000 ranks in nodes of 8 voting alike, "
                   "the leader's merge_nodes and pack_relay 1.20 ms, per node (dev VM)",
+    "node_hop_s": "hier-sockets: one message over a node's local socket, the sending to the "
+                  "receiver's wake-up: half the round trip of probe_node_messages.py (18.1 us "
+                  "on the dev VM) unless --node-hop-s sets it",
 }
 
 
@@ -140,6 +155,7 @@ class Params:
     per_rank_s: float = PER_RANK_S
     message_s: float = MESSAGE_S
     per_node_s: float = PER_NODE_S
+    node_hop_s: float = NODE_HOP_S
 
     @property
     def alpha_leader(self) -> float:
@@ -279,12 +295,13 @@ def simulate_flat(ranks: int, exchanges: Exchanges, fixed_s: float, p: Params
 
 def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed_s: float,
                           p: Params, *, log_depth: bool = False, p2p_node: bool = False,
-                          runs: bool = False) -> dict[str, float]:
+                          runs: bool = False, sockets: bool = False) -> dict[str, float]:
     """The per-node protocol (module docstring): in each node ring all-gathers, or with
     ``p2p_node`` every rank's message straight to the leader; the leaders' all-gather (Bruck's
     with ``log_depth``, else gloo's ring); the relay back (two broadcasts, or with
     ``p2p_node`` the leader's message to each rank). ``runs``: the answers kept as runs, so
-    that the leader's work beyond the decodes is ``per_node_s`` a node and a rank's none."""
+    that the leader's work beyond the decodes is ``per_node_s`` a node and a rank's none.
+    ``sockets`` (with ``p2p_node``): a node's messages each one hop of ``node_hop_s``."""
     loop = Loop()
     nodes = -(-ranks // per_node)
     sizes = [min(per_node, ranks - n * per_node) for n in range(nodes)]
@@ -316,7 +333,11 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
 
     for size in sizes:
         steps = max(size - 1, 0)
-        if p2p_node:  # lengths, then messages, all at once; then one message to each rank
+        if p2p_node and sockets:  # one send a message (length and bytes), each way
+            node_stage = [[Collective(size, p.node_hop_s + steps * p.message_s)]
+                          for _ in exchanges]
+            relay = [Collective(size, p.node_hop_s + steps * p.message_s) for _ in exchanges]
+        elif p2p_node:  # lengths, then messages, all at once; then one message to each rank
             node_stage = [[Collective(size, 2 * p.alpha_s + 2 * steps * p.message_s)]
                           for _ in exchanges]
             relay = [Collective(size, p.alpha_s + steps * p.message_s) for _ in exchanges]
@@ -329,7 +350,7 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
     return {"seconds": loop.run(), "nodes": nodes}
 
 
-PROTOCOLS = ("flat", "hier", "hier-log", "hier-p2p", "hier-runs")
+PROTOCOLS = ("flat", "hier", "hier-log", "hier-p2p", "hier-runs", "hier-sockets")
 
 
 def simulate(protocol: str, ranks: int, per_node: int, operation: str, p: Params
@@ -341,8 +362,9 @@ def simulate(protocol: str, ranks: int, per_node: int, operation: str, p: Params
         return simulate_flat(ranks, exchanges, fixed, p)
     return simulate_hierarchical(ranks, per_node, exchanges, fixed, p,
                                  log_depth=protocol != "hier",
-                                 p2p_node=protocol in ("hier-p2p", "hier-runs"),
-                                 runs=protocol == "hier-runs")
+                                 p2p_node=protocol in ("hier-p2p", "hier-runs", "hier-sockets"),
+                                 runs=protocol in ("hier-runs", "hier-sockets"),
+                                 sockets=protocol == "hier-sockets")
 
 
 # --- calibration ---------------------------------------------------------------------------------
@@ -393,15 +415,15 @@ def _flat_s(ranks: int, operation: str, p: Params) -> float:
 
 
 def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS,
-              check_protocol: str = "hier-p2p", message_s: float = MESSAGE_S
-              ) -> tuple[Params, dict[str, Any]]:
+              check_protocol: str = "hier-p2p", message_s: float = MESSAGE_S,
+              node_hop_s: float = NODE_HOP_S) -> tuple[Params, dict[str, Any]]:
     """Fit alpha_s and the fixed parts of the flat model to scale.json (module docstring).
 
     The model is linear in alpha_s and in the fixed parts, so two runs of it per size give the
     least-squares fit in closed form; the residuals then come from runs at the fitted values.
     """
     points = measured_points(scale)
-    base = Params(alpha_s=0.0, message_s=message_s)
+    base = Params(alpha_s=0.0, message_s=message_s, node_hop_s=node_hop_s)
     unit = 1e-3
     vote = [pt for pt in points if pt["figure"] == "vote" and pt["replicas"] == 0
             and pt["ranks"] in fit_ranks]
@@ -437,20 +459,21 @@ def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS,
 
 # --- the report ----------------------------------------------------------------------------------
 
-SENSITIVE = ("alpha_leader_s", "decode_s", "per_rank_s", "message_s", "per_node_s")
+SENSITIVE = ("alpha_leader_s", "decode_s", "per_rank_s", "message_s", "per_node_s",
+             "node_hop_s")
 
 
 def sensitivity(p: Params, ranks: int, per_node: int) -> dict[str, Any]:
     """The hierarchical commit at ``ranks`` with each uncertain parameter x0.5 and x2, and the
     leaders' step cost at which it would take GOAL_S."""
     out: dict[str, Any] = {"ranks": ranks, "ranks_per_node": per_node}
-    for protocol in ("hier", "hier-log", "hier-p2p", "hier-runs"):
+    for protocol in PROTOCOLS[1:]:
         row: dict[str, Any] = {"base_s": simulate(protocol, ranks, per_node, "commit", p)[
             "seconds"]}
         for name in SENSITIVE:
             value = {"alpha_leader_s": p.alpha_leader, "decode_s": p.decode_s,
                      "per_rank_s": p.per_rank_s, "message_s": p.message_s,
-                     "per_node_s": p.per_node_s}[name]
+                     "per_node_s": p.per_node_s, "node_hop_s": p.node_hop_s}[name]
             for factor in (0.5, 2.0):
                 changed: dict[str, Any] = {name: value * factor}
                 varied = dataclasses.replace(p, **changed)
@@ -474,9 +497,9 @@ def _solve_alpha_leader(protocol: str, ranks: int, per_node: int, p: Params) -> 
 
 def build_report(scale: dict[str, Any], sizes: Sequence[int], per_node: Sequence[int],
                  scale_path: str, fit_ranks: Sequence[int] = FIT_RANKS,
-                 check_protocol: str = "hier-p2p", message_s: float = MESSAGE_S
-                 ) -> dict[str, Any]:
-    p, fit = calibrate(scale, fit_ranks, check_protocol, message_s)
+                 check_protocol: str = "hier-p2p", message_s: float = MESSAGE_S,
+                 node_hop_s: float = NODE_HOP_S) -> dict[str, Any]:
+    p, fit = calibrate(scale, fit_ranks, check_protocol, message_s, node_hop_s)
     results: list[dict[str, Any]] = []
     for rpn in per_node:
         for ranks in sizes:
@@ -554,19 +577,20 @@ def table(report: dict[str, Any]) -> str:
     lines += ["", f"unconstrained fit: alpha_s {free['alpha_s'] * 1e6:.1f} us, fixed_commit_s "
                   f"{free['fixed_commit_s'] * 1e3:.2f} ms"
                   + (" (negative: held at 0)" if free["fixed_commit_s"] < 0 else "")]
+    short = ("hier", "hier-log", "hier-p2p", "h-runs", "h-sock")
     lines += ["", f"{'ranks':>6}{'per node':>9}{'nodes':>6} | {'commit ms: flat':>16}"
-              f"{'hier':>9}{'hier-log':>9}{'hier-p2p':>9}{'h-runs':>9} | "
-              f"{'restore ms: flat':>17}{'hier':>9}{'hier-log':>9}{'hier-p2p':>9}{'h-runs':>9}"]
+              + "".join(f"{k:>9}" for k in short) + f" | {'restore ms: flat':>17}"
+              + "".join(f"{k:>9}" for k in short)]
     for row in report["results"]:
         c = [_ms(row[k]["commit_s"]) for k in PROTOCOLS]
         r = [_ms(row[k]["restore_s"]) for k in PROTOCOLS]
         lines.append(f"{row['ranks']:>6}{row['ranks_per_node']:>9}{row['nodes']:>6} | "
-                     f"{c[0]:>16}{c[1]:>9}{c[2]:>9}{c[3]:>9}{c[4]:>9} | {r[0]:>17}{r[1]:>9}"
-                     f"{r[2]:>9}{r[3]:>9}{r[4]:>9}")
+                     f"{c[0]:>16}" + "".join(f"{v:>9}" for v in c[1:]) + f" | {r[0]:>17}"
+                     + "".join(f"{v:>9}" for v in r[1:]))
     sens = report["sensitivity"]
     lines += ["", f"sensitivity of the commit at {sens['ranks']:,} ranks, "
                   f"{sens['ranks_per_node']} per node (ms):"]
-    for protocol in ("hier", "hier-log", "hier-p2p", "hier-runs"):
+    for protocol in PROTOCOLS[1:]:
         row = sens[protocol]
         parts = [f"{name} x{f:g} {_ms(row[f'{name}_x{f:g}'])}" for name in SENSITIVE
                  for f in (0.5, 2.0)]
@@ -594,14 +618,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="the flat configurations fitted (default 8,16,32; fewer than "
                              "the cores, or the fit takes in the wait for a core)")
     parser.add_argument("--check-protocol",
-                        choices=("hier", "hier-log", "hier-p2p", "hier-runs"),
+                        choices=PROTOCOLS[1:],
                         default="hier-p2p",
-                        help="the per-node protocol the scale JSON measured: hier-runs (as "
-                             "built), hier-p2p (a8d0de8), hier-log (eb84046: rings in each node), hier (39cf544: "
+                        help="the per-node protocol the scale JSON measured: hier-sockets (as "
+                             "built), hier-runs (3ba9993), hier-p2p (a8d0de8), hier-log (eb84046: rings in each node), hier (39cf544: "
                              "gloo's ring between the leaders too)")
     parser.add_argument("--message-s", type=float, default=MESSAGE_S,
                         help="a leader's cost per message of its node's ranks beyond the hop "
                              "(hier-p2p, hier-runs; default %(default)s s, assumed)")
+    parser.add_argument("--node-hop-s", type=float, default=NODE_HOP_S,
+                        help="one message over a node's local socket (hier-sockets; default "
+                             "%(default)s s: half the dev VM's round trip)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     args = parser.parse_args(argv)
@@ -611,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         shown = str(args.scale)
     report = build_report(scale, args.ranks, args.ranks_per_node, shown, args.fit_ranks,
-                          args.check_protocol, args.message_s)
+                          args.check_protocol, args.message_s, args.node_hop_s)
     text = json.dumps(report, indent=1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
