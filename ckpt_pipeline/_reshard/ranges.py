@@ -101,11 +101,16 @@ class ShardRanges:
 
 class _Reader:
     """One thread's reads of one shard: a span's blocks into a buffer the caller gives, less
-    the first when the previous span ended in it (kept, verified)."""
+    the first when the previous span ended in it (kept, verified). The kept block lives in one
+    buffer of the shard's largest block, made at the first keep and reused: a fresh copy per
+    span would map and unmap memory each time, which the kernel does under the process's
+    memory-map lock and, on unmapping, with every CPU running another of its threads."""
 
     def __init__(self, shard: ShardRanges) -> None:
         self.shard = shard
-        self.kept: tuple[int, bytes] | None = None
+        self.kept: tuple[int, int] | None = None
+        """(block, its length): the block held in ``_kept``."""
+        self._kept = bytearray()
 
     def extent(self, start: int, end: int) -> int:
         """The bytes of the blocks [start, end) touches: the buffer ``read`` needs."""
@@ -122,12 +127,18 @@ class _Reader:
         view = view[:hi - lo]
         at = first
         if self.kept is not None and self.kept[0] == first:
-            view[:len(self.kept[1])] = self.kept[1]
+            size = self.kept[1]
+            view[:size] = memoryview(self._kept)[:size]
             at += 1
         if at <= last:
             shard.read_blocks(at, last, view[shard.checks[at][0] - lo:])
-        tail = shard.checks[last][0]
-        self.kept = (last, bytes(view[tail - lo:])) if keep else None
+        self.kept = None
+        if keep:
+            tail = view[shard.checks[last][0] - lo:]
+            if len(self._kept) < len(tail):
+                self._kept = bytearray(max(len(tail), shard.block))
+            memoryview(self._kept)[:len(tail)] = tail
+            self.kept = (last, len(tail))
         return start - lo
 
 
