@@ -3,9 +3,10 @@
 # grows (probe_node_stage.py: a node of N and a node of one, two nodes of N, flat on N + 1;
 # no pipeline running, a core a process), ROUNDS rounds (default 3) of SIZES (default
 # 1,2,4,8,15) -> $OUT/node_stage.json, $OUT/node_stage.log.
-# Then, with RESHARD=1, issue 26's 4 -> 2 reshard with its phases timed (CKPT_BENCH_PHASES=1),
-# its roots in /tmp (the disk's file system) and in /dev/shm, and with io_threads=1 in /tmp
-# -> $OUT/reshard_{tmp,shm,tmp_t1}.json.
+# Then, with RESHARD=1, issue 26's 4 -> 2 reshard with its phases timed (CKPT_BENCH_PHASES=1):
+# this tree with its roots in /tmp (the disk's file system), the tree at .ab_old (git worktree
+# add --detach .ab_old OLD, carried; left out when absent) in /tmp, this tree in /dev/shm
+# -> $OUT/reshard_{tmp,old_tmp,shm}.json.
 # Usage: git rev-parse HEAD > commit.txt; OUT=/some/empty/dir bash benchmarks/gpu_issue28_node_stage.sh
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
@@ -17,15 +18,18 @@ timeout -k 10 "${PROBE_LIMIT:-300}" python3 benchmarks/probe_node_stage.py \
   --out "$OUT/node_stage.json" >> "$LOG" 2>&1
 echo "probe_node_stage: exit $? after ${SECONDS} s" >> "$LOG"
 if [ "${RESHARD:-0}" = 1 ]; then
-  for where in tmp shm tmp_t1; do
+  # this tree in /tmp, the tree at .ab_old (when carried) in /tmp, this tree in /dev/shm
+  for where in tmp old_tmp shm; do
     root=/tmp/rph; [ "$where" = shm ] && root=/dev/shm/rph
-    threads=0; [ "$where" = tmp_t1 ] && threads=1
-    CKPT_BENCH_PHASES=1 CKPT_BENCH_IO_THREADS=$threads timeout -k 10 "${RESHARD_LIMIT:-100}" \
-      python3 benchmarks/bench_reshard.py --repeats "${RESHARD_REPEATS:-2}" --cases 4to2 \
-      --root "$root" --out "$OUT/reshard_$where.json" > "$OUT/reshard_$where.log" 2>&1
+    dir=.; [ "$where" = old_tmp ] && dir=.ab_old
+    [ -d "$dir/benchmarks" ] || continue
+    (cd "$dir" && CKPT_BENCH_PHASES=1 PYTHONPATH="/tmp/site:$PWD" timeout -k 10 \
+      "${RESHARD_LIMIT:-100}" python3 benchmarks/bench_reshard.py --repeats \
+      "${RESHARD_REPEATS:-2}" --cases 4to2 --root "$root" --out "$OUT/reshard_$where.json" \
+      > "$OUT/reshard_$where.log" 2>&1)
     echo "reshard $where: exit $? after ${SECONDS} s" >> "$LOG"
     rm -rf "$root"
-    grep -E "^4to2" "$OUT/reshard_$where.log" >> "$LOG"
+    grep -E "^4to2" "$OUT/reshard_$where.log" | sed "s/^/$where /" >> "$LOG"
   done
 fi
 grep -E "exit [^0]|Error" "$LOG" | head -5
