@@ -5,7 +5,8 @@
 # 1,2,4,8,15) -> $OUT/node_stage.json, $OUT/node_stage.log.
 # Then, with RESHARD=1, issue 26's 4 -> 2 reshard with its phases timed (CKPT_BENCH_PHASES=1):
 # this tree with its roots in /tmp (the disk's file system), the tree at .ab_old (git worktree
-# add --detach .ab_old OLD, carried; left out when absent) in /tmp, this tree in /dev/shm
+# add --detach .ab_old OLD; git -C .ab_old rev-parse HEAD > .ab_old/commit.txt; carried; left
+# out when absent) in /tmp, this tree in /dev/shm
 # -> $OUT/reshard_{tmp,old_tmp,shm}.json.
 # Usage: git rev-parse HEAD > commit.txt; OUT=/some/empty/dir bash benchmarks/gpu_issue28_node_stage.sh
 set -uo pipefail
@@ -23,7 +24,8 @@ if [ "${RESHARD:-0}" = 1 ]; then
     root=/tmp/rph; [ "$where" = shm ] && root=/dev/shm/rph
     dir=.; [ "$where" = old_tmp ] && dir=.ab_old
     [ -d "$dir/benchmarks" ] || continue
-    (cd "$dir" && CKPT_BENCH_PHASES=1 PYTHONPATH="/tmp/site:$PWD" timeout -k 10 \
+    (cd "$dir" && { [ ! -f commit.txt ] || export CKPT_BENCH_COMMIT="$(head -c 12 commit.txt)"; } \
+      && CKPT_BENCH_PHASES=1 PYTHONPATH="/tmp/site:$PWD" timeout -k 10 \
       "${RESHARD_LIMIT:-100}" python3 benchmarks/bench_reshard.py --repeats \
       "${RESHARD_REPEATS:-2}" --cases 4to2 --root "$root" --out "$OUT/reshard_$where.json" \
       > "$OUT/reshard_$where.log" 2>&1)
