@@ -601,6 +601,25 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fit_node_stage(probe: dict[str, Any]) -> dict[str, Any]:
+    """``node_hop_s`` and ``message_s`` from ``probe_node_stage.py``'s JSON: an exchange of a
+    node of N beside a node of one, less the same with N = 1 (no node stage), is the node
+    stage and the relay, ``2 node_hop_s + 2 (N - 1) message_s`` by the hier-sockets model;
+    least squares over every N >= 2 (held >= 0)."""
+    rows = {row["n"]: row["median_s"] for row in probe["medians"].values()
+            if row["layout"] == "one+N"}
+    if 1 not in rows or len([n for n in rows if n >= 2]) < 2:
+        raise SystemExit("the node-stage probe lacks one+N at N = 1 and at two N >= 2")
+    xs = [float(n - 1) for n in sorted(rows) if n >= 2]
+    ys = [rows[n] - rows[1] for n in sorted(rows) if n >= 2]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
+    intercept = my - slope * mx
+    return {"node_hop_s": max(intercept / 2, 0.0), "message_s": max(slope / 2, 0.0),
+            "points": [{"n": n, "node_stage_s": rows[n] - rows[1]} for n in sorted(rows)
+                       if n >= 2], "exchange_one_node_s": rows[1]}
+
+
 def _int_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or any(v < 1 for v in values):
@@ -629,6 +648,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-hop-s", type=float, default=NODE_HOP_S,
                         help="one message over a node's local socket (hier-sockets; default "
                              "%(default)s s: half the dev VM's round trip)")
+    parser.add_argument("--node-probe", type=Path, default=None,
+                        help="probe_node_stage.py's JSON: node_hop_s and message_s fitted on "
+                             "its node of N beside a node of one (overrides --node-hop-s and "
+                             "--message-s)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     args = parser.parse_args(argv)
@@ -637,8 +660,17 @@ def main(argv: list[str] | None = None) -> int:
         shown = str(args.scale.resolve().relative_to(HERE.parent))
     except ValueError:
         shown = str(args.scale)
+    node_fit = None
+    if args.node_probe is not None:
+        node_fit = fit_node_stage(json.loads(args.node_probe.read_text()))
+        args.node_hop_s, args.message_s = node_fit["node_hop_s"], node_fit["message_s"]
     report = build_report(scale, args.ranks, args.ranks_per_node, shown, args.fit_ranks,
                           args.check_protocol, args.message_s, args.node_hop_s)
+    if node_fit is not None:
+        report["node_stage_fit"] = {"from": str(args.node_probe), **node_fit}
+        for name in ("node_hop_s", "message_s"):
+            report["parameters"][name]["source"] = (
+                f"fitted on {args.node_probe}: a node of N beside a node of one, less N = 1")
     text = json.dumps(report, indent=1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
