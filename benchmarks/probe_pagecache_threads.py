@@ -6,7 +6,9 @@ page cache), then for 1, 2, 4, 8 and 16 threads, each thread reads its slice wit
 ``os.preadv`` in 4 MiB calls into (a) a host buffer already touched and (b) fresh memory, and
 copies (c) touched memory into touched memory with ``torch``'s ``copy_``, (d) into fresh
 memory, (e) into fresh memory each thread first maps in with ``MADV_POPULATE_WRITE``
-(``_hostmem.populate``), the mapping timed with the copy. Every figure is the whole volume over the slowest thread's wall time, the best of
+(``_hostmem.populate``), the mapping timed with the copy, (f) into fresh memory mapped with
+``MADV_HUGEPAGE`` (transparent huge pages where the kernel's setting is ``madvise``; the
+AnonHugePages the process held after the copy are recorded). Every figure is the whole volume over the slowest thread's wall time, the best of
 ``--repeats``; JSON to ``--out``, a table to stdout.
 
     python benchmarks/probe_pagecache_threads.py --mib 1024 --dir /tmp --out probe.json
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import sys
 import threading
@@ -52,6 +55,18 @@ def _timed(threads: int, work: object) -> float:
     return max(done) - start
 
 
+def _anon_huge_kib() -> float:
+    """The process's AnonHugePages now (KiB; -1 where /proc does not say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return -1.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=1024)
@@ -78,11 +93,17 @@ def main() -> int:
             share = size // threads
             figures: dict[str, float] = {}
             for name in ("pread_touched", "pread_fresh", "copy_touched", "copy_fresh",
-                         "copy_populated"):
+                         "copy_populated", "copy_huge"):
                 best = float("inf")
                 for _ in range(args.repeats):
-                    into = touched if name.endswith("touched") else \
-                        torch.empty(size, dtype=torch.uint8)
+                    mapped = None
+                    if name == "copy_huge":
+                        mapped = mmap.mmap(-1, size)
+                        mapped.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
+                        into = torch.frombuffer(mapped, dtype=torch.uint8)
+                    else:
+                        into = touched if name.endswith("touched") else \
+                            torch.empty(size, dtype=torch.uint8)
 
                     def work(i: int, into: torch.Tensor = into, name: str = name,
                              share: int = share) -> None:
@@ -97,7 +118,12 @@ def main() -> int:
                                 into[at:at + n].copy_(source[at:at + n])
 
                     best = min(best, _timed(threads, work))
-                    del into
+                    if mapped is not None:
+                        figures["anon_huge_kib"] = _anon_huge_kib()
+                        del into, work
+                        mapped.close()
+                    else:
+                        del into
                 figures[name + "_gb_s"] = round(size / best / 1e9, 2)
             rows.append({"threads": threads, **figures})
             print(threads, figures, flush=True)
@@ -108,11 +134,12 @@ def main() -> int:
            "repeats": args.repeats, "rows": rows}
     args.out.write_text(json.dumps(out, indent=1))
     print("threads  pread->touched  pread->fresh  copy->touched  copy->fresh  populated+copy"
-          "  (GB/s)")
+          "  huge+copy  (GB/s; huge pages KiB)")
     for r in rows:
         print(f"{r['threads']:7d}  {r['pread_touched_gb_s']:14.2f}  {r['pread_fresh_gb_s']:12.2f}"
               f"  {r['copy_touched_gb_s']:13.2f}  {r['copy_fresh_gb_s']:11.2f}"
-              f"  {r['copy_populated_gb_s']:14.2f}")
+              f"  {r['copy_populated_gb_s']:14.2f}  {r['copy_huge_gb_s']:9.2f}"
+              f"  ({r.get('anon_huge_kib', -1):.0f})")
     return 0
 
 
