@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -101,16 +102,21 @@ class ShardRanges:
 
 class _Reader:
     """One thread's reads of one shard: a span's blocks into a buffer the caller gives, less
-    the first when the previous span ended in it (kept, verified). The kept block lives in one
-    buffer of the shard's largest block, made at the first keep and reused: a fresh copy per
-    span would map and unmap memory each time, which the kernel does under the process's
-    memory-map lock and, on unmapping, with every CPU running another of its threads."""
+    the first when the previous span ended in it (kept, verified).
+
+    The kept block lives in one host tensor of the shard's largest block, made at the first
+    keep and reused (a fresh copy per span would map and unmap memory each time), and every
+    copy into or out of it is a tensor copy, which runs without the GIL: a memoryview copy
+    of a 4 MiB block holds it throughout, and the other reading threads of the process wait
+    for it at the end of each of their reads and checksums. ``read_kept`` and ``copy_kept``
+    serve a range inside one block straight from that tensor, so that a block shared by two
+    spans is read once and copied only in the parts each span needs."""
 
     def __init__(self, shard: ShardRanges) -> None:
         self.shard = shard
         self.kept: tuple[int, int] | None = None
         """(block, its length): the block held in ``_kept``."""
-        self._kept = bytearray()
+        self._kept = torch.empty(0, dtype=torch.uint8)
 
     def extent(self, start: int, end: int) -> int:
         """The bytes of the blocks [start, end) touches: the buffer ``read`` needs."""
@@ -128,18 +134,55 @@ class _Reader:
         at = first
         if self.kept is not None and self.kept[0] == first:
             size = self.kept[1]
-            view[:size] = memoryview(self._kept)[:size]
+            _bytes_of(view[:size]).copy_(self._kept[:size])
             at += 1
         if at <= last:
             shard.read_blocks(at, last, view[shard.checks[at][0] - lo:])
         self.kept = None
         if keep:
             tail = view[shard.checks[last][0] - lo:]
-            if len(self._kept) < len(tail):
-                self._kept = bytearray(max(len(tail), shard.block))
-            memoryview(self._kept)[:len(tail)] = tail
+            self._buffer(len(tail))[:len(tail)].copy_(_bytes_of(tail))
             self.kept = (last, len(tail))
         return start - lo
+
+    def copy_kept(self, start: int, end: int, into: torch.Tensor) -> bool:
+        """Copy the file's bytes [start, end) into the host bytes ``into`` from the kept
+        block, where it holds them; False (nothing copied) where it does not."""
+        shard = self.shard
+        first, last = shard.blocks(start, end)
+        if self.kept is None or first != last or self.kept[0] != first:
+            return False
+        at = start - shard.checks[first][0]
+        into.copy_(self._kept[at:at + end - start])
+        return True
+
+    def read_kept(self, start: int, end: int, into: torch.Tensor) -> None:
+        """Copy the file's bytes [start, end), which lie in one block, into the host bytes
+        ``into``: the block read (and verified) into the kept tensor unless it is there
+        already, and kept."""
+        if self.copy_kept(start, end, into):
+            return
+        shard = self.shard
+        block, _ = shard.blocks(start, end)
+        lo, hi = shard.checks[block][0], shard.checks[block][1]
+        self.kept = None
+        buffer = self._buffer(hi - lo)
+        shard.read_blocks(block, block, byte_view(buffer, 0, hi - lo))
+        self.kept = (block, hi - lo)
+        into.copy_(buffer[start - lo:end - lo])
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        if self._kept.numel() < size:
+            self._kept = torch.empty(max(size, self.shard.block), dtype=torch.uint8)
+        return self._kept
+
+
+def _bytes_of(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over a writable memoryview's bytes (no copy; the caller keeps the
+    memory alive)."""
+    with warnings.catch_warnings():  # a view of a tensor or a bytearray: writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 class _Staging:
@@ -316,13 +359,14 @@ def _read_direct(reader: _Reader, staging: _Staging, span: Span, keep: bool) -> 
     if lo >= hi:  # no whole block inside: all of it through the staging buffer
         _read_bytes(reader, staging, span.start, span.end, flat, keep)
         return
-    if span.start < lo:
+    # the head, inside one block: from the kept one where it is that
+    if span.start < lo and not reader.copy_kept(span.start, lo, flat[:lo - span.start]):
         _read_bytes(reader, staging, span.start, lo, flat[:lo - span.start], keep=False)
     a, b = shard.blocks(lo, hi)
     shard.read_blocks(a, b, byte_view(flat, lo - span.start, hi - span.start))
     reader.kept = None
-    if hi < span.end:
-        _read_bytes(reader, staging, hi, span.end, flat[hi - span.start:], keep)
+    if hi < span.end:  # the tail, inside one block: read into the kept tensor, kept
+        reader.read_kept(hi, span.end, flat[hi - span.start:])
 
 
 def read_group(shards: Sequence[ShardRanges], group: Sequence[Span]) -> None:
