@@ -96,3 +96,31 @@ def test_flat_grows_with_the_ranks_and_the_hierarchy_cuts_it(
     assert flat_1000 > 10 * flat_64  # a ring step per rank: linear, no plateau
     hier, log = (_commit(model, p, 1000, params) for p in ("hier", "hier-log"))
     assert log < hier < flat_1000 / 4
+
+
+def test_the_node_stage_fit_recovers_the_hop_and_the_message_cost_it_was_made_from(
+        model: ModuleType) -> None:
+    hop, message, base = 90e-6, 9e-6, 0.3e-3  # a probe's medians by the hier-sockets model
+    rows = {f"one+N {n}": {"layout": "one+N", "n": n,
+                           "median_s": base + (0.0 if n == 1 else 2 * hop + 2 * (n - 1) * message)}
+            for n in (1, 2, 4, 8)}
+    rows["2xN 4"] = {"layout": "2xN", "n": 4, "median_s": 1.0}  # other layouts: not fitted
+    fit = model.fit_node_stage({"medians": rows})
+    assert fit["node_hop_s"] == pytest.approx(hop)
+    assert fit["message_s"] == pytest.approx(message)
+    with pytest.raises(SystemExit, match="one\\+N"):
+        model.fit_node_stage({"medians": {"one+N 2": rows["one+N 2"]}})
+
+
+def test_the_node_stage_over_sockets_costs_its_hops_and_grows_with_the_node(
+        model: ModuleType, calibrated: tuple[Any, dict[str, Any]]) -> None:
+    params, _ = calibrated
+    slow = model.Params(**{**{f: getattr(params, f) for f in params.__slots__},
+                           "node_hop_s": 10 * params.node_hop_s})
+    for ranks in (16, 1000):  # sockets cost less than gloo's hops, and more with slower hops
+        sockets = _commit(model, "hier-sockets", ranks, params)
+        assert sockets < _commit(model, "hier-runs", ranks, params)
+        assert _commit(model, "hier-sockets", ranks, slow) > sockets
+    grows = [model.simulate("hier-sockets", 2 * size, size, "commit", params)["seconds"]
+             for size in (2, 4, 8, 16)]
+    assert grows == sorted(grows) and grows[0] < grows[-1], grows
