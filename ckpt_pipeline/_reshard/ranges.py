@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -179,10 +178,9 @@ class _Reader:
 
 def _bytes_of(view: memoryview) -> torch.Tensor:
     """A uint8 tensor over a writable memoryview's bytes (no copy; the caller keeps the
-    memory alive)."""
-    with warnings.catch_warnings():  # a view of a tensor or a bytearray: writable
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=torch.uint8)
+    memory alive). Every view here is of a tensor's memory, so writable: torch warns of a
+    read-only one, and ``warnings.catch_warnings`` is not for threads."""
+    return torch.frombuffer(view, dtype=torch.uint8)
 
 
 class _Staging:
