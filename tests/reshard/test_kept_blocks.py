@@ -1,7 +1,9 @@
 """The reading threads' kept block, on a real shard file: tensors laid end to end, each ending
 inside the checksum block where the next begins, read whole by one thread. The block two
 tensors share is read once (and verified), each tensor gets exactly its bytes (the head of the
-next one from the kept block), and a damaged shared block fails the read."""
+next one from the kept block), and a damaged shared block fails the read. Destinations of the
+saved dtype are read straight into (``_read_direct``); float64 ones go through the staging
+buffer (``_read_span``), each span's blocks read whole there."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def _save(root: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read(root: Path) -> tuple[dict[str, torch.Tensor], ShardRanges]:
+def _read(root: Path, dtype: torch.dtype = torch.float32
+          ) -> tuple[dict[str, torch.Tensor], ShardRanges]:
     (status,) = scan(cp.LocalStorage(root), 0)
     shard = ShardRanges(cp.LocalStorage(root), status, 0)
     assert shard.block == BLOCK
@@ -40,7 +43,7 @@ def _read(root: Path) -> tuple[dict[str, torch.Tensor], ShardRanges]:
     spans = []
     for record in sorted(shard.header.tensors, key=lambda r: (
             shard.header.storages[r.storage].offset + r.byte_offset)):
-        out = outs[record.path] = torch.full(tuple(record.shape), -1.0)
+        out = outs[record.path] = torch.full(tuple(record.shape), -1.0, dtype=dtype)
         spans += spans_of(shard, 0, record, Box.full(record.shape), out, bound=1 << 30)
     try:
         read_group([shard], spans)  # one thread, every span in file order
@@ -49,12 +52,13 @@ def _read(root: Path) -> tuple[dict[str, torch.Tensor], ShardRanges]:
     return outs, shard
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["direct", "staged"])
 def test_tensors_that_share_blocks_are_read_exactly_with_each_block_read_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, dtype: torch.dtype) -> None:
     saved = _save(tmp_path)
-    outs, shard = _read(tmp_path)
+    outs, shard = _read(tmp_path, dtype)
     for name, tensor in saved.items():
-        assert torch.equal(outs[f"tensors/{name}"], tensor), name
+        assert torch.equal(outs[f"tensors/{name}"], tensor.to(dtype)), name
     data = [(a, b) for a, b, _ in shard.checks]
     tensors_end = max(shard.header.storages[r.storage].offset + r.byte_offset
                       + 4 * r.shape[0] for r in shard.header.tensors)
