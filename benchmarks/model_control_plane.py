@@ -301,7 +301,8 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
     with ``log_depth``, else gloo's ring); the relay back (two broadcasts, or with
     ``p2p_node`` the leader's message to each rank). ``runs``: the answers kept as runs, so
     that the leader's work beyond the decodes is ``per_node_s`` a node and a rank's none.
-    ``sockets`` (with ``p2p_node``): a node's messages each one hop of ``node_hop_s``."""
+    ``sockets``: every rank's message straight to the leader and back, each one hop of
+    ``node_hop_s`` (length and bytes in one send)."""
     loop = Loop()
     nodes = -(-ranks // per_node)
     sizes = [min(per_node, ranks - n * per_node) for n in range(nodes)]
@@ -333,7 +334,7 @@ def simulate_hierarchical(ranks: int, per_node: int, exchanges: Exchanges, fixed
 
     for size in sizes:
         steps = max(size - 1, 0)
-        if p2p_node and sockets:  # one send a message (length and bytes), each way
+        if sockets:  # one send a message (length and bytes), each way
             node_stage = [[Collective(size, p.node_hop_s + steps * p.message_s)]
                           for _ in exchanges]
             relay = [Collective(size, p.node_hop_s + steps * p.message_s) for _ in exchanges]
@@ -362,7 +363,7 @@ def simulate(protocol: str, ranks: int, per_node: int, operation: str, p: Params
         return simulate_flat(ranks, exchanges, fixed, p)
     return simulate_hierarchical(ranks, per_node, exchanges, fixed, p,
                                  log_depth=protocol != "hier",
-                                 p2p_node=protocol in ("hier-p2p", "hier-runs", "hier-sockets"),
+                                 p2p_node=protocol in ("hier-p2p", "hier-runs"),
                                  runs=protocol in ("hier-runs", "hier-sockets"),
                                  sockets=protocol == "hier-sockets")
 
@@ -410,6 +411,13 @@ def check_hierarchical(scale: dict[str, Any], p: Params, protocol: str = "hier-p
     return points
 
 
+def _least_squares(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points (x, y)."""
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+    return slope, my - slope * mx
+
+
 def _flat_s(ranks: int, operation: str, p: Params) -> float:
     return simulate("flat", ranks, 1, operation, p)["seconds"]
 
@@ -434,10 +442,8 @@ def calibrate(scale: dict[str, Any], fit_ranks: Sequence[int] = FIT_RANKS,
     x = [(_flat_s(pt["ranks"], "commit", dataclasses.replace(base, alpha_s=unit)) - gi) / unit
          for pt, gi in zip(vote, g)]
     y = [pt["measured_s"] - gi for pt, gi in zip(vote, g)]
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    slope = (sum((a - mx) * (b - my) for a, b in zip(x, y))
-             / sum((a - mx) ** 2 for a in x))
-    free = {"alpha_s": slope, "fixed_commit_s": my - slope * mx}
+    slope, intercept = _least_squares(x, y)
+    free = {"alpha_s": slope, "fixed_commit_s": intercept}
     if free["fixed_commit_s"] >= 0:
         alpha, fixed = free["alpha_s"], free["fixed_commit_s"]
     else:  # a negative fixed cost: hold it at 0 and fit the slope through the origin
@@ -610,11 +616,8 @@ def fit_node_stage(probe: dict[str, Any]) -> dict[str, Any]:
             if row["layout"] == "one+N"}
     if 1 not in rows or len([n for n in rows if n >= 2]) < 2:
         raise SystemExit("the node-stage probe lacks one+N at N = 1 and at two N >= 2")
-    xs = [float(n - 1) for n in sorted(rows) if n >= 2]
-    ys = [rows[n] - rows[1] for n in sorted(rows) if n >= 2]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
-    intercept = my - slope * mx
+    slope, intercept = _least_squares([float(n - 1) for n in sorted(rows) if n >= 2],
+                                      [rows[n] - rows[1] for n in sorted(rows) if n >= 2])
     return {"node_hop_s": max(intercept / 2, 0.0), "message_s": max(slope / 2, 0.0),
             "points": [{"n": n, "node_stage_s": rows[n] - rows[1]} for n in sorted(rows)
                        if n >= 2], "exchange_one_node_s": rows[1]}

@@ -107,9 +107,10 @@ class _Reader:
     keep and reused (a fresh copy per span would map and unmap memory each time), and every
     copy into or out of it is a tensor copy, which runs without the GIL: a memoryview copy
     of a 4 MiB block holds it throughout, and the other reading threads of the process wait
-    for it at the end of each of their reads and checksums. ``read_kept`` and ``copy_kept``
-    serve a range inside one block straight from that tensor, so that a block shared by two
-    spans is read once and copied only in the parts each span needs."""
+    for it at the end of each of their reads and checksums. ``read_kept`` serves a range
+    inside one block (a direct span's partial head or tail) straight from that tensor, read
+    into it first unless it holds that block, so that a block shared by two spans is read
+    once and copied only in the parts each span needs."""
 
     def __init__(self, shard: ShardRanges) -> None:
         self.shard = shard
@@ -144,7 +145,7 @@ class _Reader:
             self.kept = (last, len(tail))
         return start - lo
 
-    def copy_kept(self, start: int, end: int, into: torch.Tensor) -> bool:
+    def _copy_kept(self, start: int, end: int, into: torch.Tensor) -> bool:
         """Copy the file's bytes [start, end) into the host bytes ``into`` from the kept
         block, where it holds them; False (nothing copied) where it does not."""
         shard = self.shard
@@ -159,7 +160,7 @@ class _Reader:
         """Copy the file's bytes [start, end), which lie in one block, into the host bytes
         ``into``: the block read (and verified) into the kept tensor unless it is there
         already, and kept."""
-        if self.copy_kept(start, end, into):
+        if self._copy_kept(start, end, into):
             return
         shard = self.shard
         block, _ = shard.blocks(start, end)
@@ -357,9 +358,8 @@ def _read_direct(reader: _Reader, staging: _Staging, span: Span, keep: bool) -> 
     if lo >= hi:  # no whole block inside: all of it through the staging buffer
         _read_bytes(reader, staging, span.start, span.end, flat, keep)
         return
-    # the head, inside one block: from the kept one where it is that
-    if span.start < lo and not reader.copy_kept(span.start, lo, flat[:lo - span.start]):
-        _read_bytes(reader, staging, span.start, lo, flat[:lo - span.start], keep=False)
+    if span.start < lo:  # the head, inside one block: from the kept one, or read into it
+        reader.read_kept(span.start, lo, flat[:lo - span.start])
     a, b = shard.blocks(lo, hi)
     shard.read_blocks(a, b, byte_view(flat, lo - span.start, hi - span.start))
     reader.kept = None
