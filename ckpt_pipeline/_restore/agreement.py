@@ -21,6 +21,7 @@ from .._logging import log
 from .._threads import in_thread
 from ..coordination import Coordinator
 from ..coordination._agree import Candidates, agree_candidates, gather_outcome
+from ..coordination._runs import spans_text
 from ..errors import CheckpointError, RestoreError, StateError
 from ..handle import RejectedStep
 from ..storage import Storage
@@ -199,8 +200,8 @@ class Agreement:
         self.log_unresolved(agreed, newer_than=-1)
         missing = self._missing_shards(agreed)
         unresolved = self._unresolved(agreed)
-        by_rank = "; ".join(f"rank {r}: {list(steps) or 'none'}"
-                            for r, steps in sorted(agreed.valid_by_rank.items()))
+        by_rank = "; ".join(f"rank(s) {spans_text([(start, stop)])}: {list(steps) or 'none'}"
+                            for start, stop, steps in agreed.valid.runs())
         listing = "; ".join(f"step {r.step}: {r.reason}" for r in rejected)
         return RestoreError(
             f"no checkpoint could be loaded on every rank (valid steps by rank: {by_rank}"
@@ -229,16 +230,16 @@ class Agreement:
     @staticmethod
     def _missing_shards(agreed: Candidates) -> str:
         """For the newest step any rank holds: the ranks whose shard no rank holds."""
-        newest = max((s for steps in agreed.valid_by_rank.values() for s in steps),
-                     default=None)
+        newest = agreed.newest_valid
         if newest is None:
             return ""
-        lacking = [r for r, steps in sorted(agreed.valid_by_rank.items())
-                   if newest not in steps and not agreed.copies_of(newest, r)]
+        lacking = [(r, r + 1) for start, stop, steps in agreed.valid.runs()
+                   if newest not in steps
+                   for r in range(start, stop) if not agreed.copies_of(newest, r)]
         if not lacking or any(step == newest for step, _ in agreed.persisted):
             return ""
-        return (f"step {newest}: the shard of rank(s) {lacking} (no own file, no copy on "
-                "any rank, not in the persistent tier)")
+        return (f"step {newest}: the shard of rank(s) {spans_text(lacking)} (no own file, no "
+                "copy on any rank, not in the persistent tier)")
 
     async def _scan_memory(self, limiter: anyio.CapacityLimiter) -> list[StepStatus]:
         """This rank's steps in the memory tier ([] without one; those written where this
@@ -283,7 +284,7 @@ class Agreement:
         """Refuse when the newest step any rank holds (in its root, in a copy, or in the
         persistent tier: what the ranks exchanged, the same on every rank) was saved by
         another world size."""
-        newest = max([*(s for steps in agreed.valid_by_rank.values() for s in steps),
+        newest = max([*(() if agreed.newest_valid is None else (agreed.newest_valid,)),
                       *(s for s, _ in agreed.persisted), *agreed.world_sizes], default=None)
         if newest is not None and newest in agreed.world_sizes:
             saved = agreed.world_sizes[newest]

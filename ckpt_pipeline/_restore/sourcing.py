@@ -67,7 +67,7 @@ class Loaded:
     bytes: int
     started: float
     rejected: tuple[RejectedStep, ...]
-    valid_by_rank: dict[int, tuple[int, ...]]
+    valid_by_rank: Mapping[int, tuple[int, ...]]
     copies: BackupCopies | None = None
     """Host copies of the live tensors, prefetched for the rollback backup."""
     scanned: frozenset[tuple[int, str]] = frozenset()
@@ -329,7 +329,7 @@ class Sourcing:
         return Loaded(step=status.step, save_id=header.save_id, path=status.path, tree=tree,
                       tensors=tensors, train_state=train_state,
                       bytes=status.shard_size, started=started, rejected=tuple(rejected),
-                      valid_by_rank=dict(agreed.valid_by_rank), copies=copies,
+                      valid_by_rank=agreed.valid_by_rank, copies=copies,
                       not_restored=left_out, not_in_checkpoint=kept)
 
 

@@ -6,6 +6,7 @@ on every rank, so that no rank can take a path the others do not take.
 
 from __future__ import annotations
 
+import bisect
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from .._format.documents import decode_message, encode_message
 from ..errors import CheckpointError, CheckpointIntegrityError, CoordinationError
 from ._control_plane import Coordinator
-from ._runs import Runs
+from ._runs import Runs, spans_text
 
 __all__ = ("Ballot", "Candidates", "Opening", "Runs", "Tally", "VotePart", "agree_barrier",
            "agree_candidates", "agree_open", "agree_outcome", "gather_outcome", "gather_parts",
@@ -52,26 +53,30 @@ async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: 
 @dataclass(frozen=True, slots=True)
 class Opening:
     """What the ranks agreed at open: rank 0's run id and token, every rank's node name and
-    copy-server address (None where a rank runs none)."""
+    copy-server address (None where a rank runs none), indexed by rank (``Runs`` from the
+    exchange: the ranks of a node that runs no copy server answer alike)."""
 
     run_id: str
     token: str
-    nodes: tuple[str, ...]
-    addresses: tuple[tuple[str, int] | None, ...]
+    nodes: Sequence[str]
+    addresses: Sequence[tuple[str, int] | None]
 
 
 async def agree_open(coordinator: Coordinator, node: str,
                      address: tuple[str, int] | None) -> Opening:
-    """At open: rank 0's run id and copy token; every rank's node and copy-server address."""
+    """At open: rank 0's run id and copy token; every rank's node and copy-server address.
+    Only rank 0 sends a run id and token, so that the ranks of a node without copy servers
+    send equal messages: the answers are read in O(runs), not O(ranks)."""
+    first = coordinator.rank == 0
     answers = await _exchange(coordinator, {
-        "run_id": secrets.token_hex(8), "token": secrets.token_hex(16), "node": node,
+        "run_id": secrets.token_hex(8) if first else None,
+        "token": secrets.token_hex(16) if first else None, "node": node,
         "address": None if address is None else [address[0], address[1]]}, what="start")
     run_id, token = answers[0].get("run_id"), answers[0].get("token")
     if not isinstance(run_id, str) or not run_id or not isinstance(token, str):
         raise CoordinationError("start: rank 0 sent no run id", rank=coordinator.rank)
-    nodes: list[str] = []
-    addresses: list[tuple[str, int] | None] = []
-    for rank, answer in enumerate(answers):
+
+    def read(rank: int, answer: Mapping[str, Any]) -> tuple[str, tuple[str, int] | None]:
         name, addr = answer.get("node"), answer.get("address")
         if not isinstance(name, str) or not (addr is None or (
             isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)
@@ -80,9 +85,14 @@ async def agree_open(coordinator: Coordinator, node: str,
             raise CoordinationError(f"start: rank {rank} sent a malformed node or address",
                                     rank=coordinator.rank, ranks=(rank,),
                                     hint="ranks running different versions of ckpt_pipeline?")
-        nodes.append(name)
-        addresses.append(None if addr is None else (addr[0], addr[1]))
-    return Opening(run_id, token, tuple(nodes), tuple(addresses))
+        return name, None if addr is None else (addr[0], addr[1])
+
+    read_once: dict[int, tuple[str, tuple[str, int] | None]] = {}
+    for start, _stop, answer in answers.runs():
+        if id(answer) not in read_once:
+            read_once[id(answer)] = read(start, answer)
+    entries = answers.map(lambda answer: read_once[id(answer)])
+    return Opening(run_id, token, entries.map(lambda e: e[0]), entries.map(lambda e: e[1]))
 
 
 async def agree_outcome(coordinator: Coordinator, step: int, save_id: str,
@@ -239,7 +249,9 @@ class Candidates:
     a copy on another rank) with the same save id, newest first."""
 
     steps: tuple[tuple[int, str], ...]
-    valid_by_rank: Mapping[int, tuple[int, ...]]
+    valid: Runs[tuple[int, ...]]
+    """Every rank's valid steps (in its own root), newest first, indexed by rank: runs of
+    ranks that hold the same, read in O(runs)."""
     world_sizes: Mapping[int, int]
     """World sizes recorded in the valid steps of any rank, by step (only those != this job's)."""
     held_any: bool
@@ -258,6 +270,37 @@ class Candidates:
     def copies_of(self, step: int, source: int) -> bool:
         return (step, source) in self.copied
 
+    @property
+    def valid_by_rank(self) -> Mapping[int, tuple[int, ...]]:
+        """``valid`` as {rank: steps}: a view, O(log runs) a lookup."""
+        return self.valid.by_index()
+
+    @property
+    def newest_valid(self) -> int | None:
+        """The newest step some rank holds valid in its own root (None: none)."""
+        return max((steps[0] for steps in self.valid.distinct() if steps), default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """One distinct answer to ``agree_candidates``, read: the sender's valid steps {step:
+    save id} with their world sizes, the copies it holds (step, source, save id, world
+    size), and the persistent tier's steps it found (step, save id, world size)."""
+
+    steps: Mapping[int, str]
+    sizes: Mapping[int, int]
+    copies: tuple[tuple[Any, ...], ...]
+    persisted: tuple[tuple[Any, ...], ...]
+    held_any: bool
+
+    @classmethod
+    def read(cls, answer: dict[str, Any], me: int, rank: int) -> _Held:
+        valid = _entries(answer, "valid", 3, me, rank)
+        return cls({s: sid for s, sid, _ in valid}, {s: ws for s, _, ws in valid},
+                   tuple(_entries(answer, "copies", 4, me, rank)),
+                   tuple(_entries(answer, "persisted", 3, me, rank)),
+                   bool(answer.get("held_any")))
+
 
 async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[str, int]],
                            *, held_any: bool,
@@ -266,43 +309,53 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
     """Exchange {step: (save_id, world_size)} of every rank's valid steps, the valid copies
     it holds for other ranks as (step, source, save_id, world_size), and the steps it found
     complete in the persistent tier as (step, save_id, world_size). A rank's shard of a step
-    counts as held when it is in the rank's root, in a copy, or in the persistent tier."""
+    counts as held when it is in the rank's root, in a copy, or in the persistent tier.
+
+    Each distinct answer is read once and ranks that answered alike are taken together, so
+    that the cost is O(runs of equal answers + copies), not O(ranks): on the good path every
+    rank of a job holds the same steps (copies for other ranks aside)."""
     answers = await _exchange(
         coordinator, {"valid": [[s, sid, ws] for s, (sid, ws) in sorted(valid.items())],
                       "copies": [list(c) for c in copies],
                       "persisted": [list(p) for p in persisted],
                       "held_any": held_any}, what="restore candidates")
-    world = coordinator.world_size
-    held: list[dict[int, str]] = []
-    held_copies: dict[tuple[int, int], dict[int, str]] = {}  # (step, source) -> {holder: id}
+    world, me = coordinator.world_size, coordinator.rank
+    read: dict[int, _Held] = {}
+    stops: list[int] = []
+    items: list[_Held] = []
+    for start, stop, answer in answers.runs():
+        if id(answer) not in read:
+            read[id(answer)] = _Held.read(answer, me, start)
+        stops.append(stop)
+        items.append(read[id(answer)])
+    held = Runs(stops, items)
+    held_copies: dict[int, dict[int, dict[int, str]]] = {}  # step -> source -> {holder: id}
     other_sizes: dict[int, int] = {}
     persisted_ids: dict[int, set[str]] = {}
-    for rank, answer in enumerate(answers):
-        steps: dict[int, str] = {}
-        for entry in _entries(answer, "valid", 3, coordinator.rank, rank):
-            steps[entry[0]] = entry[1]
-            if entry[2] != world:
-                other_sizes[entry[0]] = entry[2]
-        held.append(steps)
-        for step, source, save_id, size in _entries(answer, "copies", 4, coordinator.rank,
-                                                    rank):
+    for start, stop, h in held.runs():
+        other_sizes.update((s, ws) for s, ws in h.sizes.items() if ws != world)
+        for step, source, save_id, size in h.copies:
             if size != world:
                 other_sizes.setdefault(step, size)
-            elif 0 <= source < world and source != rank:
-                held_copies.setdefault((step, source), {})[rank] = save_id
-        for step, save_id, size in _entries(answer, "persisted", 3, coordinator.rank, rank):
+            elif 0 <= source < world:
+                by = held_copies.setdefault(step, {}).setdefault(source, {})
+                by.update((r, save_id) for r in range(start, stop) if r != source)
+        for step, save_id, size in h.persisted:
             if size != world:
                 other_sizes.setdefault(step, size)
             else:
                 persisted_ids.setdefault(step, set()).add(save_id)
+    held_copies = {step: kept for step, by_source in held_copies.items()  # a copy of its own
+                   if (kept := {src: by for src, by in by_source.items() if by})}  # is none
     agreed: list[tuple[int, str]] = []
     holders: dict[tuple[int, int], tuple[int, ...]] = {}
     unresolved: dict[int, str] = {}
-    every = (set().union(*held) | {step for step, _ in held_copies} | set(persisted_ids))
+    every = ({s for h in read.values() for s in h.steps} | set(held_copies)
+             | set(persisted_ids))
     for step in sorted(every, reverse=True):
         if step in other_sizes:
             continue
-        save_id, found, why = _resolve_step(step, held, held_copies,
+        save_id, found, why = _resolve_step(step, held, held_copies.get(step, {}),
                                             persisted_ids.get(step, set()), world)
         if save_id is None:
             unresolved[step] = why
@@ -310,19 +363,18 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
             agreed.append((step, save_id))
             holders.update(found)
     return Candidates(tuple(agreed),
-                      {r: tuple(sorted(h, reverse=True)) for r, h in enumerate(held)},
-                      other_sizes, any(bool(a.get("held_any")) for a in answers), holders,
-                      frozenset(held_copies),
+                      held.map(lambda h: tuple(sorted(h.steps, reverse=True))),
+                      other_sizes, any(h.held_any for h in read.values()), holders,
+                      frozenset((s, src) for s, by in held_copies.items() for src in by),
                       frozenset((s, sid) for s, ids in persisted_ids.items() for sid in ids),
                       unresolved)
 
 
-def _resolve_step(step: int, held: Sequence[Mapping[int, str]],
-                  held_copies: Mapping[tuple[int, int], Mapping[int, str]],
+def _resolve_step(step: int, held: Runs[_Held], copies: Mapping[int, Mapping[int, str]],
                   persisted: set[str], world: int
                   ) -> tuple[str | None, dict[tuple[int, int], tuple[int, ...]], str]:
     """The save id of ``step`` that the ranks agree on, with its copies' holders, or (None,
-    {}, why not).
+    {}, why not). ``copies``: {source: {holder: save id}} of the step's copies.
 
     A save id is a candidate when it makes the step whole: every rank's shard of that save is
     in the rank's root, in a copy on another rank, or in the persistent tier. One such save id
@@ -331,32 +383,36 @@ def _resolve_step(step: int, held: Sequence[Mapping[int, str]],
     own shard of wins, then the one with more copies, then the one in the persistent tier; a
     tie is ambiguous and nothing of the step is used. Files of the other saves are never
     mixed in: the caller sets a rank's own files of another save aside and reads its shard
-    from a copy.
+    from a copy. O(runs + copies) a save id.
     """
-    ids = ({h[step] for h in held if step in h}
-           | {sid for (s, _src), by in held_copies.items() if s == step for sid in by.values()}
-           | persisted)
+    ids = ({h.steps[step] for h in held.distinct() if step in h.steps}
+           | {sid for by in copies.values() for sid in by.values()} | persisted)
     whole: dict[str, tuple[dict[tuple[int, int], tuple[int, ...]], tuple[int, int, int]]] = {}
-    covered: dict[str, list[int]] = {}
+    covered: dict[str, list[tuple[int, int]]] = {}  # save id -> spans of ranks [start, stop)
     for save_id in sorted(ids):
-        found: dict[tuple[int, int], tuple[int, ...]] = {}
+        found = {(step, source): hs for source, by in copies.items()
+                 if (hs := tuple(sorted(h for h, sid in by.items() if sid == save_id)))}
+        sources = sorted(source for _, source in found)
         in_tier = save_id in persisted
-        covered[save_id] = []
-        for source in range(world):
-            copies_of = tuple(sorted(h for h, sid in held_copies.get((step, source), {}).items()
-                                     if sid == save_id))
-            if copies_of:
-                found[(step, source)] = copies_of
-            if held[source].get(step) == save_id or copies_of or in_tier:
-                covered[save_id].append(source)
-        if len(covered[save_id]) == world:
-            support = (sum(1 for h in held if h.get(step) == save_id),
-                       sum(len(c) for c in found.values()), int(in_tier))
-            whole[save_id] = (found, support)
+        spans: list[tuple[int, int]] = []
+        own = 0
+        for start, stop, h in held.runs():
+            if h.steps.get(step) == save_id:
+                spans.append((start, stop))
+                own += stop - start
+            elif in_tier:
+                spans.append((start, stop))
+            else:
+                spans.extend((s, s + 1) for s in sources[bisect.bisect_left(sources, start):
+                                                         bisect.bisect_left(sources, stop)])
+        covered[save_id] = spans
+        if sum(stop - start for start, stop in spans) == world:
+            whole[save_id] = (found, (own, sum(len(c) for c in found.values()),
+                                      int(in_tier)))
     if not whole:
         return None, {}, "no save makes it whole (" + "; ".join(
-            f"save {sid} holds the shards of rank(s) {ranks}"
-            for sid, ranks in sorted(covered.items())) + ")"
+            f"save {sid} holds the shards of rank(s) {spans_text(spans)}"
+            for sid, spans in sorted(covered.items())) + ")"
     best = max(support for _found, support in whole.values())
     winners = sorted(sid for sid, (_found, support) in whole.items() if support == best)
     if len(winners) > 1:

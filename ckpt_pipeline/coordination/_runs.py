@@ -12,10 +12,10 @@ ways through it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Generic, TypeVar, overload
 
-__all__ = ("Runs",)
+__all__ = ("Runs", "spans_text")
 
 T = TypeVar("T", covariant=True)
 U = TypeVar("U")
@@ -97,6 +97,11 @@ class Runs(Sequence[T], Generic[T]):
             items.append(done[key])
         return Runs(self._stops, items)
 
+    def by_index(self) -> Mapping[int, T]:
+        """A read-only {index: object} view (O(log runs) a lookup, O(len) to walk), for an
+        API that hands out a mapping by rank."""
+        return _ByIndex(self)
+
     def indices(self, keep: Callable[[T], bool]) -> Iterator[int]:
         """The indices whose object ``keep`` says yes of, ascending; ``keep`` is called once
         a run."""
@@ -139,3 +144,47 @@ class Runs(Sequence[T], Generic[T]):
     def __repr__(self) -> str:
         shown = ", ".join(f"{stop - start}x{item!r:.40}" for start, stop, item in self.runs())
         return f"Runs([{shown}])"
+
+
+class _ByIndex(Mapping[int, T], Generic[T]):
+    """``Runs.by_index``: the runs as a mapping from index to object."""
+
+    __slots__ = ("_runs",)
+
+    def __init__(self, runs: Runs[T]) -> None:
+        self._runs = runs
+
+    def __getitem__(self, key: int) -> T:
+        if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < len(self._runs):
+            raise KeyError(key)
+        return self._runs[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._runs)))
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __repr__(self) -> str:
+        return f"by_index({self._runs!r})"
+
+
+def spans_text(spans: Iterable[tuple[int, int]]) -> str:
+    """Ranks given as spans [start, stop), as "[0-7, 9, 12, 13]": a span of three or more as
+    first-last, shorter ones rank by rank; adjacent spans are one. The ranks of a whole node
+    or job take one entry, not one a rank."""
+    merged: list[list[int]] = []
+    for start, stop in sorted(spans):
+        if stop <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    parts: list[str] = []
+    for start, stop in merged:
+        if stop - start >= 3:
+            parts.append(f"{start}-{stop - 1}")
+        else:
+            parts.extend(str(r) for r in range(start, stop))
+    return "[" + ", ".join(parts) + "]"

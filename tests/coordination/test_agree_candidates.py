@@ -15,7 +15,10 @@ from typing import Any
 import anyio
 import pytest
 
-from ckpt_pipeline.coordination._agree import Candidates, agree_candidates
+from ckpt_pipeline._format.documents import encode_message
+from ckpt_pipeline.coordination._agree import Candidates, Opening, agree_candidates, agree_open
+from ckpt_pipeline.coordination._runs import Runs
+from ckpt_pipeline.errors import CoordinationError
 from tests._support.coordinators import Answers
 
 
@@ -91,3 +94,104 @@ def test_the_majority_of_own_shards_wins_when_both_saves_are_whole() -> None:
     agreed = _agree(ranks)
     assert agreed.steps == ((20, "A"),)
     assert agreed.holders == {(20, 3): (0,)}
+
+
+class _RunsOfAnswers:
+    """Rank 0's coordinator in a job of ``runs`` (pairs of a rank count and the message each
+    of those ranks sends; None: what rank 0 sent, for a first run of one rank), handed back
+    as the per-node control plane does: one entry a run."""
+
+    def __init__(self, runs: Sequence[tuple[int, dict[str, Any] | None]]) -> None:
+        self.rank = 0
+        self.runs = runs
+        self.world_size = sum(count for count, _ in runs)
+
+    async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
+                         ) -> Runs[bytes]:
+        stops, items, at = [], [], 0
+        for count, message in self.runs:
+            at += count
+            stops.append(at)
+            items.append(payload if message is None else encode_message(message))
+        assert items[0] == payload  # rank 0 sent what the first run stands for
+        return Runs(stops, items)
+
+
+BILLION = 1_000_000_000  # a walk over every rank would not end within the test's timeout
+
+
+@pytest.mark.timeout(10)
+def test_a_billion_ranks_holding_alike_are_read_run_by_run() -> None:
+    """Half the ranks hold steps 10 and 20, the other half step 10 only, and one rank holds
+    a copy of rank 0's shard of step 20: the decision, the holders and the reasons come out of
+    the runs; nothing walks the ranks one by one."""
+    both = _message({10: "A10", 20: "A"}, world=BILLION)
+    older = _message({10: "A10"}, world=BILLION)
+    copier = _message({10: "A10"}, [(20, 0, "A")], world=BILLION)
+    coordinator = _RunsOfAnswers([(BILLION // 2, both), (1, copier),
+                                  (BILLION // 2 - 1, older)])
+
+    async def run() -> Candidates:
+        return await agree_candidates(coordinator, {10: ("A10", BILLION), 20: ("A", BILLION)},
+                                      held_any=True)
+
+    agreed = anyio.run(run)
+    assert agreed.steps == ((10, "A10"),)
+    assert agreed.unresolved[20] == ("no save makes it whole (save A holds the shards of "
+                                     f"rank(s) [0-{BILLION // 2 - 1}])")
+    assert agreed.newest_valid == 20
+    assert agreed.valid_by_rank[0] == (20, 10) and agreed.valid_by_rank[BILLION - 1] == (10,)
+    assert len(agreed.valid_by_rank) == BILLION
+    assert agreed.copies_of(20, 0) and not agreed.copies_of(20, 1)
+    assert agreed.held_any
+
+
+@pytest.mark.timeout(10)
+def test_a_billion_ranks_whole_from_their_own_shards_and_the_tier() -> None:
+    """Every rank but the last holds step 20 of save A; the persistent tier holds it whole:
+    A is agreed, with no copy holders."""
+    own = _message({20: "A"}, world=BILLION)
+    lost: dict[str, Any] = {**_message({}, world=BILLION), "persisted": [[20, "A", BILLION]]}
+    coordinator = _RunsOfAnswers([(BILLION - 1, own), (1, lost)])
+
+    async def run() -> Candidates:
+        return await agree_candidates(coordinator, {20: ("A", BILLION)}, held_any=True)
+
+    agreed = anyio.run(run)
+    assert agreed.steps == ((20, "A"),) and agreed.holders == {}
+    assert agreed.persisted == frozenset({(20, "A")})
+    assert agreed.valid_by_rank[BILLION - 1] == ()
+
+
+@pytest.mark.timeout(10)
+def test_the_opening_of_a_billion_ranks_takes_rank_0s_run_id_and_reads_by_run() -> None:
+    """Only rank 0 sends a run id and token; nodes without copy servers answer alike, and
+    every rank's node and address come back indexed by rank."""
+    node0: dict[str, Any] = {"run_id": None, "token": None, "node": "n0", "address": None}
+    node1 = {**node0, "node": "n1"}
+    served = {**node0, "node": "n1", "address": ["10.0.0.9", 4321]}
+    coordinator = _RunsOfAnswers([(1, None), (BILLION // 2 - 1, node0),
+                                  (BILLION // 2 - 1, node1), (1, served)])
+
+    async def run() -> Opening:
+        return await agree_open(coordinator, "n0", None)
+
+    opening = anyio.run(run)
+    assert len(opening.run_id) == 16 and len(opening.token) == 32
+    assert opening.nodes[0] == opening.nodes[BILLION // 2 - 1] == "n0"
+    assert opening.nodes[BILLION // 2] == opening.nodes[BILLION - 1] == "n1"
+    assert opening.addresses[BILLION - 2] is None
+    assert opening.addresses[BILLION - 1] == ("10.0.0.9", 4321)
+    assert len(opening.nodes) == len(opening.addresses) == BILLION
+
+
+@pytest.mark.timeout(10)
+def test_a_malformed_answer_in_a_run_names_the_runs_first_rank() -> None:
+    bad = {"valid": "nonsense", "copies": [], "persisted": [], "held_any": True}
+    coordinator = _RunsOfAnswers([(5, _message({20: "A"}, world=10)), (5, bad)])
+
+    async def run() -> Candidates:
+        return await agree_candidates(coordinator, {20: ("A", 10)}, held_any=True)
+
+    with pytest.raises(CoordinationError, match="rank 5 sent a malformed list"):
+        anyio.run(run)

@@ -19,7 +19,7 @@ from ckpt_pipeline.coordination._hierarchy import (
     pack_relay,
     unpack_distinct,
 )
-from ckpt_pipeline.coordination._runs import Runs
+from ckpt_pipeline.coordination._runs import Runs, spans_text
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,3 +115,30 @@ def test_the_leader_names_every_node_that_failed_or_sent_garbage() -> None:
     assert "leader 4 sent a malformed message" in str(caught.value)
     with pytest.raises(ValueError, match="3 payloads for 2 ranks"):
         merge_nodes(layout, [_frame([b"ok"] * 3), _frame([b"ok"] * 2), _frame([b"ok"] * 2)])
+
+
+@given(answers)
+def test_by_index_is_the_mapping_from_rank_to_answer(items: list[bytes]) -> None:
+    view = Runs.of(items).by_index()
+    assert view == dict(enumerate(items))
+    assert len(view) == len(items) and list(view) == list(range(len(items)))
+    for missing in (-1, len(items), "0", True):
+        assert missing not in view
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), max_size=12))
+def test_spans_text_names_every_rank_of_the_spans_once(raw: list[tuple[int, int]]) -> None:
+    spans = [(start, start + length) for start, length in raw]
+    text = spans_text(spans)
+    named: list[int] = []
+    for part in filter(None, text.strip("[]").split(", ")):
+        first, _, last = part.partition("-")
+        named.extend(range(int(first), int(last or first) + 1))
+    assert named == sorted({r for start, stop in spans for r in range(start, stop)})
+
+
+def test_spans_text_shortens_long_spans_only() -> None:
+    assert spans_text([(0, 2), (3, 4)]) == "[0, 1, 3]"
+    assert spans_text([(0, 8), (8, 16), (17, 18)]) == "[0-15, 17]"
+    assert spans_text([(0, 16_000)]) == "[0-15999]"
+    assert spans_text([]) == "[]"

@@ -25,6 +25,7 @@ from ..._format.timeline import Lineage
 from ..._logging import log
 from ..._threads import in_thread
 from ...coordination._agree import Opening
+from ...coordination._runs import Runs
 from ...errors import CheckpointError, ConfigError
 from ...events import Event
 from ...storage import Storage
@@ -78,8 +79,11 @@ class Replication:
         config = self.config
         try:
             self.opening = opening
+            addresses = opening.addresses  # runs: O(ranks with a server), not O(ranks)
+            runs = addresses if isinstance(addresses, Runs) else Runs.of(addresses)
             self.peers = {rank: Peer(rank, opening.nodes[rank], addr[0], addr[1])
-                          for rank, addr in enumerate(opening.addresses) if addr is not None}
+                          for start, stop, addr in runs.runs() if addr is not None
+                          for rank in range(start, stop)}
             if config.copies > 0:
                 self.placement = place_replicas(opening.nodes, config.copies)
                 missing = [h for h in self.placement.held_by_any() if h not in self.peers]
