@@ -8,7 +8,7 @@ plain values (None, bool, int, float, str, bytes).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from .errors import StateError
 
 __all__ = (
     "FlatState",
+    "MeshNames",
     "check_text",
     "dist_layout",
     "find_mesh",
@@ -38,11 +39,15 @@ __all__ = (
     "is_dtensor",
     "is_stateful",
     "join_path",
+    "live_meshes",
     "materialize",
+    "mesh_names",
     "mesh_shapes",
     "nesting_error",
+    "same_mesh",
     "short_path",
     "to_dtensor",
+    "unmatched_meshes",
 )
 
 
@@ -55,6 +60,19 @@ class FlatState:
     tensors: tuple[torch.Tensor, ...]
     """Plain tensors; for a DTensor, this rank's local shard."""
     layouts: tuple[DistLayout | None, ...]
+    meshes: tuple[MeshNames, ...] = ()
+    """The DeviceMeshes of the state's DTensors: shape and dimension names, each once."""
+
+
+MeshNames = tuple[tuple[int, ...], tuple[str, ...] | None]
+"""A DeviceMesh as a checkpoint records it: its shape and its dimensions' names (None:
+unnamed)."""
+
+
+def mesh_names(mesh: Any) -> MeshNames:
+    """``mesh``'s shape and dimension names."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    return tuple(mesh.shape), None if names is None else tuple(str(n) for n in names)
 
 
 def join_path(path: str, key: object) -> str:
@@ -161,6 +179,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
     paths: list[str] = []
     tensors: list[torch.Tensor] = []
     layouts: list[DistLayout | None] = []
+    meshes: dict[MeshNames, None] = {}
 
     def walk(obj: Any, path: str, depth: int) -> Any:
         """``depth``: the depth ``obj`` has in the state tree if it is a container."""
@@ -224,6 +243,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
         layout: DistLayout | None = None
         if is_dtensor(t):
             layout = dist_layout(t, step=step, path=path)
+            meshes.setdefault(mesh_names(t.device_mesh))  # type: ignore[attr-defined]
             t = t.to_local()  # type: ignore[attr-defined]
         refusal = _tensor_refusal(t)
         if refusal is not None:
@@ -252,7 +272,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
         if not isinstance(name, str):
             raise StateError(f"top-level key {name!r} is not a string", step=step)
         skeleton[_check_text(name, name, step)] = walk(value, name, 1)
-    return FlatState(skeleton, tuple(paths), tuple(tensors), tuple(layouts))
+    return FlatState(skeleton, tuple(paths), tuple(tensors), tuple(layouts), tuple(meshes))
 
 
 def short_path(path: str) -> str:
@@ -318,6 +338,24 @@ def find_mesh(live: Mapping[str, Any], mesh_shape: tuple[int, ...]
 def mesh_shapes(live: Mapping[str, Any]) -> set[tuple[int, ...]]:
     """The shapes of the DeviceMeshes the live state's DTensors are on."""
     return {tuple(obj.device_mesh.shape) for obj in _dtensors(live)}
+
+
+def live_meshes(live: Mapping[str, Any]) -> set[MeshNames]:
+    """The shapes and dimension names of the DeviceMeshes the live state's DTensors are on."""
+    return {mesh_names(obj.device_mesh) for obj in _dtensors(live)}
+
+
+def same_mesh(a: MeshNames, b: MeshNames) -> bool:
+    """Whether two recorded meshes are the same: the same shape, and the same dimension names
+    where both have names (an unnamed mesh says nothing of its dimensions' roles)."""
+    return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])
+
+
+def unmatched_meshes(saved: Iterable[MeshNames], live: Iterable[MeshNames]
+                     ) -> list[MeshNames]:
+    """The meshes of ``saved`` that no mesh of ``live`` is the same as (``same_mesh``)."""
+    live = list(live)
+    return [m for m in saved if not any(same_mesh(m, other) for other in live)]
 
 
 def _dtensors(live: Mapping[str, Any]) -> Iterator[Any]:

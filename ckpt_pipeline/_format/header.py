@@ -138,6 +138,9 @@ class ShardHeader:
     version: int = FORMAT_VERSION
     legacy_checks: tuple[tuple[int, int, int], ...] | None = None
     """Format 1: (start, end, xxh3) of each checksummed range (chunks of each tensor)."""
+    meshes: tuple[tuple[tuple[int, ...], tuple[str, ...] | None], ...] | None = None
+    """The DeviceMeshes of the saved DTensors: (shape, dimension names or None), each once;
+    None where the writer did not record them (before the names were recorded)."""
 
     @property
     def header_offset(self) -> int:
@@ -281,6 +284,32 @@ def sizes_ok(value: Any, *, positive: bool = False) -> bool:
         if type(v) is not int or v < low or v > _INT64_MAX:
             return False
     return True
+
+
+MAX_MESHES = 64
+"""Distinct DeviceMeshes a shard header may name."""
+MAX_MESH_NAME = 256
+"""Characters of a mesh dimension's name."""
+
+
+def decode_meshes(raw: Any, path: str
+                  ) -> tuple[tuple[tuple[int, ...], tuple[str, ...] | None], ...] | None:
+    """The header's ``meshes`` (None when absent: a writer before the names were recorded)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_MESHES:
+        raise CheckpointIntegrityError("the meshes are malformed", path=path)
+    out: list[tuple[tuple[int, ...], tuple[str, ...] | None]] = []
+    for entry in raw:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise CheckpointIntegrityError("the meshes are malformed", path=path)
+        shape, names = entry
+        if not sizes_ok(shape, positive=True) or not shape or not (names is None or (
+                isinstance(names, list) and len(names) == len(shape)
+                and all(isinstance(n, str) and 0 < len(n) <= MAX_MESH_NAME for n in names))):
+            raise CheckpointIntegrityError("the meshes are malformed", path=path)
+        out.append((tuple(shape), None if names is None else tuple(names)))
+    return tuple(out)
 
 
 def numel_fits(shape: Sequence[int]) -> bool:

@@ -25,6 +25,7 @@ from .header import (
     ShardHeader,
     StorageRecord,
     decode_identity,
+    decode_meshes,
     decode_record,
     decode_storages,
     device_name_ok,
@@ -61,7 +62,8 @@ def encode_header(h: ShardHeader) -> bytes:
         storages=h.storages,
         tensors=((t.path, t.dtype, t.shape, t.stride, t.storage, t.byte_offset, t.dist)
                  for t in h.tensors),
-        tensor_count=len(h.tensors), tree=h.tree, train_state=h.train_state)
+        tensor_count=len(h.tensors), tree=h.tree, train_state=h.train_state,
+        meshes=h.meshes or ())
 
 
 def encode_header_fields(
@@ -71,6 +73,7 @@ def encode_header_fields(
     tensors: Iterable[tuple[str, str, Sequence[int], Sequence[int], int, int,
                             DistLayout | None]],
     tensor_count: int, tree: bytes, train_state: dict[str, Any],
+    meshes: Sequence[tuple[Sequence[int], Sequence[str] | None]] = (),
 ) -> bytes:
     """The shard header, packed one entry at a time (the writer's path: no record objects, and
     a million-tensor header never holds the GIL in one long msgpack call, so the training
@@ -83,7 +86,9 @@ def encode_header_fields(
         "format": FORMAT_VERSION, "kind": "shard", "step": step, "rank": rank,
         "world_size": world_size, "save_id": save_id, "created_unix": float(created_unix),
         "chunk_bytes": chunk_bytes, "data_offset": data_offset, "data_length": data_length,
-        "checksums": list(checksums), "devices": list(devices)}
+        "checksums": list(checksums), "devices": list(devices),
+        "meshes": [[list(shape), None if names is None else list(names)]
+                   for shape, names in meshes]}
     parts = [packer.pack_map_header(len(fixed) + 4)]
     for key, value in fixed.items():
         parts.append(packer.pack(key))
@@ -172,5 +177,6 @@ def decode_header(raw: bytes, path: str, *, file_size: int, header_offset: int,
     tree = required_field(data, "tree", bytes, path)
     train_state = required_field(data, "train_state", dict, path)
     return ShardHeader(step, rank, world, save_id, created, chunk, data_offset, data_length,
-                       storages, records, tuple(sums), tree, train_state)
+                       storages, records, tuple(sums), tree, train_state,
+                       meshes=decode_meshes(data.get("meshes"), path))
 

@@ -247,7 +247,7 @@ class Admission:
             dtypes=tuple(DTYPE_NAMES[t.dtype] for t in flat.tensors),
             shapes=tuple(tuple(t.shape) for t in flat.tensors), layouts=flat.layouts,
             data=layout, tree=plan.tree, train_state=plan.train_state,
-            requested_at=plan.started,
+            requested_at=plan.started, meshes=flat.meshes,
         )
         self.ledger.register(control, wait_for_snapshot=snap.needs_release)
         self._emit(SaveRequested(step=step, rank=self.rank, save_id=save_id,

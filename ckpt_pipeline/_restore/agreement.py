@@ -7,7 +7,7 @@ that order, and falls back to the next when one fails on any rank.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,7 +21,7 @@ from .._logging import log
 from .._threads import in_thread
 from ..coordination import Coordinator
 from ..coordination._agree import Candidates, agree_candidates, gather_outcome
-from ..coordination._runs import spans_text
+from ..coordination._runs import Runs, spans_text
 from ..errors import CheckpointError, RestoreError, StateError
 from ..handle import RejectedStep
 from ..storage import Storage
@@ -159,7 +159,7 @@ class Agreement:
                       scanned=scanned, rejected=rejected, memory=memory)
 
     async def first_loaded(self, agreed: Agreed, load: CandidateLoad[_L]
-                           ) -> tuple[_L, Sequence[Any], frozenset[int]] | None:
+                           ) -> tuple[_L, Runs[Any], frozenset[int]] | None:
         """Try the candidates newest first, falling back: this rank loads its shard of one
         (``load``), then the ranks vote on it; the first that loads on every rank is the
         restore's. Returns its load, every rank's extra, and the candidates every rank

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence, Set
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, MutableMapping, Set
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -28,6 +28,7 @@ from .._logging import log
 from .._threads import in_thread
 from ..coordination import Coordinator
 from ..coordination._agree import agree_barrier, agree_outcome, gather_shared
+from ..coordination._runs import Runs
 from ..errors import CheckpointError, ConfigError, CoordinationError, RestoreError
 from ..events import CheckpointRejected, CheckpointRestored, CheckpointRewound, Event
 from ..handle import Missing, RejectedStep, Reshard, RestoreResult
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 __all__ = ("AppliedState", "Loaded", "Recovery")
 
 _log = log
+
+_T = TypeVar("_T")
 
 
 class Recovery:
@@ -115,7 +118,7 @@ class Recovery:
         except CheckpointError as exc:  # every rank raises here when one does (its vote)
             layout = await gather_shared(self.coordinator, isinstance(exc, LayoutChanged),
                                          what="restore layout", step=exc.step)
-            if not all(layout):
+            if not all(layout.distinct()):
                 raise
             _log.info("ckpt.recovery.layout_changed", rank=self.rank, step=exc.step,
                       error=exc.message, hint="resharding onto the live layout")
@@ -129,13 +132,13 @@ class Recovery:
         if found is None:
             return None
         loaded, extras, failed = found
-        loaded.fetched = {r: e["fetched"] for r, e in enumerate(extras)
-                          if isinstance(e, dict) and isinstance(e.get("fetched"), int)}
-        loaded.downloaded = tuple(r for r, e in enumerate(extras)
-                                  if isinstance(e, dict) and e.get("downloaded") is True)
-        loaded.foreign_by_rank = _foreign_by_rank(extras)
-        loaded.from_memory = tuple(r for r, e in enumerate(extras)
-                                   if isinstance(e, dict) and e.get("memory") is True)
+        loaded.fetched = _by_rank(extras, lambda e: e["fetched"] if isinstance(
+            e, dict) and isinstance(e.get("fetched"), int) else None)
+        loaded.downloaded = tuple(extras.indices(
+            lambda e: isinstance(e, dict) and e.get("downloaded") is True))
+        loaded.foreign_by_rank = _by_rank(extras, _foreign)
+        loaded.from_memory = tuple(extras.indices(
+            lambda e: isinstance(e, dict) and e.get("memory") is True))
         loaded.held_copies = {src: hs for (s, src), hs in agreed.candidates.holders.items()
                               if s == loaded.step}
         loaded.restore_rng = rng
@@ -328,13 +331,23 @@ class Recovery:
         return RejectedStep(step, path, reason)
 
 
-def _foreign_by_rank(extras: Sequence[Any]) -> dict[int, tuple[str, ...]]:
-    out: dict[int, tuple[str, ...]] = {}
-    for rank, extra in enumerate(extras):
-        ids = extra.get("foreign") if isinstance(extra, dict) else None
-        if isinstance(ids, list) and ids and all(isinstance(i, str) for i in ids):
-            out[rank] = tuple(ids)
+def _by_rank(extras: Runs[Any], read: Callable[[Any], _T | None]) -> dict[int, _T]:
+    """{rank: read(its extra)} for the ranks whose extra ``read`` makes something of (not
+    None): ``read`` called once a run of equal extras, O(runs + ranks named)."""
+    out: dict[int, _T] = {}
+    for start, stop, extra in extras.runs():
+        value = read(extra)
+        if value is not None:
+            out.update(dict.fromkeys(range(start, stop), value))
     return out
+
+
+def _foreign(extra: Any) -> tuple[str, ...] | None:
+    """The foreign save ids a rank's extra names (None: none)."""
+    ids = extra.get("foreign") if isinstance(extra, dict) else None
+    if isinstance(ids, list) and ids and all(isinstance(i, str) for i in ids):
+        return tuple(ids)
+    return None
 
 
 def _reshard_choices(reshard: Reshard | None) -> Reshard:

@@ -67,7 +67,15 @@ from .._tiers.persistent.layout import StepRecord
 from .._tiers.persistent.ranged import RemoteShard
 from .._tiers.persistent.remote import Remote
 from .._tiers.replica.ranged import PeerShard
-from .._tree import is_dtensor, is_stateful, join_path, mesh_shapes
+from .._tree import (
+    MeshNames,
+    is_dtensor,
+    is_stateful,
+    join_path,
+    live_meshes,
+    mesh_shapes,
+    unmatched_meshes,
+)
 from ..coordination import Coordinator
 from ..coordination._agree import agree_outcome, gather_shared
 from ..errors import (
@@ -526,16 +534,25 @@ def _refs(node: Any) -> set[int]:
 def _same_roles(statuses: Sequence[StepStatus], live: Mapping[str, Any], world: int) -> bool:
     """Whether each live rank plays the part of the saved rank of its number, so that it may
     restore that rank's per-rank values and RNG states: the same number of ranks, and the
-    live DTensors on meshes of the shapes the saved ones were on. A mesh of another shape at
-    the same world size (FSDP over 4 ranks to FSDP 2 x TP 2) changes the data-parallel
-    degree or a rank's place in it, and a loader position saved by rank 1 would then feed
-    another slice of the data: those values are handled as on another world size. The mesh
-    dimensions' names are not saved, so any change of shape counts. No DTensor at all (DDP,
-    plain tensors) counts as a 1-D mesh of the world: every rank a data-parallel rank."""
+    live DTensors on the meshes the saved ones were on: the same shapes, and the same
+    dimension names where both sides name them (the headers record them; older ones only
+    the shapes, and then the shapes decide). A mesh of another shape at the same world size
+    (FSDP over 4 ranks to FSDP 2 x TP 2), or with its dimensions named otherwise (("dp",
+    "tp") to ("tp", "dp")), changes the data-parallel degree or a rank's place in it, and a
+    loader position saved by rank 1 would then feed another slice of the data: those values
+    are handled as on another world size. No DTensor at all (DDP, plain tensors) counts as
+    a 1-D mesh of the world: every rank a data-parallel rank."""
     if len(statuses) != world:
         return False
-    saved = {record.dist.mesh_shape for status in statuses if status.header is not None
-             for record in status.header.tensors if record.dist is not None}
+    headers = [status.header for status in statuses if status.header is not None]
+    if headers and all(header.meshes is not None for header in headers):
+        saved_meshes = {m for header in headers for m in header.meshes or ()}
+        live_set = live_meshes(live)
+        whole: set[MeshNames] = {((world,), None)}
+        return not (unmatched_meshes(saved_meshes or whole, live_set or whole)
+                    or unmatched_meshes(live_set or whole, saved_meshes or whole))
+    saved = {record.dist.mesh_shape for header in headers
+             for record in header.tensors if record.dist is not None}
     return (saved or {(world,)}) == (mesh_shapes(live) or {(world,)})
 
 

@@ -28,7 +28,7 @@ from .._threads import in_thread
 from .._tiers.base import LocatedShard, ShardSource, ShardSources, SourceFailure
 from .._tiers.persistent.source import TierDownload
 from .._tiers.replica.source import FetchedCopy
-from .._tree import find_mesh, to_dtensor
+from .._tree import find_mesh, live_meshes, to_dtensor, unmatched_meshes
 from ..coordination._agree import Candidates
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..events import Event, ForeignFilesSetAside, ShardDownloaded, ShardFetched
@@ -361,6 +361,19 @@ def _live_meshes(records: tuple[TensorRecord, ...], state: Mapping[str, Any],
                 step=status.step, path=record.path,
                 hint="shard the model the same way (fully_shard) before restoring")
         meshes[record.dist.mesh_shape] = found
+    saved = None if status.header is None else status.header.meshes
+    if saved:
+        live = live_meshes(state)
+        unmatched = unmatched_meshes(saved, live)
+        if unmatched:
+            shape, names = unmatched[0]
+            raise LayoutChanged(
+                f"the checkpoint holds DTensors on a mesh of shape {list(shape)} with "
+                f"dimensions named {list(names or ())}, the live state's meshes of that shape "
+                f"are named otherwise ({sorted(list(n or ()) for s, n in live if s == shape)})",
+                step=status.step, path=str(status.path),
+                hint="name the mesh's dimensions as when saving, or restore through the "
+                     "reshard (it maps a rank's per-rank values only when asked)")
     return meshes
 
 

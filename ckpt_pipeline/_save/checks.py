@@ -245,7 +245,7 @@ def header_bytes_bound(flat: FlatState, tree: bytes, ts_bytes: bytes, *, step: i
             step=step, rank=rank, world_size=world_size, save_id=save_id, created_unix=0.0,
             chunk_bytes=chunk_bytes, data_offset=PREAMBLE_SIZE,
             data_length=layout.data_length, storages=storages, tensors=records,
-            checksums=(), tree=tree, train_state=train_state))
+            checksums=(), tree=tree, train_state=train_state, meshes=flat.meshes))
 
     # The fixed fields, with empty lists (1 byte each), tree (2) and train_state map (1).
     fixed = len(header((), (), b"", {})) - 6

@@ -9,6 +9,7 @@ from .._format.header import DistLayout
 from .._format.layout import EMPTY_LAYOUT, DataLayout
 from .._format.publish import PendingFiles
 from .._tiers.replica.push import Push
+from .._tree import MeshNames
 from ..errors import CheckpointError, SaveError
 from ..events import SaveStage
 from ..handle import SaveHandle
@@ -58,6 +59,8 @@ class SaveJob:
     tree: bytes
     train_state: dict[str, Any]
     requested_at: float
+    meshes: tuple[MeshNames, ...] = ()
+    """The DeviceMeshes of the state's DTensors (shape, dimension names), for the header."""
     # the files the save owns (created by write_data, published by seal and commit)
     files: PendingFiles = field(default_factory=PendingFiles)
     push: Push | None = None

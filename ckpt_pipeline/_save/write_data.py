@@ -147,7 +147,8 @@ async def _encode_header(job: SaveJob, block: int, sums: list[int],
             for path, dtype, shape, stride, item, offset, dist in zip(
                 job.paths, job.dtypes, job.shapes, layout.tensor_stride, layout.tensor_item,
                 layout.tensor_offset, job.layouts)),
-        tensor_count=len(job.paths), tree=job.tree, train_state=job.train_state))
+        tensor_count=len(job.paths), tree=job.tree, train_state=job.train_state,
+        meshes=job.meshes))
 
 
 Chunk = tuple[int, int, int]  # (start, end) file offsets of a write chunk, its first block's index

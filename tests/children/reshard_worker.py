@@ -26,7 +26,8 @@ every live bit is as it was, and the bytes put back, from the library's log).
 ``values-save`` / ``values-restore``: per-rank plain values (a loader position, TrainState
 counts and extra) and per-rank RNG streams beside a DTensor, restored onto another world size
 (or the same one on a mesh of another shape, ``--mesh 2x2``, or on the saved mesh with another
-placement, ``--live S1``) with ``--choice``: ``none`` (refused), ``exclude`` (the loader kept,
+placement, ``--live S1``, or with its dimensions named otherwise, ``--names``; the save takes
+``--mesh`` and ``--names`` too) with ``--choice``: ``none`` (refused), ``exclude`` (the loader kept,
 the TrainState values mapped by a hook, rank 0's RNG streams), ``hook`` (everything mapped by
 a hook, the live RNG streams kept).
 """
@@ -136,14 +137,17 @@ def mesh_state(mesh_shape: tuple[int, ...], live: dict[str, str] | None,
 VOLUME = {"rows": (4099, 1024), "rep": (1500, 1024)}  # rows: uneven over 4 and 2 ranks
 
 
-def volume_state(live: str | None, mesh_shape: tuple[int, ...] = ()) -> dict[str, Any]:
+def volume_state(live: str | None, mesh_shape: tuple[int, ...] = (),
+                 names: tuple[str, ...] | None = None) -> dict[str, Any]:
     """VOLUME's tensors: their saved values (rows Shard(0), rep Replicate), or zeros with
     rows placed as ``live`` says; on a 1-D mesh of the world, or of ``mesh_shape`` (rows
-    placed as ``live`` on its first dimension, replicated on the others)."""
+    placed as ``live`` on its first dimension, replicated on the others), its dimensions
+    named ``names``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = init_device_mesh("cpu", mesh_shape or (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", mesh_shape or (dist.get_world_size(),),
+                            mesh_dim_names=names)
     rest = ",R" * (len(mesh_shape) - 1) if mesh_shape else ""
     out = {}
     for name, shape in VOLUME.items():
@@ -228,6 +232,7 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--kind", choices=("fsdp", "ddp"), default="fsdp")
     parser.add_argument("--mesh", default="")
+    parser.add_argument("--names", default="", help="values-*: the mesh dimensions' names")
     parser.add_argument("--live", default="", help='mesh-restore: {"name": "S0,R", ...}')
     parser.add_argument("--out", default="")
     parser.add_argument("--shrink", default="", help="mesh-restore: one tensor a row shorter")
@@ -343,7 +348,9 @@ def main() -> None:
             json.dump(report, f)
     elif args.mode == "values-save":
         torch.manual_seed(100 + rank)
-        state = {"t": volume_state(None), "loader": {"position": 10 * rank, "epoch": 1}}
+        mesh = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else ()
+        state = {"t": volume_state(None, mesh, tuple(args.names.split(",")) if args.names else None),
+                 "loader": {"position": 10 * rank, "epoch": 1}}
         ts = cp.TrainState(step=3, consumed_train_samples=5 * (rank + 1),
                            extra={"seen": rank, "lr": 0.5})
         with cp.CheckpointPipeline(args.root, coordination_timeout_s=60) as pipe:
@@ -355,7 +362,8 @@ def main() -> None:
         live_draw = torch.rand(4)
         torch.manual_seed(7 + rank)
         mesh = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else ()
-        live = {"t": volume_state(args.live or "S0", mesh),
+        live = {"t": volume_state(args.live or "S0", mesh,
+                                  tuple(args.names.split(",")) if args.names else None),
                 "loader": {"position": -1, "epoch": -1}}
         calls: list[str] = []
 

@@ -156,3 +156,43 @@ def test_checksums_must_cover_every_chunk_of_the_data_region() -> None:
     with pytest.raises(CheckpointIntegrityError, match="checksums"):
         decode_header(raw, "x", file_size=PREAMBLE_SIZE + 16 + len(raw),
                       header_offset=PREAMBLE_SIZE + 16)
+
+
+def _header_with_meshes(meshes: Any) -> bytes:
+    """A one-tensor header whose ``meshes`` entry is ``meshes`` (packed as given)."""
+    import msgpack
+
+    record = TensorRecord("w", "float32", (4,), (1,), 0, 0, "cpu")
+    raw = encode_header(ShardHeader(
+        step=1, rank=0, world_size=1, save_id="a-1", created_unix=0.0, chunk_bytes=ALIGN,
+        data_offset=PREAMBLE_SIZE, data_length=16, storages=(_STORAGE,), tensors=(record,),
+        checksums=(0,), tree=b"\x80", train_state={}))
+    data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    if meshes is ...:
+        del data["meshes"]  # a writer from before the names were recorded
+    else:
+        data["meshes"] = meshes
+    return msgpack.packb(data, use_bin_type=True)
+
+
+def _decoded(raw: bytes) -> ShardHeader:
+    return decode_header(raw, "x", file_size=PREAMBLE_SIZE + 16 + len(raw),
+                         header_offset=PREAMBLE_SIZE + 16)
+
+
+def test_the_meshes_names_round_trip_and_an_older_header_has_none() -> None:
+    meshes = [[[2, 2], ["dp", "tp"]], [[4], None]]
+    assert _decoded(_header_with_meshes(meshes)).meshes == (((2, 2), ("dp", "tp")),
+                                                            ((4,), None))
+    assert _decoded(_header_with_meshes([])).meshes == ()
+    assert _decoded(_header_with_meshes(...)).meshes is None
+
+
+@pytest.mark.parametrize("meshes", [
+    "dp", [[[2, 2], ["dp"]]], [[[0], ["dp"]]], [[[2], [""]]], [[[2], [3]]], [[[2]]],
+    [[[], []]], [[[2], ["x" * 257]]], [[[1], None]] * 65,
+], ids=["not-a-list", "names-short", "zero-size", "empty-name", "name-not-text", "no-names",
+        "no-dims", "long-name", "too-many"])
+def test_malformed_meshes_are_refused(meshes: Any) -> None:
+    with pytest.raises(CheckpointIntegrityError, match="meshes"):
+        _decoded(_header_with_meshes(meshes))

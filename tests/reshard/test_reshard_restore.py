@@ -223,6 +223,32 @@ def test_a_mesh_of_another_shape_on_as_many_ranks_asks_for_a_choice_on_per_rank_
         assert r["consumed"] == 5 * (rank + 1) and r["extra"] == {"seen": rank, "lr": 0.5}
 
 
+def test_a_mesh_whose_dimensions_are_named_otherwise_asks_for_a_choice_on_per_rank_values(
+        tmp_path: Path) -> None:
+    """Saved on 4 ranks on a 2x2 mesh named ("dp", "tp"), which every shard header records;
+    restored on 4 ranks on a 2x2 mesh with the same placements but named ("tp", "dp"): a
+    rank's place in the data-parallel dimension may have moved, so the per-rank loader
+    positions are refused as on another world size (the live state untouched), and a hook
+    maps them. Named as saved, each rank keeps its own saved values."""
+    _run_ranks(WORKER, 4, "values-save", "--mesh", "2x2", "--names", "dp,tp", "--root",
+               tmp_path / "ckpt")
+    for rank in range(4):
+        (status,) = [s for s in scan(cp.LocalStorage(str(tmp_path / "ckpt")), rank) if s.valid]
+        assert status.header is not None and status.header.meshes == (((2, 2), ("dp", "tp")),)
+    swapped = ("values-restore", "--mesh", "2x2", "--names", "tp,dp")
+    for r in _restore(tmp_path, 4, *swapped, "--choice", "none"):
+        assert r.get("type") == "ReshardError" and "loader/position" in r["error"], r
+        assert r["untouched"] and r["loader"] == {"position": -1, "epoch": -1}, r
+    for r in _restore(tmp_path, 4, *swapped, "--choice", "hook"):
+        assert "error" not in r, r
+        assert r["rows_equal"] and r["loader"] == {"position": 0 + 10 + 20 + 30, "epoch": 1}
+    named = _restore(tmp_path, 4, "values-restore", "--mesh", "2x2", "--names", "dp,tp",
+                     "--choice", "none")
+    for rank, r in enumerate(named):
+        assert "error" not in r, r
+        assert r["rows_equal"] and r["loader"] == {"position": 10 * rank, "epoch": 1}, r
+
+
 def _flip_data_byte(shard: Path) -> None:
     """Flip a bit in the middle of the first checksum block of a shard file."""
     from ckpt_pipeline._format.shard import PREAMBLE_SIZE, decode_header, decode_preamble
