@@ -9,6 +9,14 @@ carries its own rank number, which is what every vote cost before each distinct 
 decoded once). The timings are the least of ``--repeats`` runs, on this machine, the machine
 recorded beside them.
 
+Then the two exchanges a job makes once (``exchanges`` in the JSON), read the same way from a
+leader's relay: the restore's candidates (``agree_candidates``: every rank holding the same
+three steps; and every rank also holding a copy of the next rank's shard, which makes every
+answer distinct) and the opening (``agree_open``: rank 0's run id, every rank's node name, no
+copy servers; and ``open_ids_per_rank``, every rank sending a run id and token of its own, as
+every rank did before ``fbbed5c``). Run against another tree (``PYTHONPATH=that/tree``) for a
+before and after.
+
     python benchmarks/bench_vote_decode.py                    # 1,000, 4,000 and 16,000 ranks
     python benchmarks/bench_vote_decode.py --ranks 1000 --repeats 3 --out /tmp/v.json
 """
@@ -28,7 +36,12 @@ from _machine import machine_info
 
 from ckpt_pipeline._format.documents import encode_message
 from ckpt_pipeline._tiers.replica.vote import CopiesAcked
-from ckpt_pipeline.coordination._agree import Ballot, gather_vote
+from ckpt_pipeline.coordination._agree import (
+    Ballot,
+    agree_candidates,
+    agree_open,
+    gather_vote,
+)
 from ckpt_pipeline.coordination._hierarchy import (
     NodeLayout,
     merge_nodes,
@@ -99,6 +112,47 @@ def measure(ranks: int, kind: str, repeats: int, per_node: int) -> dict[str, Any
             "rank_unpack_and_tally_s": tally_s}
 
 
+def _relayed(payloads: list[bytes], per_node: int) -> bytes:
+    layout = NodeLayout(tuple(tuple(range(at, min(at + per_node, len(payloads))))
+                              for at in range(0, len(payloads), per_node)))
+    frames = [pack_relay(payloads[node[0]:node[-1] + 1]) for node in layout.nodes]
+    return pack_relay(merge_nodes(layout, frames))
+
+
+def measure_exchange(ranks: int, kind: str, repeats: int, per_node: int) -> dict[str, Any]:
+    """One of the once-a-job exchanges (module docstring), read by rank 0 from the relay."""
+    steps = [[10, "run-10", ranks], [20, "run-20", ranks], [30, "run-30", ranks]]
+    if kind.startswith("open"):
+        own = kind == "open_ids_per_rank"
+        payloads = [encode_message({"run_id": f"{r:016x}" if own or r == 0 else None,
+                                    "token": f"{r:032x}" if own or r == 0 else None,
+                                    "node": f"node-{r // per_node}", "address": None})
+                    for r in range(ranks)]
+    else:
+        payloads = [encode_message({
+            "valid": steps, "persisted": [], "held_any": True,
+            "copies": [[30, (r + 1) % ranks, "run-30", ranks]] if kind == "candidates_copies"
+            else []}) for r in range(ranks)]
+    relayed = _relayed(payloads, per_node)
+
+    async def once() -> Any:
+        coordinator = _Relayed(relayed, ranks)
+        if kind.startswith("open"):
+            return await agree_open(coordinator, "node-0", None)
+        return await agree_candidates(coordinator, {}, held_any=True)
+
+    async def timed() -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            await once()
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    return {"ranks": ranks, "exchange": kind, "ranks_per_node": per_node,
+            "relay_bytes": len(relayed), "rank_unpack_and_read_s": anyio.run(timed)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1000,4000,16000")
@@ -109,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(int(n), kind, args.repeats, args.ranks_per_node)
             for n in args.ranks.split(",")
             for kind in ("alike", "1pct", "distinct")]
+    exchanges = [measure_exchange(int(n), kind, args.repeats, args.ranks_per_node)
+                 for n in args.ranks.split(",")
+                 for kind in ("candidates", "candidates_copies", "open",
+                              "open_ids_per_rank")]
+    import ckpt_pipeline
+
     report = {"benchmark": "vote_decode", "machine": machine_info(HERE),
-              "repeats": args.repeats, "rows": rows}
+              "ckpt_pipeline_from": str(Path(ckpt_pipeline.__file__).parent),
+              "repeats": args.repeats, "rows": rows, "exchanges": exchanges}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'ranks':>6} {'votes':>9} {'fail':>5} {'relay B':>9} {'pack ms':>8} "
@@ -119,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['ranks']:>6} {r['votes']:>9} {r['failures']:>5} {r['relay_bytes']:>9} "
               f"{r['leader_pack_s'] * 1e3:>8.2f} {r['rank_unpack_s'] * 1e3:>10.2f} "
               f"{r['rank_unpack_and_tally_s'] * 1e3:>16.2f}")
+    print(f"{'ranks':>6} {'exchange':>18} {'relay B':>9} {'unpack+read ms':>15}")
+    for r in exchanges:
+        print(f"{r['ranks']:>6} {r['exchange']:>18} {r['relay_bytes']:>9} "
+              f"{r['rank_unpack_and_read_s'] * 1e3:>15.2f}")
     return 0
 
 

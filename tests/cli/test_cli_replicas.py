@@ -3,7 +3,7 @@
 The checkpoints are real ones, saved by the library; the copies are made as replication makes
 them: the source rank's three files, byte for byte, under the holder's names
 (``replica-SSSSS-on-HHHHH.*``) in the holder's step directory. The holder here is rank 1 of a
-job of two, saved by one process that stands in for it (``_StandIn``: the other rank always
+job of two, saved by one process that stands in for it (``Agreeing``: the other rank always
 agrees), so that the holder's root has its own shard next to the copy, as a real one has.
 """
 
@@ -22,6 +22,7 @@ import ckpt_pipeline as cp
 from ckpt_pipeline._format.documents import decode_commit
 from ckpt_pipeline._format.scan import scan, scan_replicas
 from tests._support.cli import run_cli as _cli
+from tests._support.coordinators import Agreeing
 
 COPY = "replica-00000-on-00001"
 """The names of rank 0's files as rank 1 holds them."""
@@ -29,22 +30,9 @@ DATA_BYTES = (1024 + 256) * 4
 """The tensor bytes of one saved state (``_save_steps``)."""
 
 
-class _StandIn:
-    """The coordinator of rank ``rank`` of a job of two whose other rank always agrees: every
-    exchange returns this rank's payload for both."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.world_size = 2
-
-    async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
-                         ) -> list[bytes]:
-        return [payload, payload]
-
-
 def _save_steps(root: Path, steps: list[int], rank: int | None = None) -> None:
     """Save a small state at each step: as the only rank (None), or as rank ``rank`` of 2."""
-    coordinator = None if rank is None else _StandIn(rank)
+    coordinator = None if rank is None else Agreeing(rank)
     with cp.CheckpointPipeline(root, keep_last=5, coordinator=coordinator) as pipe:
         for step in steps:
             pipe.save(step, {"w": torch.randn(1024), "opt": {"m": torch.zeros(256)}},

@@ -10,6 +10,7 @@ import torch
 
 import ckpt_pipeline as cp
 from ckpt_pipeline.cli import main
+from tests._support.coordinators import Agreeing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,23 +93,11 @@ def test_json_output_is_strict_json_with_bytes_and_nan(place: Path,
                      "ninf": "-inf"}
 
 
-class _RankOneOfTwo:
-    """Rank 1 of a 2-rank job whose rank 0 votes as it does: what writes rank 1's own root in
-    the one-root-per-rank layout of the examples."""
-
-    rank = 1
-    world_size = 2
-
-    async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
-                         ) -> list[bytes]:
-        return [payload, payload]
-
-
 def test_a_root_of_one_other_rank_is_looked_at_as_that_rank(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    with cp.CheckpointPipeline(tmp_path, coordinator=_RankOneOfTwo()) as pipe:
+    with cp.CheckpointPipeline(tmp_path, coordinator=Agreeing(1)) as pipe:
         pipe.save(1, {"w": torch.ones(3)}).result(30)
     assert main(["ls", str(tmp_path), "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
