@@ -131,6 +131,11 @@ class RangeSource(Protocol):
 class LocalStorage:
     """POSIX files under a local directory (node-local disk)."""
 
+    SMALL_READS = True
+    """A read of a few KiB costs a system call, not a request: a reshard reads each range
+    straight into its destination and the bytes around it separately
+    (``_reshard/ranges.py``), where a remote source is read in whole checksum blocks."""
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self._fd_names: dict[int, str] = {}  # open descriptor -> its path, for error messages

@@ -7,6 +7,8 @@ The region is checksummed in chunks cut at the multiples of ``chunk_bytes`` of t
 
 from __future__ import annotations
 
+from typing import Any
+
 import xxhash
 
 from .limits import ALIGN
@@ -25,6 +27,12 @@ def align_down(n: int, align: int = ALIGN) -> int:
 def checksum(data: memoryview | bytes) -> int:
     """xxh3-64 of a byte range (releases the GIL for large inputs)."""
     return int(xxhash.xxh3_64_intdigest(data))
+
+
+def checksum_stream() -> Any:
+    """``checksum`` of a byte range given in pieces: ``update`` with each piece in order
+    (it lets go of the GIL), then ``intdigest()``."""
+    return xxhash.xxh3_64()
 
 
 

@@ -32,7 +32,7 @@ import torch
 from .._format.header import ShardHeader, TensorRecord
 from .._format.limits import DTYPES
 from .._format.names import shard_name
-from .._format.region import checksum
+from .._format.region import checksum, checksum_stream
 from .._format.scan import StepStatus
 from .._hostmem import byte_view
 from ..errors import CheckpointIntegrityError
@@ -88,15 +88,22 @@ class ShardRanges:
         """Read blocks ``first`` to ``last`` into ``into`` (their bytes, in one call) and
         verify each."""
         lo = self.checks[first][0]
-        self.storage.pread_into(self._fd, into, lo)
-        with self._lock:
-            self.bytes_read += len(into)
+        self.read_into(lo, into)
         for a, b, expected in self.checks[first:last + 1]:
             if checksum(into[a - lo:b - lo]) != expected:
-                raise CheckpointIntegrityError(
-                    f"checksum mismatch in bytes {a}-{b} of rank {self.rank}'s shard",
-                    step=self.status.step, rank=self.rank, path=self.path,
-                    hint="the shard is corrupt")
+                raise self.mismatch(a, b)
+
+    def read_into(self, start: int, into: memoryview) -> None:
+        """Read the file's bytes [start, start + len(into)) into ``into`` (unverified)."""
+        self.storage.pread_into(self._fd, into, start)
+        with self._lock:
+            self.bytes_read += len(into)
+
+    def mismatch(self, a: int, b: int) -> CheckpointIntegrityError:
+        """The error for block [a, b) whose checksum does not match."""
+        return CheckpointIntegrityError(
+            f"checksum mismatch in bytes {a}-{b} of rank {self.rank}'s shard",
+            step=self.status.step, rank=self.rank, path=self.path, hint="the shard is corrupt")
 
 
 class _Reader:
@@ -367,10 +374,134 @@ def _read_direct(reader: _Reader, staging: _Staging, span: Span, keep: bool) -> 
         reader.read_kept(hi, span.end, flat[hi - span.start:])
 
 
+class _Stream:
+    """One thread's reads of one shard of a local file, in file order, where a read of a few
+    KiB costs a system call rather than a request: each span's bytes are read once, in one
+    call, straight into their destination (or the staging buffer, for a destination they do
+    not fill in order), and the bytes of a block that no span of the thread needs (before its
+    first span, between two spans, after its last) into a scratch buffer. Each block is
+    verified from its pieces as they arrive, with a streaming xxh3 over them in file order;
+    every block a span touches is verified before ``read_group`` returns. Nothing is read
+    twice and nothing is copied between buffers: the bytes read are those of the blocks the
+    spans touch, as with whole blocks, without the whole-block copies."""
+
+    def __init__(self, shard: ShardRanges) -> None:
+        self.shard = shard
+        self.block = -1
+        """The block being verified (-1: none); its bytes before ``at`` are hashed."""
+        self.at = 0
+        self.hasher: Any = None
+        self.done = 0
+        """The file offset up to which bytes were taken: a span that starts before it
+        (bytes another span of this thread read too) is read whole-block instead."""
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def seek(self, start: int) -> None:
+        """Make the file's byte ``start`` (not before ``done``) the next one taken: the rest
+        of the block being verified read into scratch if ``start`` lies beyond it, and the
+        bytes of ``start``'s block before it."""
+        shard = self.shard
+        if self.block >= 0:
+            end = shard.checks[self.block][1]
+            if start < end:
+                self.take(self.at, start, None)
+                return
+            self.take(self.at, end, None)
+        first, _ = shard.blocks(start, start + 1)
+        self.take(shard.checks[first][0], start, None)
+
+    def take(self, start: int, end: int, into: memoryview | None) -> None:
+        """Read the file's bytes [start, end) (the next ones of the stream) into ``into``
+        (None: into scratch: at most the rest of one block) and hash them."""
+        if end <= start:
+            return
+        if into is None:
+            if self._scratch.numel() < end - start:
+                self._scratch = torch.empty(max(end - start, self.shard.block),
+                                            dtype=torch.uint8)
+            into = byte_view(self._scratch, 0, end - start)
+        self.shard.read_into(start, into)
+        self._hash(start, into)
+        self.done = end
+
+    def _hash(self, start: int, view: memoryview) -> None:
+        """Hash the file's bytes [start, start + len(view)), held in ``view``, verifying
+        each block they complete."""
+        shard = self.shard
+        end = start + len(view)
+        pos = start
+        while pos < end:
+            if self.block < 0:
+                self.block, _ = shard.blocks(pos, pos + 1)
+                self.at = shard.checks[self.block][0]
+                if self.at != pos:  # seek reads a block's head first: never happens
+                    raise CheckpointIntegrityError(
+                        f"a read of rank {shard.rank}'s shard began at byte {pos}, inside a "
+                        "block", step=shard.status.step, rank=shard.rank, path=shard.path)
+                self.hasher = checksum_stream()
+            a, b, expected = shard.checks[self.block]
+            stop = min(b, end)
+            self.hasher.update(view[pos - start:stop - start])
+            pos = self.at = stop
+            if stop == b:
+                self.block = -1
+                if self.hasher.intdigest() != expected:
+                    raise shard.mismatch(a, b)
+
+    def finish(self) -> None:
+        """Read and verify the rest of the block being verified."""
+        if self.block >= 0:
+            self.take(self.at, self.shard.checks[self.block][1], None)
+
+
+def _streams(shards: Sequence[ShardRanges], group: Sequence[Span]) -> bool:
+    """Whether every shard the group reads is a local file (``SMALL_READS``), read by
+    ``_Stream``; otherwise (the persistent tier, another rank's copy server: a request a
+    read) whole blocks are read through ``_Reader``."""
+    return all(getattr(shards[s].storage, "SMALL_READS", False)
+               for s in {span.source for span in group})
+
+
+def _read_streamed(shards: Sequence[ShardRanges], group: Sequence[Span],
+                   staging: _Staging) -> None:
+    """``read_group`` through ``_Stream``s (one a shard): each span's bytes straight into its
+    destination where it is ``_direct``, else into the staging buffer and copied from there.
+    A span that starts before the stream's last byte (bytes another span of the group read
+    too) is read on its own, whole blocks through ``_Reader``."""
+    streams: dict[int, _Stream] = {}
+    try:
+        for span in group:
+            stream = streams.get(span.source)
+            if stream is None:
+                stream = streams[span.source] = _Stream(shards[span.source])
+            if span.before is not None:
+                span.before(span.into)
+            if span.start < stream.done:
+                _read_span(_Reader(shards[span.source]), staging, span, keep=False)
+                continue
+            stream.seek(span.start)
+            if _direct(span):
+                flat = span.into.reshape(-1).view(torch.uint8)  # a view: contiguous
+                stream.take(span.start, span.end, byte_view(flat))
+                continue
+            buffer = staging.buffer(span.end - span.start, span.into.device)
+            stream.take(span.start, span.end, byte_view(buffer))
+            raw = buffer.view(span.dtype)
+            staging.copy(span.into, raw.as_strided(span.sizes, span.stride))
+        for stream in streams.values():
+            stream.finish()
+    finally:
+        staging.close()
+
+
 def read_group(shards: Sequence[ShardRanges], group: Sequence[Span]) -> None:
-    """Read and copy one group's spans (one thread); every copy is done when it returns."""
-    readers: dict[int, _Reader] = {}
+    """Read and copy one group's spans (one thread); every copy is done, and every block a
+    span touches verified, when it returns."""
     staging = _Staging()
+    if _streams(shards, group):
+        _read_streamed(shards, group, staging)
+        return
+    readers: dict[int, _Reader] = {}
     try:
         for i, span in enumerate(group):
             reader = readers.get(span.source)

@@ -488,7 +488,17 @@ def shard_headers(draw: st.DrawFn, min_storages: int = 0) -> ShardHeader:
         tensors=tensors, checksums=tuple(sums), tree=draw(st.binary(max_size=32)),
         train_state=draw(st.dictionaries(st.one_of(names, st.integers(0, 9)), plain,
                                          max_size=3)),
+        meshes=tuple(draw(st.lists(_meshes(), max_size=3))),
     )
+
+
+@st.composite
+def _meshes(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """A DeviceMesh as a header records it: its shape and its dimensions' names (or none)."""
+    shape = tuple(draw(st.lists(st.integers(1, 2**63 - 1), min_size=1, max_size=3)))
+    named = st.lists(st.text(min_size=1, max_size=8), min_size=len(shape),
+                     max_size=len(shape)).map(tuple)
+    return shape, draw(st.none() | named)
 
 
 def _header_offset(h: ShardHeader) -> int:
