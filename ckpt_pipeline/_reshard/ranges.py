@@ -2,11 +2,17 @@
 
 A shard's data region is checksummed in blocks (``region_chunks``: cut at the multiples of the
 header's ``chunk_bytes``, 4 MiB as this library writes them, 64 MiB in shards written before
-it; each with its xxh3-64 in the header). A range is read with the blocks it touches, whole, in
-one read call, each block verified before any of its bytes is used; when the thread's next
-range starts in the last block, that block stays with the thread (a copy of it), so that it is
-not read again (and nothing is copied for a range whose successor starts further on).
-What a range costs beyond its own bytes is therefore at most one block on each side.
+it; each with its xxh3-64 in the header). What a range costs beyond its own bytes is at most
+one block on each side, each block read once by one thread, in one of two ways:
+
+- from a local file (``_Stream``): the range's bytes in one read call straight into their
+  destination, the rest of the blocks it touches (what no range of the thread needs) into a
+  scratch buffer, each block verified from those pieces with a streaming xxh3, in file order,
+  before the thread is done;
+- from a source where each read is a request (the persistent tier, another rank's copy
+  server: ``_Reader``): the blocks a range touches, whole, in one request, each verified
+  before any of its bytes is used; when the thread's next range starts in the last block,
+  that block stays with the thread, so that it is not read again.
 
 ``ShardRanges`` is one saved rank's file (its header, its descriptor; shared by the threads),
 in a root, in the persistent tier or in another live rank's root (a ``RangeSource``: there

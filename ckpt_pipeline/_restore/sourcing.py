@@ -367,13 +367,15 @@ def _live_meshes(records: tuple[TensorRecord, ...], state: Mapping[str, Any],
         unmatched = unmatched_meshes(saved, live)
         if unmatched:
             shape, names = unmatched[0]
+            named = sorted(list(n) for s, n in live if s == shape and n is not None)
             raise LayoutChanged(
                 f"the checkpoint holds DTensors on a mesh of shape {list(shape)} with "
-                f"dimensions named {list(names or ())}, the live state's meshes of that shape "
-                f"are named otherwise ({sorted(list(n or ()) for s, n in live if s == shape)})",
+                f"dimensions named {list(names or ())}; the live state's meshes of that shape "
+                f"are named {named or 'nothing'}",
                 step=status.step, path=str(status.path),
-                hint="name the mesh's dimensions as when saving, or restore through the "
-                     "reshard (it maps a rank's per-rank values only when asked)")
+                hint="name the mesh's dimensions as when saving; otherwise the restore "
+                     "reshards, and values saved per rank need Reshard(exclude=...) or "
+                     "per_rank=")
     return meshes
 
 
