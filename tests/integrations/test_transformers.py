@@ -40,6 +40,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return losses(trainer)
 
 
+@pytest.mark.slow  # 7 s on 2 cores with the uninterrupted run: in the slow stage
 def test_resume_continues_the_loss_curve_bit_exactly(
         tmp_path: Path, uninterrupted: dict[int, float]) -> None:
     first = build_trainer(tmp_path, callbacks=[StopAt(12)])  # saves at 5 and 10, stops at 12
@@ -52,6 +53,7 @@ def test_resume_continues_the_loss_curve_bit_exactly(
     assert {s: after[s].hex() for s in after} == {s: uninterrupted[s].hex() for s in after}
 
 
+@pytest.mark.slow  # 3 s on 2 cores: in the slow stage
 def test_no_checkpoint_directory_is_written_so_a_stock_trainer_finds_none(
         tmp_path: Path) -> None:
     build_trainer(tmp_path, callbacks=[StopAt(10)]).train()
