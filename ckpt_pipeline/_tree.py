@@ -179,7 +179,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
     paths: list[str] = []
     tensors: list[torch.Tensor] = []
     layouts: list[DistLayout | None] = []
-    meshes: dict[MeshNames, None] = {}
+    meshes: dict[int, MeshNames] = {}  # by the mesh object: read once, not a tensor at a time
 
     def walk(obj: Any, path: str, depth: int) -> Any:
         """``depth``: the depth ``obj`` has in the state tree if it is a container."""
@@ -243,7 +243,9 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
         layout: DistLayout | None = None
         if is_dtensor(t):
             layout = dist_layout(t, step=step, path=path)
-            meshes.setdefault(mesh_names(t.device_mesh))  # type: ignore[attr-defined]
+            mesh = t.device_mesh  # type: ignore[attr-defined]
+            if id(mesh) not in meshes:  # alive while its tensors are: ids stay distinct
+                meshes[id(mesh)] = mesh_names(mesh)
             t = t.to_local()  # type: ignore[attr-defined]
         refusal = _tensor_refusal(t)
         if refusal is not None:
@@ -272,7 +274,8 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
         if not isinstance(name, str):
             raise StateError(f"top-level key {name!r} is not a string", step=step)
         skeleton[_check_text(name, name, step)] = walk(value, name, 1)
-    return FlatState(skeleton, tuple(paths), tuple(tensors), tuple(layouts), tuple(meshes))
+    return FlatState(skeleton, tuple(paths), tuple(tensors), tuple(layouts),
+                     tuple(dict.fromkeys(meshes.values())))
 
 
 def short_path(path: str) -> str:

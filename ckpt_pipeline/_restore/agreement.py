@@ -200,14 +200,9 @@ class Agreement:
         self.log_unresolved(agreed, newer_than=-1)
         missing = self._missing_shards(agreed)
         unresolved = self._unresolved(agreed)
-        groups: list[tuple[int, int, tuple[int, ...]]] = []  # ranks alike as one entry
-        for start, stop, steps in agreed.valid.runs():
-            if groups and groups[-1][2] == steps:
-                groups[-1] = (groups[-1][0], stop, steps)
-            else:
-                groups.append((start, stop, steps))
+        alike = Runs.join([agreed.valid])  # adjacent ranks holding equal steps: one entry
         by_rank = "; ".join(f"rank(s) {spans_text([(start, stop)])}: {list(steps) or 'none'}"
-                            for start, stop, steps in groups)
+                            for start, stop, steps in alike.runs())
         listing = "; ".join(f"step {r.step}: {r.reason}" for r in rejected)
         return RestoreError(
             f"no checkpoint could be loaded on every rank (valid steps by rank: {by_rank}"
