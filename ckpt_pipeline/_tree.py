@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ._format.documents import TensorRef
-from ._format.header import DistLayout
+from ._format.header import MAX_MESH_NAME, MAX_MESHES, DistLayout
 from ._format.limits import (
     DEVICE_PATTERN,
     DEVICE_TYPES,
@@ -245,7 +245,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
             layout = dist_layout(t, step=step, path=path)
             mesh = t.device_mesh  # type: ignore[attr-defined]
             if id(mesh) not in meshes:  # alive while its tensors are: ids stay distinct
-                meshes[id(mesh)] = mesh_names(mesh)
+                meshes[id(mesh)] = _recordable_mesh(mesh, set(meshes.values()), path, step)
             t = t.to_local()  # type: ignore[attr-defined]
         refusal = _tensor_refusal(t)
         if refusal is not None:
@@ -341,6 +341,25 @@ def find_mesh(live: Mapping[str, Any], mesh_shape: tuple[int, ...]
 def mesh_shapes(live: Mapping[str, Any]) -> set[tuple[int, ...]]:
     """The shapes of the DeviceMeshes the live state's DTensors are on."""
     return {tuple(obj.device_mesh.shape) for obj in _dtensors(live)}
+
+
+def _recordable_mesh(mesh: Any, recorded: set[MeshNames], path: str, step: int) -> MeshNames:
+    """``mesh_names(mesh)``, refused with a StateError where a reader would refuse the
+    header that records it (``_format/header.decode_meshes``): a dimension name empty, longer
+    than MAX_MESH_NAME or not UTF-8, or more than MAX_MESHES distinct meshes."""
+    found = mesh_names(mesh)
+    for name in found[1] or ():
+        _check_text(name, path, step)
+        if not 0 < len(name) <= MAX_MESH_NAME:
+            raise StateError(f"DTensor {short_path(path)} is on a mesh whose dimension name "
+                             f"{name[:40]!r} has {len(name)} characters; a checkpoint records "
+                             f"names of 1 to {MAX_MESH_NAME}", step=step, path=path,
+                             hint="name the mesh's dimensions with shorter, non-empty names")
+    if found not in recorded and len(recorded) >= MAX_MESHES:
+        raise StateError(f"the state's DTensors are on more than {MAX_MESHES} distinct "
+                         f"meshes; the next is that of {short_path(path)}", step=step,
+                         path=path, hint="put the DTensors on fewer meshes")
+    return found
 
 
 def live_meshes(live: Mapping[str, Any]) -> set[MeshNames]:

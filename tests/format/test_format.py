@@ -196,3 +196,37 @@ def test_the_meshes_names_round_trip_and_an_older_header_has_none() -> None:
 def test_malformed_meshes_are_refused(meshes: Any) -> None:
     with pytest.raises(CheckpointIntegrityError, match="meshes"):
         _decoded(_header_with_meshes(meshes))
+
+
+@pytest.mark.parametrize(("names", "count"), [
+    (("dp", "tp"), 1), (("", "tp"), 1), (("x" * 257, "tp"), 1), (("x" * 256, "tp"), 1),
+    (("dp", "tp"), 65),
+], ids=["fine", "empty-name", "long-name", "longest-name", "too-many"])
+def test_a_save_refuses_the_meshes_a_reader_would_refuse(names: tuple[str, ...],
+                                                         count: int) -> None:
+    """What the save records of its meshes (``_tree._recordable_mesh``) is refused at save
+    exactly where a reader would refuse the header (``decode_meshes``): an acknowledged save
+    is always readable."""
+    from types import SimpleNamespace
+
+    from ckpt_pipeline._format.header import decode_meshes
+    from ckpt_pipeline._tree import _recordable_mesh
+    from ckpt_pipeline.errors import StateError
+
+    recorded: set[Any] = set()
+    refused = False
+    try:
+        for i in range(count):
+            mesh = SimpleNamespace(shape=(2, i + 1), mesh_dim_names=names)
+            recorded.add(_recordable_mesh(mesh, recorded, "model/w", 3))
+    except StateError as exc:
+        refused = True
+        assert exc.step == 3 and exc.path == "model/w"
+    raw = [[list(shape), list(n)] for shape, n in recorded]
+    raw.append([[2, count + 1], list(names)])  # the one the save refused, or one more
+    try:
+        decode_meshes(raw[:count], "x")
+        readable = True
+    except CheckpointIntegrityError:
+        readable = False
+    assert refused != readable
