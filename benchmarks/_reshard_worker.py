@@ -321,6 +321,10 @@ _PHASES = (  # (module, attribute): what CKPT_BENCH_PHASES times inside restore_
     ("ckpt_pipeline._reshard.ranges", "ShardRanges.read_blocks"),
     ("ckpt_pipeline._reshard.ranges", "checksum"),
     ("ckpt_pipeline._reshard.ranges", "_Staging.copy"),
+    ("ckpt_pipeline._restore.rollback", "AppliedState.release"),
+    ("ckpt_pipeline._pipeline.pool_prep", "PoolPrep.from_state"),
+    ("ckpt_pipeline._save.buffers", "HostPool._build"),
+    ("ckpt_pipeline._pipeline.lifecycle", "AsyncCheckpointPipeline.finish_restore"),
 )
 
 

@@ -46,6 +46,7 @@ __all__ = (
     "nesting_error",
     "same_mesh",
     "short_path",
+    "state_dict_of",
     "to_dtensor",
     "unmatched_meshes",
 )
@@ -85,6 +86,18 @@ def is_stateful(obj: object) -> bool:
     return (not isinstance(obj, (torch.Tensor, Mapping))
             and callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None)))
+
+
+def state_dict_of(obj: Any) -> Any:
+    """``obj.state_dict()``; for a module that keeps ``torch.nn.Module``'s, with
+    ``keep_vars=True``: its parameters and buffers themselves rather than detached aliases
+    of them. Detaching a DTensor goes through DTensor's sharding propagation, whose cache is
+    per thread: about a millisecond for each parameter of a shape that thread has not seen,
+    paid again by every thread that walks the state (measured: ``docs/design.md``, "Walking
+    a module's state"). The tensors are read, never written, by whoever walks them."""
+    if isinstance(obj, torch.nn.Module) and type(obj).state_dict is torch.nn.Module.state_dict:
+        return obj.state_dict(keep_vars=True)
+    return obj.state_dict()
 
 
 def _type_name(obj: object) -> str:
@@ -199,7 +212,7 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
         if isinstance(obj, (bytes, bytearray, memoryview)):
             return obj if type(obj) is bytes else bytes(obj)
         if is_stateful(obj):
-            value = obj.state_dict()
+            value = state_dict_of(obj)
             # A state dict takes the object's place; one that is stateful again counts as a
             # level, so that a chain of them cannot recurse forever.
             return walk(value, path, depth + 1 if is_stateful(value) else depth)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .._tree import is_dtensor, is_stateful
+from .._tree import is_dtensor, is_stateful, state_dict_of
 from ..train_state import RNGState
 from .aliasing import copy_exact, exact, exact_clone, written
 from .live import is_namedtuple, local_tensor, rebuild_tuple
@@ -180,7 +180,7 @@ class BackupCopies:
             self._take(written(local_tensor(obj)), swapped)
         elif is_stateful(obj):
             if not OptimizerBackup.applies_to(obj):
-                self._walk(obj.state_dict(), depth + 1,
+                self._walk(state_dict_of(obj), depth + 1,
                            swapped and isinstance(obj, torch.nn.Module))
         elif isinstance(obj, Mapping):
             for value in list(obj.values()):
@@ -416,7 +416,7 @@ class StatefulBackup(Backup):
     def __init__(self, obj: Any, path: str, copies: BackupCopies) -> None:
         self.obj = obj
         self.path = path
-        self.old = _deep_copy(obj.state_dict(), copy_tensor=copies.host_copy)
+        self.old = _deep_copy(state_dict_of(obj), copy_tensor=copies.host_copy)
         self.nbytes = _nbytes(self.old)
 
     def undo(self) -> None:

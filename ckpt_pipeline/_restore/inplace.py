@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .._format.documents import TensorRef
-from .._tree import is_dtensor, is_stateful, join_path
+from .._tree import is_dtensor, is_stateful, join_path, state_dict_of
 from ..errors import RestoreError
 from .aliasing import exact, memory_range
 from .backups import ADOPT_MIN_BYTES, Backup, OptimizerBackup, restored_local, view_key
@@ -238,7 +238,7 @@ def _note_all(obj: Any, note: Callable[[torch.Tensor], None], depth: int = 0) ->
         note(obj)
     elif is_stateful(obj) or OptimizerBackup.applies_to(obj):
         try:
-            state = obj.state_dict()
+            state = state_dict_of(obj)
         except Exception:
             return
         _note_all(state, note, depth + 1)

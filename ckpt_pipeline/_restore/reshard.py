@@ -74,6 +74,7 @@ from .._tree import (
     join_path,
     live_meshes,
     mesh_shapes,
+    state_dict_of,
     unmatched_meshes,
 )
 from ..coordination import Coordinator
@@ -635,7 +636,7 @@ def live_targets(live: Mapping[str, Any], tree: Any) -> dict[int, torch.Tensor]:
             walk(obj.state_dict(), node, depth + 1)
             _moments(obj, node)
         elif is_stateful(obj):
-            walk(obj.state_dict(), node, depth + 1)
+            walk(state_dict_of(obj), node, depth + 1)
         elif isinstance(obj, Mapping) and isinstance(node, dict):
             for key, sub in node.items():
                 if key in obj:

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from .._format.documents import TensorRef
-from .._tree import is_dtensor, is_stateful, join_path
+from .._tree import is_dtensor, is_stateful, join_path, state_dict_of
 from ..errors import CheckpointError, StateError
 from .aliasing import Target, check_aliasing, written
 from .live import local_tensor, walks_tuple
@@ -111,7 +111,7 @@ class _Validator:
 
     def state_dict_of(self, obj: Any, path: str) -> Any:
         try:
-            return obj.state_dict()
+            return state_dict_of(obj)
         except CheckpointError:
             raise
         except Exception as exc:
