@@ -11,8 +11,9 @@ recorded beside them.
 
 Then the two exchanges a job makes once (``exchanges`` in the JSON), read the same way from a
 leader's relay: the restore's candidates (``agree_candidates``: every rank holding the same
-three steps; and every rank also holding a copy of the next rank's shard, which makes every
-answer distinct) and the opening (``agree_open``: rank 0's run id, every rank's node name, no
+three steps; and every rank also holding a copy of a shard of the node before its own, as the
+placement puts them: sent as source ranks, every answer was distinct; sent as offsets from the
+sender, from ``candidates_message`` where the tree has it, they are alike) and the opening (``agree_open``: rank 0's run id, every rank's node name, no
 copy servers; and ``open_ids_per_rank``, every rank sending a run id and token of its own, as
 every rank did before ``fbbed5c``). Run against another tree (``PYTHONPATH=that/tree``) for a
 before and after.
@@ -119,6 +120,21 @@ def _relayed(payloads: list[bytes], per_node: int) -> bytes:
     return pack_relay(merge_nodes(layout, frames))
 
 
+def _candidates(rank: int, ranks: int, per_node: int, steps: list[list[Any]], kind: str
+                ) -> dict[str, Any]:
+    """Rank ``rank``'s candidates message, in the format of the tree measured."""
+    copies = ([(30, (rank - per_node) % ranks, "run-30", ranks)]
+              if kind == "candidates_copies" else [])
+    try:
+        from ckpt_pipeline.coordination._agree import candidates_message
+    except ImportError:  # a tree before it: copies were sent by source rank
+        return {"valid": steps, "persisted": [], "held_any": True,
+                "copies": [list(c) for c in copies]}
+    message: dict[str, Any] = candidates_message(
+        rank, ranks, {s: (sid, ws) for s, sid, ws in steps}, held_any=True, copies=copies)
+    return message
+
+
 def measure_exchange(ranks: int, kind: str, repeats: int, per_node: int) -> dict[str, Any]:
     """One of the once-a-job exchanges (module docstring), read by rank 0 from the relay."""
     steps = [[10, "run-10", ranks], [20, "run-20", ranks], [30, "run-30", ranks]]
@@ -129,10 +145,8 @@ def measure_exchange(ranks: int, kind: str, repeats: int, per_node: int) -> dict
                                     "node": f"node-{r // per_node}", "address": None})
                     for r in range(ranks)]
     else:
-        payloads = [encode_message({
-            "valid": steps, "persisted": [], "held_any": True,
-            "copies": [[30, (r + 1) % ranks, "run-30", ranks]] if kind == "candidates_copies"
-            else []}) for r in range(ranks)]
+        payloads = [encode_message(_candidates(r, ranks, per_node, steps, kind))
+                    for r in range(ranks)]
     relayed = _relayed(payloads, per_node)
 
     async def once() -> Any:

@@ -18,7 +18,7 @@ from ._control_plane import Coordinator
 from ._runs import Runs, spans_text
 
 __all__ = ("Ballot", "Candidates", "Opening", "Runs", "Tally", "VotePart", "agree_barrier",
-           "agree_candidates", "agree_open", "agree_outcome", "gather_outcome", "gather_parts",
+           "agree_candidates", "agree_open", "agree_outcome", "candidates_message", "gather_outcome", "gather_parts",
            "gather_shared", "gather_vote")
 
 
@@ -284,8 +284,9 @@ class Candidates:
 @dataclass(frozen=True, slots=True)
 class _Held:
     """One distinct answer to ``agree_candidates``, read: the sender's valid steps {step:
-    save id} with their world sizes, the copies it holds (step, source, save id, world
-    size), and the persistent tier's steps it found (step, save id, world size)."""
+    save id} with their world sizes, the copies it holds (step, offset of the source rank,
+    save id, world size: ``candidates_message``), and the persistent tier's steps it found
+    (step, save id, world size)."""
 
     steps: Mapping[int, str]
     sizes: Mapping[int, int]
@@ -302,6 +303,24 @@ class _Held:
                    bool(answer.get("held_any")))
 
 
+def candidates_message(rank: int, world: int, valid: Mapping[int, tuple[str, int]], *,
+                       held_any: bool, copies: Sequence[tuple[int, int, str, int]] = (),
+                       persisted: Sequence[tuple[int, str, int]] = ()) -> dict[str, Any]:
+    """Rank ``rank``'s message to ``agree_candidates`` (of ``world`` ranks).
+
+    A copy is sent as (step, offset, save id, world size), its source rank as an offset from
+    the sender: ``(source - rank) mod world``, or -1 for a copy of another world size or of a
+    source outside this world (only its world size counts). The placement puts the k-th copy
+    of every shard the same number of ranks away wherever nodes are of one size
+    (``_tiers.replica.placement``), so ranks that hold the same steps send the same bytes,
+    copies included, and are read once (``_exchange``)."""
+    shifted = [[step, (source - rank) % world if size == world and 0 <= source < world
+                else -1, save_id, size] for step, source, save_id, size in copies]
+    return {"valid": [[s, sid, ws] for s, (sid, ws) in sorted(valid.items())],
+            "copies": sorted(shifted), "persisted": [list(p) for p in persisted],
+            "held_any": held_any}
+
+
 async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[str, int]],
                            *, held_any: bool,
                            copies: Sequence[tuple[int, int, str, int]] = (),
@@ -309,16 +328,18 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
     """Exchange {step: (save_id, world_size)} of every rank's valid steps, the valid copies
     it holds for other ranks as (step, source, save_id, world_size), and the steps it found
     complete in the persistent tier as (step, save_id, world_size). A rank's shard of a step
-    counts as held when it is in the rank's root, in a copy, or in the persistent tier.
+    counts as held when it is in the rank's root, in a copy on another rank, or in the
+    persistent tier.
 
     Each distinct answer is read once and ranks that answered alike are taken together, so
     that the cost is O(runs of equal answers + copies), not O(ranks): on the good path every
-    rank of a job holds the same steps (copies for other ranks aside)."""
+    rank of a job holds the same steps, and its copies at the same offsets
+    (``candidates_message``)."""
     answers = await _exchange(
-        coordinator, {"valid": [[s, sid, ws] for s, (sid, ws) in sorted(valid.items())],
-                      "copies": [list(c) for c in copies],
-                      "persisted": [list(p) for p in persisted],
-                      "held_any": held_any}, what="restore candidates")
+        coordinator, candidates_message(coordinator.rank, coordinator.world_size, valid,
+                                        held_any=held_any, copies=copies,
+                                        persisted=persisted),
+        what="restore candidates")
     world, me = coordinator.world_size, coordinator.rank
     read: dict[int, _Held] = {}
     stops: list[int] = []
@@ -334,19 +355,18 @@ async def agree_candidates(coordinator: Coordinator, valid: Mapping[int, tuple[s
     persisted_ids: dict[int, set[str]] = {}
     for start, stop, h in held.runs():
         other_sizes.update((s, ws) for s, ws in h.sizes.items() if ws != world)
-        for step, source, save_id, size in h.copies:
+        for step, offset, save_id, size in h.copies:
             if size != world:
                 other_sizes.setdefault(step, size)
-            elif 0 <= source < world:
-                by = held_copies.setdefault(step, {}).setdefault(source, {})
-                by.update((r, save_id) for r in range(start, stop) if r != source)
+            elif 0 < offset < world:  # 0: a copy of its own, which is none
+                sources = held_copies.setdefault(step, {})
+                for r in range(start, stop):
+                    sources.setdefault((r + offset) % world, {})[r] = save_id
         for step, save_id, size in h.persisted:
             if size != world:
                 other_sizes.setdefault(step, size)
             else:
                 persisted_ids.setdefault(step, set()).add(save_id)
-    held_copies = {step: kept for step, by_source in held_copies.items()  # a copy of its own
-                   if (kept := {src: by for src, by in by_source.items() if by})}  # is none
     agreed: list[tuple[int, str]] = []
     holders: dict[tuple[int, int], tuple[int, ...]] = {}
     unresolved: dict[int, str] = {}

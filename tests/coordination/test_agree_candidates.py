@@ -16,7 +16,13 @@ import anyio
 import pytest
 
 from ckpt_pipeline._format.documents import encode_message
-from ckpt_pipeline.coordination._agree import Candidates, Opening, agree_candidates, agree_open
+from ckpt_pipeline.coordination._agree import (
+    Candidates,
+    Opening,
+    agree_candidates,
+    agree_open,
+    candidates_message,
+)
 from ckpt_pipeline.coordination._runs import Runs
 from ckpt_pipeline.errors import CoordinationError
 from tests._support.coordinators import Answers
@@ -24,9 +30,16 @@ from tests._support.coordinators import Answers
 
 def _message(valid: dict[int, str], copies: Sequence[tuple[int, int, str]] = (),
              world: int = 4) -> dict[str, Any]:
-    return {"valid": [[s, sid, world] for s, sid in sorted(valid.items())],
-            "copies": [[s, src, sid, world] for s, src, sid in copies], "persisted": [],
-            "held_any": True}
+    """What rank r would send, as (r, world) -> its message: its own valid steps and its
+    copies (step, source, save id)."""
+    return {"valid": {s: (sid, world) for s, sid in valid.items()},
+            "copies": [(s, src, sid, world) for s, src, sid in copies], "world": world}
+
+
+def _sent(rank: int, mine: dict[str, Any], persisted: Sequence[tuple[int, str, int]] = ()
+          ) -> dict[str, Any]:
+    return candidates_message(rank, mine["world"], mine["valid"], held_any=True,
+                              copies=mine["copies"], persisted=persisted)
 
 
 def _agree(ranks: Sequence[dict[str, Any]], persisted: Sequence[tuple[int, str, int]] = ()
@@ -35,8 +48,8 @@ def _agree(ranks: Sequence[dict[str, Any]], persisted: Sequence[tuple[int, str, 
 
     async def run() -> Candidates:
         return await agree_candidates(
-            Answers(ranks[1:]), {s: (sid, ws) for s, sid, ws in mine["valid"]},
-            held_any=True, copies=[tuple(c) for c in mine["copies"]], persisted=persisted)
+            Answers([_sent(r, m) for r, m in enumerate(ranks) if r]), mine["valid"],
+            held_any=True, copies=mine["copies"], persisted=persisted)
 
     return anyio.run(run)
 
@@ -125,9 +138,9 @@ def test_a_billion_ranks_holding_alike_are_read_run_by_run() -> None:
     """Half the ranks hold steps 10 and 20, the other half step 10 only, and one rank holds
     a copy of rank 0's shard of step 20: the decision, the holders and the reasons come out of
     the runs; nothing walks the ranks one by one."""
-    both = _message({10: "A10", 20: "A"}, world=BILLION)
-    older = _message({10: "A10"}, world=BILLION)
-    copier = _message({10: "A10"}, [(20, 0, "A")], world=BILLION)
+    both = _sent(0, _message({10: "A10", 20: "A"}, world=BILLION))
+    older = _sent(0, _message({10: "A10"}, world=BILLION))
+    copier = _sent(BILLION // 2, _message({10: "A10"}, [(20, 0, "A")], world=BILLION))
     coordinator = _RunsOfAnswers([(BILLION // 2, both), (1, copier),
                                   (BILLION // 2 - 1, older)])
 
@@ -150,8 +163,8 @@ def test_a_billion_ranks_holding_alike_are_read_run_by_run() -> None:
 def test_a_billion_ranks_whole_from_their_own_shards_and_the_tier() -> None:
     """Every rank but the last holds step 20 of save A; the persistent tier holds it whole:
     A is agreed, with no copy holders."""
-    own = _message({20: "A"}, world=BILLION)
-    lost: dict[str, Any] = {**_message({}, world=BILLION), "persisted": [[20, "A", BILLION]]}
+    own = _sent(0, _message({20: "A"}, world=BILLION))
+    lost = _sent(0, _message({}, world=BILLION), persisted=[(20, "A", BILLION)])
     coordinator = _RunsOfAnswers([(BILLION - 1, own), (1, lost)])
 
     async def run() -> Candidates:
@@ -188,10 +201,52 @@ def test_the_opening_of_a_billion_ranks_takes_rank_0s_run_id_and_reads_by_run() 
 @pytest.mark.timeout(10)
 def test_a_malformed_answer_in_a_run_names_the_runs_first_rank() -> None:
     bad = {"valid": "nonsense", "copies": [], "persisted": [], "held_any": True}
-    coordinator = _RunsOfAnswers([(5, _message({20: "A"}, world=10)), (5, bad)])
+    coordinator = _RunsOfAnswers([(5, _sent(0, _message({20: "A"}, world=10))), (5, bad)])
 
     async def run() -> Candidates:
         return await agree_candidates(coordinator, {20: ("A", 10)}, held_any=True)
 
     with pytest.raises(CoordinationError, match="rank 5 sent a malformed list"):
         anyio.run(run)
+
+
+@pytest.mark.timeout(30)
+def test_copies_at_one_offset_make_every_rank_answer_alike(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """1,024 ranks on nodes of 8, one copy each on the next node (the placement's): every
+    rank sends the same bytes, so the answers are read once; rank 1,020's shard is lost and
+    comes from its copy on rank 4 (the wrap-around), and the holders are every rank's."""
+    from ckpt_pipeline.coordination import _agree as agreeing
+
+    world, per_node = 1024, 8
+    reads: list[int] = []
+    read = agreeing._Held.read.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: Any, answer: dict[str, Any], me: int, rank: int) -> Any:
+        reads.append(rank)
+        return read(cls, answer, me, rank)
+
+    monkeypatch.setattr(agreeing._Held, "read", classmethod(counted))
+    ranks = [_message({} if r == 1020 else {20: "A"}, [(20, (r - per_node) % world, "A")],
+                      world=world) for r in range(world)]
+    sent = [_sent(r, m) for r, m in enumerate(ranks)]
+    assert all(message["copies"] == sent[0]["copies"] for message in sent)
+    agreed = _agree(ranks)
+    assert agreed.steps == ((20, "A"),)
+    assert agreed.holders[(20, 1020)] == (4,)
+    assert agreed.holders[(20, 0)] == (8,)
+    assert len(agreed.holders) == world
+    assert reads == [0, 1020]  # the answer of every rank but one, then that one's
+
+
+@pytest.mark.timeout(10)
+def test_a_copy_of_another_world_size_counts_only_its_size() -> None:
+    """Copies of a step saved by 8 ranks, in a job of 4: the step is of another world size,
+    wherever its source rank was."""
+    ranks = [_message({10: "A"}, [(20, 6, "B")]) for _ in range(4)]
+    for r, message in enumerate(ranks):
+        message["copies"] = [(20, 6 - r, "B", 8)]
+    agreed = _agree(ranks)
+    assert agreed.world_sizes == {20: 8}
+    assert agreed.steps == ((10, "A"),)
+    assert all(c[1] == -1 for c in _sent(0, ranks[0])["copies"])
