@@ -18,8 +18,8 @@ from ._control_plane import Coordinator
 from ._runs import Runs, spans_text
 
 __all__ = ("Ballot", "Candidates", "Opening", "Runs", "Tally", "VotePart", "agree_barrier",
-           "agree_candidates", "agree_open", "agree_outcome", "candidates_message", "gather_outcome", "gather_parts",
-           "gather_shared", "gather_vote")
+           "agree_candidates", "agree_open", "agree_outcome", "candidates_message",
+           "gather_outcome", "gather_parts", "gather_shared", "gather_vote")
 
 
 async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: str,
@@ -313,11 +313,12 @@ def candidates_message(rank: int, world: int, valid: Mapping[int, tuple[str, int
     source outside this world (only its world size counts). The placement puts the k-th copy
     of every shard the same number of ranks away wherever nodes are of one size
     (``_tiers.replica.placement``), so ranks that hold the same steps send the same bytes,
-    copies included, and are read once (``_exchange``)."""
+    copies included, and are read once (``_exchange``); the lists are sorted for the same
+    reason."""
     shifted = [[step, (source - rank) % world if size == world and 0 <= source < world
                 else -1, save_id, size] for step, source, save_id, size in copies]
     return {"valid": [[s, sid, ws] for s, (sid, ws) in sorted(valid.items())],
-            "copies": sorted(shifted), "persisted": [list(p) for p in persisted],
+            "copies": sorted(shifted), "persisted": sorted(list(p) for p in persisted),
             "held_any": held_any}
 
 
