@@ -269,7 +269,8 @@ def flatten_state(state: Mapping[str, Any], *, step: int) -> FlatState:
             mesh = t.device_mesh  # type: ignore[attr-defined]
             if id(mesh) not in meshes:  # alive while its tensors are: ids stay distinct
                 meshes[id(mesh)] = _recordable_mesh(mesh, set(meshes.values()), path, step)
-            t = t.to_local()  # type: ignore[attr-defined]
+            with torch.no_grad():  # a parameter (state_dict_of): no autograd node a save
+                t = t.to_local()  # type: ignore[attr-defined]
         refusal = _tensor_refusal(t)
         if refusal is not None:
             what, hint = refusal
