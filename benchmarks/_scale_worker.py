@@ -141,13 +141,21 @@ def run(args: argparse.Namespace, rank: int, world: int, result: dict[str, Any])
     options: dict[str, Any] = {
         "keep_last": args.keep_last, "io_threads": args.io_threads, "direct_io": args.direct_io,
         "coordination_timeout_s": args.coordination_timeout_s}
-    node = f"node{rank // args.ranks_per_node}"
+    sizes = [int(n) for n in args.node_sizes.split(",")] if args.node_sizes else None
+    ids = ([i for i, n in enumerate(sizes) for _ in range(n)] if sizes
+           else [r // args.ranks_per_node for r in range(world)])
+    if len(ids) != world:
+        raise ValueError(f"--node-sizes {args.node_sizes} make {len(ids)} ranks, not {world}")
+    node = f"node{ids[rank]}"
     result["options"] = {**options, "node_name": node, "copies": args.replicas}
     options["replication"] = cp.ReplicationConfig(copies=args.replicas, node_name=node)
 
     with contextlib.ExitStack() as stack:
         barrier()
         t0 = time.perf_counter()
+        if sizes:  # nodes of unequal sizes: the pipeline is given its per-node coordinator
+            options["coordinator"] = cp.HierarchicalCoordinator(
+                nodes=ids, timeout_s=args.coordination_timeout_s)
         pipe = cp.CheckpointPipeline(args.root, **options)
         t1 = time.perf_counter()
         pipe.subscribe(recorder)
@@ -206,6 +214,8 @@ def run(args: argparse.Namespace, rank: int, world: int, result: dict[str, Any])
         barrier()
         t0 = time.perf_counter()
     result["close_s"] = time.perf_counter() - t0
+    if sizes:  # one the pipeline did not make is not closed by it
+        options["coordinator"].close()
 
 
 def main() -> int:
@@ -215,6 +225,9 @@ def main() -> int:
     parser.add_argument("--saves", type=int, default=10)
     parser.add_argument("--replicas", type=int, default=0)
     parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument("--node-sizes", default="",
+                        help="consecutive nodes of these sizes (e.g. 8,1), given to a "
+                             "HierarchicalCoordinator; default: --ranks-per-node")
     parser.add_argument("--tensors", type=int, default=4)
     parser.add_argument("--state-kib", type=int, default=1024)
     parser.add_argument("--keep-last", type=int, default=2)

@@ -123,8 +123,10 @@ def run_config(args: argparse.Namespace, ranks: int, replicas: int, work: Path,
                keep_logs: Path | None, control: str = "flat") -> dict[str, Any]:
     """Start the ranks, wait for them (bounded), read what each wrote, aggregate."""
     timeout = args.timeout_s if args.timeout_s is not None else default_timeout(ranks, args.saves)
+    sizes = _int_list(args.node_sizes) if args.node_sizes else None
     config: dict[str, Any] = {"ranks": ranks, "replicas": replicas, "control": control,
-                              "nodes": -(-ranks // args.ranks_per_node),
+                              "nodes": len(sizes) if sizes else -(-ranks // args.ranks_per_node),
+                              "node_sizes": sizes,
                               "timeout_s": timeout, "status": "failed"}
     if replicas > config["nodes"] - 1:
         config["status"] = "skipped"
@@ -140,10 +142,11 @@ def run_config(args: argparse.Namespace, ranks: int, replicas: int, work: Path,
            "WORLD_SIZE": str(ranks), "SCALE_LAUNCHED_AT": repr(launched),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop("LOCAL_WORLD_SIZE", None)
-    if control == "hier":  # the pipeline then makes a HierarchicalCoordinator by itself
+    if control == "hier" and not sizes:  # the pipeline makes a HierarchicalCoordinator itself
         env["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
     common = ["--saves", str(args.saves), "--replicas", str(replicas),
-              "--ranks-per-node", str(args.ranks_per_node), "--tensors", str(args.tensors),
+              "--ranks-per-node", str(args.ranks_per_node), "--node-sizes", args.node_sizes,
+              "--tensors", str(args.tensors),
               "--state-kib", str(args.state_kib), "--keep-last", str(args.keep_last),
               "--io-threads", str(args.io_threads),
               "--coordination-timeout-s", str(args.coordination_timeout_s),
@@ -357,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="saves per configuration, the first one a warm-up (default 10)")
     parser.add_argument("--ranks-per-node", type=int, default=2,
                         help="ranks per pretend node (node_name), default 2")
+    parser.add_argument("--node-sizes", default="",
+                        help="consecutive pretend nodes of these sizes, comma-separated (e.g. "
+                             "8,1: a node of 8 beside a node of one); --ranks is then their "
+                             "sum and --control hier (the workers make a "
+                             "HierarchicalCoordinator(nodes=...)); default: --ranks-per-node")
     parser.add_argument("--control", type=_controls, default=["flat"],
                         help="control planes, comma-separated: flat (DistributedCoordinator), "
                              "hier (HierarchicalCoordinator, nodes of --ranks-per-node); "
@@ -385,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.saves < 1 or args.ranks_per_node < 1 or min(args.ranks) < 1:
         parser.error("--saves, --ranks-per-node and every --ranks must be positive")
     args.skip_first = 1 if args.saves > 1 else 0
+    if args.node_sizes:
+        sizes = _int_list(args.node_sizes)
+        if min(sizes) < 1 or args.ranks != [sum(sizes)] or args.control != ["hier"]:
+            parser.error("--node-sizes needs --ranks equal to their sum and --control hier")
     work = args.dir if args.dir is not None else default_dir()
     work.mkdir(parents=True, exist_ok=True)
     fs = filesystem_of(work)
