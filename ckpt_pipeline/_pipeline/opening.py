@@ -128,9 +128,9 @@ async def persist_at_close(promoter: Promoter, coordinator: Coordinator,
     try:
         deadline = anyio.current_time() + timeout
         finished = await in_thread(None, promoter.wait, timeout, abandon_on_cancel=True)
-        reports = await gather_parts(coordinator, promoter.key, promoter.ballot(),
-                                     what="persist at close")
-        promoter.on_reports(reports)
+        reports, uploads = await gather_parts(coordinator, promoter.key, promoter.ballot(),
+                                              what="persist at close")
+        promoter.on_reports(reports, uploads)
         left = max(0.0, deadline - anyio.current_time())
         finished = await in_thread(None, functools.partial(promoter.wait, left, uploads=False),
                                    abandon_on_cancel=True) and finished

@@ -69,9 +69,11 @@ async def commit(job: SaveJob, storage: Storage, coordinator: Coordinator, *,
                     refused, own = exc, f"commit: {exc.message}"
         first = await gather_vote(
             coordinator, job.step, job.save_id, own, what="commit",
-            ballots={p.key: Ballot(parts[p.key], p.decode_vote, p.any_step) for p in everyone})
+            ballots={p.key: Ballot(parts[p.key], p.decode_vote, p.any_step, p.rooted)
+                     for p in everyone})
         for participant in everyone:
-            await participant.voted(Vote(not first.failures, first.parts[participant.key]))
+            await participant.voted(Vote(not first.failures, first.parts[participant.key],
+                                         first.roots.get(participant.key, {})))
         if job.error is not None:
             return
         if refused is not None:

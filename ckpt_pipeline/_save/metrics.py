@@ -53,6 +53,7 @@ class RetentionMetrics:
 
     key = "metrics"
     any_step = False
+    rooted = False
 
     def __init__(self, job: SaveJob, names: Sequence[str], storage: Storage) -> None:
         self.job = job

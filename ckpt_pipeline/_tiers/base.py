@@ -7,7 +7,7 @@ is one place a rank's committed shard can be read back from, in the order recove
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import anyio
@@ -41,6 +41,9 @@ class Vote(Generic[P]):
     parts: Runs[P | None]
     """By rank, as runs of equal parts (``Runs``: ``parts[rank]``, or ``runs()`` to read a
     vote in O(runs) rather than O(ranks))."""
+    roots: Mapping[int, Any] = field(default_factory=dict)
+    """A ``rooted`` participant's first vote, on rank 0: each rank's piece for rank 0
+    (``RootedPart.root_msg``, msgpack types, unchecked) by rank; empty elsewhere."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +73,9 @@ class CommitParticipant(Protocol[V, C]):
        step is complete on every rank); not, when it is not committed on every rank.
 
     ``key`` names the participant's parts in the votes (unique among participants);
-    ``any_step``: its first-vote part counts from a rank that votes on another save too.
+    ``any_step``: its first-vote part counts from a rank that votes on another save too;
+    ``rooted``: its first-vote part is a ``RootedPart`` whose piece for rank 0 travels to
+    rank 0 alone (``Vote.roots``).
     """
 
     @property
@@ -81,6 +86,11 @@ class CommitParticipant(Protocol[V, C]):
     @property
     def any_step(self) -> bool:
         """Whether its first-vote part counts from a rank voting on another save."""
+        ...
+
+    @property
+    def rooted(self) -> bool:
+        """Whether its first-vote part has a piece for rank 0 alone."""
         ...
 
     def decode_vote(self, message: Any) -> V:

@@ -10,14 +10,16 @@ import bisect
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from .._format.documents import decode_message, encode_message
+from .._logging import log
 from ..errors import CheckpointError, CheckpointIntegrityError, CoordinationError
 from ._control_plane import Coordinator
 from ._runs import Runs, spans_text
 
-__all__ = ("Ballot", "Candidates", "Opening", "Runs", "Tally", "VotePart", "agree_barrier",
+__all__ = ("Ballot", "Candidates", "Opening", "RootedPart", "Runs", "Tally", "VotePart",
+           "agree_barrier",
            "agree_candidates", "agree_open", "agree_outcome", "candidates_message",
            "gather_outcome", "gather_parts", "gather_shared", "gather_vote")
 
@@ -29,6 +31,46 @@ async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: 
     object: read the answers, never change them. From the per-node coordinator this costs
     O(runs), not O(ranks)."""
     raw = await coordinator.all_gather(encode_message(message), what=what, step=step)
+    return _answers(coordinator, raw, what=what, step=step)
+
+
+async def _exchange_rooted(coordinator: Coordinator, message: dict[str, Any],
+                           for_root: dict[str, Any], *, what: str, step: int | None = None
+                           ) -> tuple[Runs[dict[str, Any]], dict[int, dict[str, Any]]]:
+    """``_exchange``, and what every rank has for rank 0 alone (``for_root``: its parts by
+    participant, {} for none): on rank 0, {rank: that rank's parts} for the ranks that sent
+    any; {} on the others. Through a coordinator's ``all_gather_root`` the other ranks never
+    receive those parts, so that answers stay equal where only they differ; a coordinator
+    without it carries them in the message (every rank then decodes every answer). A part
+    rank 0 cannot read is logged and left out: it is rank 0's alone, so it never makes the
+    exchange fail on one rank."""
+    blob = encode_message(for_root) if for_root else b""
+    gather = getattr(coordinator, "all_gather_root", None)
+    raws: dict[int, Any]
+    if gather is None:
+        answers = await _exchange(coordinator, {**message, "for_root": blob}, what=what,
+                                  step=step)
+        raws = {} if coordinator.rank != 0 else {
+            rank: answer.get("for_root") for start, stop, answer in answers.runs()
+            if answer.get("for_root") for rank in range(start, stop)}
+    else:
+        raw, raws = await gather(encode_message(message), blob, what=what, step=step)
+        answers = _answers(coordinator, raw, what=what, step=step)
+    roots: dict[int, dict[str, Any]] = {}
+    for rank, data in sorted(raws.items()):
+        try:
+            if not isinstance(data, bytes):
+                raise CheckpointIntegrityError(f"a {type(data).__name__}, not bytes")
+            roots[rank] = decode_message(data, f"{what} part for rank 0 of rank {rank}")
+        except CheckpointIntegrityError as exc:
+            log.error("ckpt.control.root_part_malformed", what=what, step=step, rank=rank,
+                      error=exc.message, hint=_VERSIONS_HINT)
+    return answers, roots
+
+
+def _answers(coordinator: Coordinator, raw: Sequence[bytes], *, what: str,
+             step: int | None) -> Runs[dict[str, Any]]:
+    """Every rank's gathered message, decoded once per distinct one (see ``_exchange``)."""
     if len(raw) != coordinator.world_size:
         raise CoordinationError(f"{what}: {len(raw)} answers for {coordinator.world_size} "
                                 "ranks", step=step, rank=coordinator.rank)
@@ -154,6 +196,17 @@ class VotePart(Protocol):
         ...
 
 
+@runtime_checkable
+class RootedPart(VotePart, Protocol):
+    """A part with a piece that rank 0 alone reads (``root_msg``), sent apart from the vote
+    (``Ballot.rooted``) so that the other ranks neither receive nor decode it: what differs
+    from rank to rank but only rank 0 needs, such as the persistent tier's object sums."""
+
+    def root_msg(self) -> Any:
+        """The piece for rank 0 as msgpack types; None: nothing."""
+        ...
+
+
 P = TypeVar("P", bound=VotePart)
 
 
@@ -162,11 +215,14 @@ class Ballot(Generic[P]):
     """What one participant puts into one vote: this rank's ``part`` (None: nothing to say)
     and how every rank's part is read back (``decode``: a ValueError or CheckpointError for a
     malformed one). ``any_step``: the part counts from a rank that votes on another save too
-    (the persistent tier's reports are about earlier steps); otherwise such a rank's is None."""
+    (the persistent tier's reports are about earlier steps); otherwise such a rank's is None.
+    ``rooted``: a ``RootedPart``'s ``root_msg`` goes to rank 0 alone (``Tally.roots``); the
+    same on every rank, since it decides how the vote travels."""
 
     part: P | None
     decode: Callable[[Any], P]
     any_step: bool = False
+    rooted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,32 +233,57 @@ class Tally:
     failures: Mapping[int, str]
     fatal: bool
     parts: Mapping[str, Runs[VotePart | None]]
+    roots: Mapping[str, Mapping[int, Any]] = field(default_factory=dict)
+    """Rank 0: each rooted participant's pieces for rank 0 (``RootedPart.root_msg``, as
+    msgpack types, unchecked: the participant reads them) by rank, from the ranks that sent
+    one (and, unless ``any_step``, voted on this save). Empty on the other ranks."""
 
 
 async def gather_vote(coordinator: Coordinator, step: int, save_id: str, error: str | None,
                       *, what: str, ballots: Mapping[str, Ballot[Any]]) -> Tally:
     """``agree_outcome`` with the participants' typed parts (``ballots``, by key). A part
     that does not decode is a CoordinationError, the same on every rank."""
-    answers = await _exchange(coordinator, {
-        "step": step, "save_id": save_id, "error": error, "fatal": False,
-        "parts": {key: None if b.part is None else b.part.to_msg()
-                  for key, b in ballots.items()}}, what=what, step=step)
+    message = {"step": step, "save_id": save_id, "error": error, "fatal": False,
+               "parts": {key: None if b.part is None else b.part.to_msg()
+                         for key, b in ballots.items()}}
+    answers, roots = await _gather_rooted(coordinator, message, ballots, what=what, step=step)
     failures, any_fatal = _outcomes(answers, step, save_id)
     parts: dict[str, Runs[VotePart | None]] = {}
     for key, ballot in ballots.items():
         parts[key] = _decode_parts(
             answers, key, ballot, what=what, me=coordinator.rank,
             counts=None if ballot.any_step else lambda a: _same(a, step, save_id))
-    return Tally(failures, any_fatal, parts)
+    pieces = {key: {rank: got[key] for rank, got in roots.items() if key in got and (
+                  ballot.any_step or _same(answers[rank], step, save_id))}
+              for key, ballot in ballots.items() if ballot.rooted}
+    return Tally(failures, any_fatal, parts, pieces)
 
 
 async def gather_parts(coordinator: Coordinator, key: str, ballot: Ballot[P], *, what: str,
-                       step: int | None = None) -> Runs[P | None]:
-    """Every rank's part of one participant outside a save's vote, indexed by rank."""
-    answers = await _exchange(coordinator, {"parts": {key: None if ballot.part is None
-                                                      else ballot.part.to_msg()}},
-                              what=what, step=step)
-    return _decode_parts(answers, key, ballot, what=what, me=coordinator.rank)
+                       step: int | None = None) -> tuple[Runs[P | None], Mapping[int, Any]]:
+    """Every rank's part of one participant outside a save's vote, indexed by rank, and on
+    rank 0 (when ``ballot.rooted``) their pieces for rank 0 by rank."""
+    answers, roots = await _gather_rooted(
+        coordinator, {"parts": {key: None if ballot.part is None else ballot.part.to_msg()}},
+        {key: ballot}, what=what, step=step)
+    return (_decode_parts(answers, key, ballot, what=what, me=coordinator.rank),
+            {rank: got[key] for rank, got in roots.items() if key in got})
+
+
+async def _gather_rooted(coordinator: Coordinator, message: dict[str, Any],
+                         ballots: Mapping[str, Ballot[Any]], *, what: str, step: int | None
+                         ) -> tuple[Runs[dict[str, Any]], dict[int, dict[str, Any]]]:
+    """The vote's exchange: plain, or (when a ballot is rooted) with this rank's pieces for
+    rank 0 beside it (``_exchange_rooted``)."""
+    if not any(ballot.rooted for ballot in ballots.values()):
+        return await _exchange(coordinator, message, what=what, step=step), {}
+    for_root: dict[str, Any] = {}
+    for key, ballot in ballots.items():
+        if ballot.rooted and isinstance(ballot.part, RootedPart):
+            piece = ballot.part.root_msg()
+            if piece is not None:
+                for_root[key] = piece
+    return await _exchange_rooted(coordinator, message, for_root, what=what, step=step)
 
 
 def _decode_parts(answers: Runs[Mapping[str, Any]], key: str, ballot: Ballot[P], *,

@@ -14,11 +14,18 @@ group of torch.distributed (created for the purpose, so the control plane never 
 NCCL work), with a timeout on every exchange: a dead or stuck rank becomes a CoordinationError
 naming the ranks that did not answer, never a process that waits forever.
 ``HierarchicalCoordinator`` (``_hierarchy.py``) keeps that contract and agrees per node first.
+
+A coordinator may also offer ``all_gather_root``: the same exchange, with a second payload
+of each rank's that only rank 0 receives (what rank 0 alone needs, such as the persistent
+tier's object sums for its commit object), so that the other ranks neither receive nor
+decode it. ``_agree`` uses it where a coordinator has it, and otherwise sends that payload
+inside the message.
 """
 
 from __future__ import annotations
 
 import datetime
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -32,7 +39,27 @@ from .._threads import in_thread
 from ..errors import ConfigError, CoordinationError
 
 __all__ = ("Coordinator", "DistributedCoordinator", "LocalCoordinator", "close_coordinator",
-           "default_store", "destroy_group", "gather_bytes")
+           "default_store", "destroy_group", "gather_bytes", "join_root", "split_root")
+
+_ROOT_HEAD = struct.Struct("<I")
+
+
+def join_root(payload: bytes, for_root: bytes) -> bytes:
+    """One message of ``payload`` and the part for rank 0 alone: the payload's length
+    (little-endian u32), the payload, the part."""
+    if len(payload) >= 1 << 32:
+        raise ValueError("a payload is at most 2**32 - 1 bytes")
+    return _ROOT_HEAD.pack(len(payload)) + payload + for_root
+
+
+def split_root(message: bytes) -> tuple[bytes, bytes]:
+    """(payload, part for rank 0) of a ``join_root`` message; ValueError when it is short."""
+    if len(message) < _ROOT_HEAD.size:
+        raise ValueError(f"a message of {len(message)} bytes has no payload length")
+    (n,) = _ROOT_HEAD.unpack_from(message)
+    if _ROOT_HEAD.size + n > len(message):
+        raise ValueError(f"a message of {len(message)} bytes is short of its {n}-byte payload")
+    return message[_ROOT_HEAD.size:_ROOT_HEAD.size + n], message[_ROOT_HEAD.size + n:]
 
 
 @runtime_checkable
@@ -61,6 +88,10 @@ class LocalCoordinator:
     async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
                          ) -> list[bytes]:
         return [payload]
+
+    async def all_gather_root(self, payload: bytes, for_root: bytes, *, what: str,
+                              step: int | None = None) -> tuple[list[bytes], dict[int, bytes]]:
+        return [payload], ({0: for_root} if for_root else {})
 
 
 class DistributedCoordinator:
@@ -124,6 +155,25 @@ class DistributedCoordinator:
                 hint="a rank died or is stuck; restart the job, it resumes from the newest "
                      "checkpoint committed on every rank", ranks=tuple(missing))
             raise error from exc
+
+    async def all_gather_root(self, payload: bytes, for_root: bytes, *, what: str,
+                              step: int | None = None) -> tuple[list[bytes], dict[int, bytes]]:
+        """``all_gather``, and on rank 0 every rank's non-empty ``for_root`` by rank ({} on
+        the other ranks). In one ring every rank receives every part anyway: the others only
+        split it off, never decode it."""
+        framed = await self.all_gather(join_root(payload, for_root), what=what, step=step)
+        payloads: list[bytes] = []
+        roots: dict[int, bytes] = {}
+        for rank, message in enumerate(framed):
+            try:
+                payload_, part = split_root(message)
+            except ValueError as exc:  # the same on every rank: each splits every message
+                raise CoordinationError(f"{what}: rank {rank} sent a malformed message ({exc})",
+                                        step=step, rank=self.rank, ranks=(rank,)) from exc
+            payloads.append(payload_)
+            if part and self.rank == 0:
+                roots[rank] = part
+        return payloads, roots
 
     def close(self) -> None:
         """Destroy the gloo group this coordinator made (not one passed in); later exchanges

@@ -50,16 +50,23 @@ from .._hostmem import byte_view
 from .._logging import log
 from .._threads import in_thread
 from ..errors import CheckpointError, ConfigError, CoordinationError
-from ._control_plane import DistributedCoordinator, default_store, destroy_group
+from ._control_plane import (
+    DistributedCoordinator,
+    default_store,
+    destroy_group,
+    join_root,
+    split_root,
+)
 from ._node_links import NodeLinks
 from ._runs import Runs
 
 __all__ = ("HierarchicalCoordinator", "NodeLayout", "arrive", "job_coordinator", "log_gather",
            "merge_nodes", "node_ids", "node_size_from_env", "pack_distinct", "pack_frames",
-           "pack_relay", "store_vote", "unpack_distinct", "unpack_frames", "unpack_relay")
+           "pack_relay", "pack_rooted", "split_rooted", "store_vote", "unpack_distinct",
+           "unpack_frames", "unpack_relay", "unpack_roots")
 
 _COUNT = struct.Struct("<I")
-_RELAYED, _FAILED = 0, 1
+_RELAYED, _FAILED, _ROOTED = 0, 1, 2
 _REASON_CHARS = 400
 """How much of one failure's text travels to the other ranks."""
 
@@ -157,6 +164,55 @@ def unpack_relay(data: bytes) -> tuple[Runs[bytes] | None, str | None]:
     if data[0] == _FAILED:
         return None, bytes(data[1:]).decode("utf-8", "replace")
     return unpack_distinct(data[1:]), None
+
+
+def pack_rooted(frame: bytes, roots: Mapping[int, bytes]) -> bytes:
+    """A leader's frame (``pack_relay``) with its node's parts for rank 0 (``roots``, by
+    rank) after it: ``frame`` itself when there are none, else the kind 2, the frame's length
+    (u32), the frame, the ranks' count and ranks (u32) and their parts (``pack_frames``)."""
+    if not roots:
+        return frame
+    ranks = sorted(roots)
+    return b"".join([bytes([_ROOTED]), _COUNT.pack(len(frame)), frame,
+                     struct.pack(f"<I{len(ranks)}I", len(ranks), *ranks),
+                     pack_frames([roots[r] for r in ranks])])
+
+
+def split_rooted(data: bytes) -> tuple[bytes, bytes]:
+    """(the leader's frame, its parts for rank 0 as packed, b"" for none) of a
+    ``pack_rooted`` frame: O(1), the parts are not read. ValueError when it is short."""
+    if data[:1] != bytes([_ROOTED]):
+        return data, b""
+    if len(data) < 1 + _COUNT.size:
+        raise ValueError(f"a frame of {len(data)} bytes has no length")
+    (n,) = _COUNT.unpack_from(data, 1)
+    at = 1 + _COUNT.size + n
+    if at > len(data):
+        raise ValueError(f"a frame of {len(data)} bytes is short of its {n}-byte relay")
+    return data[1 + _COUNT.size:at], data[at:]
+
+
+def unpack_roots(layout: NodeLayout, parts: Sequence[bytes]) -> dict[int, bytes]:
+    """Rank 0: every rank's part for rank 0, from each node's packed parts (``split_rooted``,
+    in the order of ``layout.nodes``). A node's parts that are malformed, or name a rank of
+    another node, are left out and logged: they are rank 0's alone to read, so they never
+    fail the exchange (which would fail on rank 0 only)."""
+    roots: dict[int, bytes] = {}
+    for node, packed in zip(layout.nodes, parts, strict=True):
+        if not packed:
+            continue
+        try:
+            (count,) = _COUNT.unpack_from(packed)
+            head = _COUNT.size * (1 + count)
+            ranks = struct.unpack_from(f"<{count}I", packed, _COUNT.size)
+            items = unpack_frames(packed[head:])
+            if len(items) != count or not set(ranks) <= set(node):
+                raise ValueError(f"{len(items)} parts for ranks {list(ranks)[:8]}")
+        except (ValueError, struct.error) as exc:
+            log.error("ckpt.control.root_parts_malformed", leader=node[0], error=str(exc))
+            continue
+        roots.update(zip(ranks, items, strict=True))
+    return roots
 
 
 # ---------------------------------------------------------------- which ranks share a node
@@ -408,6 +464,19 @@ class HierarchicalCoordinator:
 
     async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
                          ) -> Runs[bytes]:
+        result, _ = await self._exchange(payload, None, what=what, step=step)
+        return result
+
+    async def all_gather_root(self, payload: bytes, for_root: bytes, *, what: str,
+                              step: int | None = None) -> tuple[Runs[bytes], dict[int, bytes]]:
+        """``all_gather``, and on rank 0 every rank's non-empty ``for_root`` by rank ({} on
+        the other ranks). Those parts travel to the leader with the payload, between the
+        leaders beside the node's frame (``pack_rooted``: never read, only passed on), and
+        are not relayed: rank 0, a leader, keeps them. No rank but rank 0 decodes them."""
+        return await self._exchange(payload, for_root, what=what, step=step)
+
+    async def _exchange(self, payload: bytes, for_root: bytes | None, *, what: str,
+                        step: int | None) -> tuple[Runs[bytes], dict[int, bytes]]:
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -417,7 +486,7 @@ class HierarchicalCoordinator:
                 rank=self.rank, hint="restart the job; checkpoints committed so far are intact")
         started = time.monotonic()
         try:
-            return await in_thread(None, self._gather, payload)
+            return await in_thread(None, self._gather, payload, for_root)
         except Exception as exc:
             failed_after = time.monotonic() - started
             stage = exc.stage if isinstance(exc, _StageFailed) else "exchange"
@@ -433,16 +502,23 @@ class HierarchicalCoordinator:
                 hint="a rank died or is stuck; restart the job, it resumes from the newest "
                      "checkpoint committed on every rank", ranks=tuple(missing or ())) from exc
 
-    def _gather(self, payload: bytes) -> Runs[bytes]:
-        """The three stages, on this rank's part of the layout. Raises _StageFailed, or the
-        error of the stage that failed here."""
+    def _gather(self, payload: bytes, for_root: bytes | None
+                ) -> tuple[Runs[bytes], dict[int, bytes]]:
+        """The three stages, on this rank's part of the layout (``for_root``: see
+        ``all_gather_root``; None for a plain exchange). Raises _StageFailed, or the error of
+        the stage that failed here."""
         begun = time.monotonic()
         ours: list[bytes] | None = None
+        roots: dict[int, bytes] | None = None if for_root is None else {}
         failure = None
         try:
-            ours = self._into_node_leader(payload, begun + self.timeout_s)
+            ours = self._into_node_leader(
+                payload if for_root is None else join_root(payload, for_root),
+                begun + self.timeout_s)
+            if ours is not None and for_root is not None:
+                ours, roots = self._split_roots(ours)
         except Exception as exc:
-            failure = f"node of rank(s) {_ranks_text(self._node)}: {_short(exc)}"
+            ours, failure = None, f"node of rank(s) {_ranks_text(self._node)}: {_short(exc)}"
         relay_by = begun + self.timeout_s + 2 * self.grace_s
         if self.rank != self._leader:
             if failure is not None:
@@ -451,9 +527,9 @@ class HierarchicalCoordinator:
                 (relayed,) = self._node_links().receive_all((self._leader,), relay_by)
             except Exception as exc:
                 raise _StageFailed("relay", _short(exc)) from exc
-            return self._result(relayed)
-        relayed, result, why = self._across_nodes(ours, failure,
-                                                  begun + self.timeout_s + self.grace_s)
+            return self._result(relayed), {}
+        relayed, result, why, roots = self._across_nodes(
+            ours, failure, begun + self.timeout_s + self.grace_s, roots)
         # Every other rank of the node waits for the relay, the failure included: a rank that
         # is gone fails its send alone.
         lost = self._to_node(relayed, relay_by)
@@ -461,7 +537,22 @@ class HierarchicalCoordinator:
             raise _StageFailed("node" if failure is not None else "leaders", why or "")
         if lost is not None and failure is None:
             raise _StageFailed("relay", lost)
-        return result
+        return result, roots or {}
+
+    def _split_roots(self, messages: list[bytes]) -> tuple[list[bytes], dict[int, bytes]]:
+        """The leader: its node's ``join_root`` messages as (payloads, {rank: non-empty part
+        for rank 0}). A malformed message fails the node stage, naming its rank."""
+        payloads: list[bytes] = []
+        roots: dict[int, bytes] = {}
+        for rank, message in zip(self._node, messages, strict=True):
+            try:
+                payload, part = split_root(message)
+            except ValueError as exc:
+                raise ValueError(f"rank {rank} sent a malformed message ({exc})") from exc
+            payloads.append(payload)
+            if part:
+                roots[rank] = part
+        return payloads, roots
 
     def _to_node(self, relayed: bytes, deadline: float) -> str | None:
         """The leader's relay to each other rank of its node; why a send failed (the first),
@@ -495,24 +586,35 @@ class HierarchicalCoordinator:
             raise RuntimeError("the coordinator was closed")
         return links
 
-    def _across_nodes(self, ours: list[bytes] | None, failure: str | None, deadline: float
-                      ) -> tuple[bytes, Runs[bytes] | None, str | None]:
+    def _across_nodes(self, ours: list[bytes] | None, failure: str | None, deadline: float,
+                      roots: dict[int, bytes] | None
+                      ) -> tuple[bytes, Runs[bytes] | None, str | None, dict[int, bytes]]:
         """The leaders' stage: (what this leader relays to its node, the result or None, why
-        not). Never raises: whatever happens, the node hears of it."""
+        not, and on rank 0 every rank's part for rank 0). ``roots``: this node's parts for
+        rank 0, None in a plain exchange (whose frames are then not looked at for parts).
+        Never raises: whatever happens, the node hears of it."""
         try:
-            frames = [pack_relay(ours, failure)]
+            frame = pack_relay(ours, failure)
+            if roots is not None:
+                frame = pack_rooted(frame, roots if ours is not None else {})
+            frames = [frame]
             if self._leaders_group is not None:
-                frames = log_gather(self._dist, self._leaders_group, self._leaders, frames[0],
+                frames = log_gather(self._dist, self._leaders_group, self._leaders, frame,
                                     deadline - time.monotonic())
+            relays, parts = frames, None
+            if roots is not None:
+                split = [split_rooted(f) for f in frames]
+                relays, parts = [relay for relay, _ in split], [part for _, part in split]
         except Exception as exc:
             why = f"leaders: {_short(exc)}"
-            return pack_relay(None, why), None, why
+            return pack_relay(None, why), None, why, {}
         try:
-            result = merge_nodes(self.layout, frames)
+            result = merge_nodes(self.layout, relays)
         except ValueError as exc:
             why = str(exc)
-            return pack_relay(None, why), None, why
-        return pack_relay(result), result, None
+            return pack_relay(None, why), None, why, {}
+        return pack_relay(result), result, None, (
+            unpack_roots(self.layout, parts) if self.rank == 0 and parts is not None else {})
 
     def _result(self, relayed: bytes) -> Runs[bytes]:
         try:

@@ -193,9 +193,19 @@ def run_gather(args: argparse.Namespace, root: Path, rank: int) -> dict[str, Any
             exchanges.append({"equal_flat": got == want,
                               "as_sent": got == [payload(r, i) for r in range(world)],
                               "lengths": [len(p) for p in got], "seconds": seconds})
+        for i in range(3):  # with pieces for rank 0 alone (``all_gather_root``)
+            got, pieces = await hier.all_gather_root(payload(rank, i), payload(rank, i + 4),
+                                                     what="test")
+            want, flat_pieces = await flat.all_gather_root(
+                payload(rank, i), payload(rank, i + 4), what="test")
+            rooted.append({"as_sent": list(got) == [payload(r, i) for r in range(world)],
+                           "equal_flat": list(got) == want and pieces == flat_pieces,
+                           "pieces": {str(r): p.hex() for r, p in sorted(pieces.items())}})
 
+    rooted: list[dict[str, Any]] = []
     anyio.run(exchange)
-    out = {"layout": [list(node) for node in hier.layout.nodes], "exchanges": exchanges}
+    out = {"layout": [list(node) for node in hier.layout.nodes], "exchanges": exchanges,
+           "rooted": rooted}
     hier.close()
     flat.close()
     return out

@@ -21,8 +21,9 @@ from ckpt_pipeline._tiers.persistent.remote import ObjectSum
 from ckpt_pipeline._tiers.persistent.reports import PersistReport, UploadReport
 from ckpt_pipeline._tiers.replica.vote import CopiesAcked, CopiesSettled
 from ckpt_pipeline.coordination._agree import Ballot, Tally, VotePart, gather_vote
+from ckpt_pipeline.coordination._control_plane import LocalCoordinator
 from ckpt_pipeline.errors import CoordinationError
-from tests._support.coordinators import Answers
+from tests._support.coordinators import Agreeing, Answers
 
 STEP, SAVE = 7, "run-7"
 
@@ -49,7 +50,7 @@ PARTS: list[VotePart] = [
     CopiesAcked(None),
     CopiesSettled({0: "disk full"}),
     MetricValues({"loss": 0.25, "acc": None}),
-    PersistReport(1, {4: _UPLOAD}, {5: "timed out"}, reachable=True, lost=None),
+    PersistReport(1, (4,), {5: "timed out"}, reachable=True, lost=None, uploads={4: _UPLOAD}),
     PersistReport(0, lost="another job holds the URL"),
 ]
 
@@ -74,6 +75,10 @@ def test_a_vote_part_round_trips_through_the_message_codec(part: Any) -> None:
                      "lost": None}),
     (PersistReport, {"unfinished": 0, "done": {"4": {"sums": {}}}, "failed": {},
                      "reachable": True, "lost": None}),
+    (PersistReport, {"unfinished": 0, "done": ["4"], "failed": {}, "reachable": True,
+                     "lost": None}),
+    (PersistReport, {"unfinished": 0, "done": [-4], "failed": {}, "reachable": True,
+                     "lost": None}),
     (PersistReport, {"unfinished": 0, "done": {}, "failed": {"four": "x"},
                      "reachable": True, "lost": None}),
     (PersistReport, {"unfinished": 0, "done": {}, "failed": {}, "reachable": 1,
@@ -82,6 +87,19 @@ def test_a_vote_part_round_trips_through_the_message_codec(part: Any) -> None:
 def test_a_malformed_vote_part_is_refused(kind: Any, message: Any) -> None:
     with pytest.raises(ValueError):
         kind.from_msg(message)
+
+
+def test_a_persist_reports_checksums_travel_apart_and_round_trip() -> None:
+    """The report every rank reads names the finished steps only; the checksums are the
+    piece for rank 0, read back by ``uploads_from_msg``."""
+    report = PersistReport(0, (4,), reachable=True, uploads={4: _UPLOAD})
+    assert "sums" not in repr(report.to_msg())
+    wire = decode_message(encode_message({"root": report.root_msg()}), "a piece")["root"]
+    assert PersistReport.uploads_from_msg(wire) == {4: _UPLOAD}
+    assert PersistReport(0, reachable=True).root_msg() is None
+    for bad in ([1], {"four": _UPLOAD.to_msg()}, {"4": {"sums": {}}}):
+        with pytest.raises(ValueError):
+            PersistReport.uploads_from_msg(bad)
 
 
 def test_every_ranks_part_arrives_typed_by_participant() -> None:
@@ -115,6 +133,46 @@ def test_a_rank_on_another_save_fails_the_vote_and_only_parts_for_any_step_count
                    "persist": Ballot(report, PersistReport.from_msg, any_step=True)})
     assert list(tally.failures) == [1] and "not step 7" in tally.failures[1]
     assert tally.parts == {"replicas": (None, None), "persist": (report, report)}
+
+
+def test_rank_0_alone_gets_the_pieces_for_rank_0_of_a_rooted_part() -> None:
+    """Through a coordinator without ``all_gather_root`` the pieces ride in the message
+    (``for_root``): rank 0 reads each rank's, and only the rooted participant's; a rank's
+    piece that rank 0 cannot read is left out (logged), and the vote still carries."""
+    mine = PersistReport(0, (4,), reachable=True, uploads={4: _UPLOAD})
+    alike = PersistReport(0, (4,), reachable=True)
+    pieces = [encode_message({"persist": {"4": _UPLOAD.to_msg()}}), b"", b"\xc1 not msgpack"]
+    others = [{**_answer({"persist": alike.to_msg(), "replicas": None}), "for_root": piece}
+              for piece in pieces]
+    tally = _vote(others, {"persist": Ballot(mine, PersistReport.from_msg, any_step=True,
+                                             rooted=True),
+                           "replicas": Ballot(None, CopiesAcked.from_msg)})
+    assert tally.failures == {}
+    assert tally.parts["persist"] == (mine, alike, alike, alike)
+    assert set(tally.roots) == {"persist"}
+    got = {rank: PersistReport.uploads_from_msg(m) for rank, m in tally.roots["persist"].items()}
+    assert got == {0: {4: _UPLOAD}, 1: {4: _UPLOAD}}
+
+
+def test_a_rank_other_than_0_gets_no_pieces() -> None:
+    async def run() -> Tally:
+        report = PersistReport(0, (4,), reachable=True, uploads={4: _UPLOAD})
+        return await gather_vote(Agreeing(1, 4), STEP, SAVE, None, what="commit", ballots={
+            "persist": Ballot(report, PersistReport.from_msg, any_step=True, rooted=True)})
+
+    tally = anyio.run(run)
+    assert tally.failures == {} and tally.roots == {"persist": {}}
+
+
+def test_the_local_coordinator_hands_its_own_piece_to_itself() -> None:
+    async def run() -> Tally:
+        report = PersistReport(0, (4,), reachable=True, uploads={4: _UPLOAD})
+        return await gather_vote(LocalCoordinator(), STEP, SAVE, None, what="commit", ballots={
+            "persist": Ballot(report, PersistReport.from_msg, any_step=True, rooted=True)})
+
+    tally = anyio.run(run)
+    assert {r: PersistReport.uploads_from_msg(m) for r, m in tally.roots["persist"].items()} \
+        == {0: {4: _UPLOAD}}
 
 
 def test_ranks_that_vote_alike_are_decoded_once_and_each_that_differs_is_named() -> None:

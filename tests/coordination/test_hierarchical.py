@@ -183,6 +183,22 @@ def test_all_gather_returns_what_the_flat_coordinator_returns(
 
 
 @pytest.mark.timeout(240)
+def test_pieces_for_rank_0_reach_rank_0_alone(
+        good_run: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    """``all_gather_root``: every rank gets every payload; rank 0 alone gets every rank's
+    non-empty piece for it, as the flat coordinator hands them."""
+    _root, results = good_run
+    for rank, out in phase(results, "gather").items():
+        assert len(out["rooted"]) == 3, rank
+        for i, exchange in enumerate(out["rooted"]):
+            assert exchange["as_sent"] and exchange["equal_flat"], (rank, i, exchange)
+            want = {str(r): worker.payload(r, i + 4).hex() for r in range(WORLD)
+                    if worker.payload(r, i + 4)} if rank == 0 else {}
+            assert exchange["pieces"] == want, (rank, i)
+    assert all(phase(results, "gather")[0]["rooted"][i]["pieces"] for i in range(3))
+
+
+@pytest.mark.timeout(240)
 def test_a_pipeline_of_a_multi_node_job_commits_every_step_per_node_first(
         good_run: tuple[Path, dict[int, dict[str, Any]]]) -> None:
     root, results = good_run

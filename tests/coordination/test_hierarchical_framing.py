@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ckpt_pipeline.coordination._control_plane import join_root, split_root
 from ckpt_pipeline.coordination._hierarchy import (
     NodeLayout,
     node_ids,
@@ -17,9 +18,12 @@ from ckpt_pipeline.coordination._hierarchy import (
     pack_distinct,
     pack_frames,
     pack_relay,
+    pack_rooted,
+    split_rooted,
     unpack_distinct,
     unpack_frames,
     unpack_relay,
+    unpack_roots,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -115,6 +119,52 @@ def test_a_relay_holds_items_or_a_failure_never_both() -> None:
         pack_relay([b"x"], "and a failure")
     with pytest.raises(ValueError):
         pack_relay(None)
+
+
+# ---------------------------------------------------------------- pieces for rank 0 alone
+
+@given(st.binary(max_size=300), st.binary(max_size=300))
+def test_a_payload_and_its_piece_for_rank_0_round_trip(payload: bytes, piece: bytes) -> None:
+    assert split_root(join_root(payload, piece)) == (payload, piece)
+
+
+@pytest.mark.parametrize("data", [b"", b"\x01\x00\x00", b"\x05\x00\x00\x00abc"])
+def test_a_message_short_of_its_payload_is_refused(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        split_root(data)
+
+
+def test_a_frame_without_pieces_is_sent_as_it_is() -> None:
+    frame = pack_relay([b"vote"] * 4)
+    assert pack_rooted(frame, {}) == frame
+    assert split_rooted(frame) == (frame, b"")
+
+
+def test_rank_0_reads_every_nodes_pieces_beside_their_frames() -> None:
+    """The leaders' frames carry their nodes' pieces after them; every leader splits them
+    off in O(1) and rank 0 alone reads them, by rank."""
+    layout = NodeLayout.from_ids([0, 0, 1, 1, 2, 2])
+    frames = [pack_rooted(pack_relay([b"v", b"v"]), pieces) for pieces in
+              ({0: b"zero"}, {}, {4: b"four", 5: b""})]
+    split = [split_rooted(frame) for frame in frames]
+    assert [relay for relay, _ in split] == [pack_relay([b"v", b"v"])] * 3
+    assert unpack_roots(layout, [part for _, part in split]) == {0: b"zero", 4: b"four",
+                                                                  5: b""}
+
+
+def test_pieces_that_rank_0_cannot_read_are_left_out_not_raised() -> None:
+    """A node's pieces that are malformed, or name a rank of another node, are dropped
+    (logged): only rank 0 reads them, so they cannot fail an exchange on rank 0 alone."""
+    layout = NodeLayout.from_ids([0, 0, 1, 1])
+    foreign = split_rooted(pack_rooted(pack_relay([b"v", b"v"]), {3: b"three"}))[1]
+    good = split_rooted(pack_rooted(pack_relay([b"v", b"v"]), {3: b"three"}))[1]
+    assert unpack_roots(layout, [foreign, good]) == {3: b"three"}
+    assert unpack_roots(layout, [b"\x09\x00", good]) == {3: b"three"}
+
+
+def test_a_rooted_frame_short_of_its_relay_is_refused() -> None:
+    with pytest.raises(ValueError):
+        split_rooted(b"\x02\x10\x00\x00\x00abc")
 
 
 # ---------------------------------------------------------------- the node layout

@@ -38,6 +38,7 @@ class WriteThroughVote:
 
     key = "memory"
     any_step = False
+    rooted = False
 
     def __init__(self, *, due: bool, busy: bool) -> None:
         self.due = due

@@ -89,7 +89,11 @@ class Committing(Rewinding, Acquiring):
         """Every rank's reported checksum and stamp of each of its objects of ``step``."""
         objects: dict[str, ObjectSum] = {}
         stamps: dict[str, str | None] = {}
-        for rank, report in sorted(assigned.reports.items()):
+        for rank in range(self.world_size):
+            report = assigned.reports.get(rank)
+            if report is None:
+                raise CheckpointIntegrityError(
+                    f"rank {rank} finished its upload, but its checksums did not reach rank 0")
             for name in rank_keys(step, rank):
                 if name not in report.sums:
                     raise CheckpointIntegrityError(f"rank {rank} did not report {name}")

@@ -4,13 +4,14 @@ reports in the commit votes (the same on every rank): the agreement side of the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..._format.timeline import Lineage
 from ..._logging import log
 from ...coordination._agree import Ballot
 from ...coordination._runs import Runs
+from ...errors import CheckpointError
 from ...events import PersistFailed, PersistSkipped
 from ..base import Recorded, Vote, VotePart, no_part
 from .commit_object import Committing
@@ -44,13 +45,16 @@ class Assigning(Committing, Rewinding, Uploading):
             # rank 0 promotes only once it holds the URL
             reachable = self.remote is not None and (self.rank != 0 or self._owner is not None)
         lost = self._refused if self._owner is None else self._owner.lost
-        return PersistReport(unfinished, done, failed, reachable, lost)
+        return PersistReport(unfinished, tuple(sorted(done)), failed, reachable, lost,
+                             uploads=done)
 
-    def on_reports(self, reports: Sequence[PersistReport | None]) -> None:
-        """Every rank's ``report()`` of one exchange: record finished uploads, commit the
+    def on_reports(self, reports: Sequence[PersistReport | None],
+                   uploads: Mapping[int, Any] | None = None) -> None:
+        """Every rank's ``report()`` of one exchange: count finished uploads, commit the
         steps every rank finished, give up the steps a rank failed. Same on every rank.
-        Ranks with equal reports are read once (``Runs``); only a report that finished or
-        failed an upload is read for each of its ranks."""
+        Ranks with equal reports are read once (``Runs``); only a report that failed an
+        upload is read for each of its ranks. ``uploads``: on rank 0, every rank's
+        ``root_msg`` of this exchange by rank (the checksums its commit objects list)."""
         lost = reports[0].lost if reports and reports[0] is not None else None
         if lost is not None and self._lost_url is None:
             self._stop_promoting(lost)
@@ -67,13 +71,14 @@ class Assigning(Committing, Rewinding, Uploading):
             if not report.reachable:
                 unreachable.extend(range(start, min(stop, start + 9)))
             busiest = max(busiest, (report.unfinished, start), key=lambda b: b[0])
-            for rank in range(start, stop) if report.done or report.failed else ():
-                for step, upload in report.done.items():
-                    if step in self._assigned:
-                        self._assigned[step].reports[rank] = upload
+            for step in report.done:
+                if step in self._assigned:
+                    self._assigned[step].finished += stop - start
+            for rank in range(start, stop) if report.failed else ():
                 for step, error in report.failed.items():
                     if step in self._assigned:
                         failed.setdefault(step, {})[rank] = error
+        self._read_uploads(uploads or {})
         self._busy = busiest
         self._unreachable = "" if not unreachable else (
             f"rank{'s' if len(unreachable) > 1 else ''} "
@@ -87,18 +92,37 @@ class Assigning(Committing, Rewinding, Uploading):
                 self._submit(self._meta, self._remove_step, step)
         for step in sorted(self._assigned):
             assigned = self._assigned[step]
-            if len(assigned.reports) == self.world_size:
+            if assigned.finished >= self.world_size:
                 del self._assigned[step]
                 if self.rank == 0:
                     self._committing[step] = assigned.save_id
                     self._submit(self._meta, self._commit_step, step, assigned)
 
+    def _read_uploads(self, uploads: Mapping[int, Any]) -> None:
+        """Rank 0: the checksums of every rank's finished uploads, kept for the commit
+        objects. One it cannot read is logged and left out: that step's commit object then
+        fails (a rank's checksums are missing) and is reported (``PersistFailed``)."""
+        for rank, message in sorted(uploads.items()):
+            try:
+                finished = PersistReport.uploads_from_msg(message)
+            except (ValueError, CheckpointError) as exc:
+                log.error("ckpt.persist.report_malformed", rank=self.rank, from_rank=rank,
+                          url=self.url, error=exc.message if isinstance(exc, CheckpointError)
+                          else str(exc))
+                continue
+            for step, upload in finished.items():
+                if step in self._assigned:
+                    self._assigned[step].reports[rank] = upload
+
     # The commit participant (``_tiers.base.CommitParticipant``): the report rides the first
-    # vote of every save, and every rank's is settled whatever the vote's outcome.
+    # vote of every save, and every rank's is settled whatever the vote's outcome; the
+    # checksums of its finished uploads go to rank 0 alone (``rooted``).
+
+    rooted = True
 
     def ballot(self) -> Ballot[PersistReport]:
         """This rank's report, for an exchange outside a save's vote (at close)."""
-        return Ballot(self.report(), PersistReport.from_msg, self.any_step)
+        return Ballot(self.report(), PersistReport.from_msg, self.any_step, self.rooted)
 
     def decode_vote(self, message: Any) -> PersistReport:
         return PersistReport.from_msg(message)
@@ -110,7 +134,7 @@ class Assigning(Committing, Rewinding, Uploading):
         return self.report()
 
     async def voted(self, vote: Vote[PersistReport]) -> None:
-        self.on_reports(vote.parts)
+        self.on_reports(vote.parts, vote.roots)
 
     async def confirm(self, recorded: Recorded) -> None:
         return None

@@ -9,9 +9,11 @@ exchange at close), so every rank takes the same decisions in the same order:
 - every ``persist_every``-th committed step is assigned, unless some rank cannot reach the
   tier, or still has two promotions unfinished (one uploading, one queued): then it is
   skipped (``PersistSkipped``);
-- a rank reports each finished upload once, with the checksum of every object; once every rank
-  has reported a step, rank 0 checks the objects are there and writes ``step.commit`` last
-  (``StepPersisted``), then applies ``persistent_keep``;
+- a rank reports each finished upload once: every rank reads which steps it finished, and rank
+  0 alone gets the checksum of every object (``PersistReport.root_msg``), so that ranks that
+  finished the same steps send equal reports; once every rank has reported a step, rank 0
+  checks the objects are there and writes ``step.commit`` last (``StepPersisted``), then
+  applies ``persistent_keep``;
 - a rank that failed (after the remote layer's retries) reports its error: every rank emits
   ``PersistFailed`` and rank 0 removes what was uploaded of the step;
 - a rewind (``rewound``) is recorded in the tier by rank 0 (``rewinds.py``), which then takes

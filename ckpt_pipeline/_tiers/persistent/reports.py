@@ -1,5 +1,8 @@
 """What a rank tells the others about its promotions, in each save's commit vote and at close
-(a ``VotePart``): read back strictly on every rank, so that every rank decides alike."""
+(a ``RootedPart``): read back strictly on every rank, so that every rank decides alike. The
+checksums of its finished uploads, which differ from rank to rank and which only rank 0 needs
+(for the step's commit object), go to rank 0 alone (``root_msg``): every other rank reads which
+steps each rank finished, so that ranks that finished the same steps send equal reports."""
 
 from __future__ import annotations
 
@@ -39,21 +42,37 @@ class UploadReport:
 
 @dataclass(frozen=True, slots=True)
 class PersistReport:
-    """A rank's report: its unfinished promotions, the uploads it finished and those that
-    failed since its last report (each once, by step), whether it reaches the tier (rank 0:
-    and holds the URL), and (rank 0) why the URL is not this open's."""
+    """A rank's report: its unfinished promotions, the steps whose upload it finished and
+    those that failed since its last report (each once, by step), whether it reaches the tier
+    (rank 0: and holds the URL), and (rank 0) why the URL is not this open's. ``uploads``:
+    this rank's finished uploads (``done``'s checksums), sent to rank 0 alone (``root_msg``;
+    read back there by ``uploads_from_msg``); a report read back from a vote has none."""
 
     unfinished: int
-    done: Mapping[int, UploadReport] = field(default_factory=dict)
+    done: tuple[int, ...] = ()
     failed: Mapping[int, str] = field(default_factory=dict)
     reachable: bool = False
     lost: str | None = None
+    uploads: Mapping[int, UploadReport] = field(default_factory=dict, compare=False)
 
     def to_msg(self) -> Any:
-        return {"unfinished": self.unfinished,
-                "done": {str(s): d.to_msg() for s, d in self.done.items()},
+        return {"unfinished": self.unfinished, "done": sorted(self.done),
                 "failed": {str(s): e for s, e in self.failed.items()},
                 "reachable": self.reachable, "lost": self.lost}
+
+    def root_msg(self) -> Any:
+        """The checksums of the uploads this report finishes, for rank 0 alone."""
+        if not self.uploads:
+            return None
+        return {str(s): u.to_msg() for s, u in self.uploads.items()}
+
+    @staticmethod
+    def uploads_from_msg(message: Any) -> dict[int, UploadReport]:
+        """The inverse of ``root_msg`` (rank 0): a ValueError or CheckpointIntegrityError
+        otherwise."""
+        if not isinstance(message, dict):
+            raise ValueError("a rank's finished uploads are not a map")
+        return {_step(k): UploadReport.from_msg(v) for k, v in message.items()}
 
     @classmethod
     def from_msg(cls, message: Any) -> PersistReport:
@@ -68,10 +87,10 @@ class PersistReport:
             raise ValueError("a persistent-tier report's fields are malformed")
         if not (isinstance(failed, dict) and all(isinstance(e, str) for e in failed.values())):
             raise ValueError("a persistent-tier report's failures are malformed")
-        if not isinstance(done, dict):
-            raise ValueError("a persistent-tier report's finished uploads are malformed")
-        return cls(unfinished, {_step(k): UploadReport.from_msg(v) for k, v in done.items()},
-                   {_step(k): e for k, e in failed.items()}, reachable, lost)
+        if not (isinstance(done, list) and all(type(s) is int and s >= 0 for s in done)):
+            raise ValueError("a persistent-tier report's finished steps are malformed")
+        return cls(unfinished, tuple(done), {_step(k): e for k, e in failed.items()},
+                   reachable, lost)
 
 
 def _step(key: Any) -> int:

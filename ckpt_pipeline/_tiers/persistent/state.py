@@ -31,12 +31,14 @@ LIST_WAIT_S = 60.0
 @dataclass(slots=True)
 class Assigned:
     """A step assigned for promotion (the same on every rank): its save, when it committed,
-    every rank's report of its finished upload so far, and its commit records' lineage."""
+    its commit records' lineage, and how many ranks finished its upload so far; on rank 0
+    (which writes its commit object), each of those ranks' checksums."""
 
     save_id: str
     committed_at: float
     reports: dict[int, UploadReport]
     lineage: Lineage | None = None
+    finished: int = 0
 
 
 class PromoterState:

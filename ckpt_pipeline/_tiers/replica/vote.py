@@ -90,6 +90,7 @@ class ReplicaVote:
 
     key = "replicas"
     any_step = False
+    rooted = False
 
     def __init__(self, replication: Replication, push: Push | None, *, step: int,
                  save_id: str, rank: int, limiter: anyio.CapacityLimiter) -> None:
