@@ -9,6 +9,13 @@ carries its own rank number, which is what every vote cost before each distinct 
 decoded once). The timings are the least of ``--repeats`` runs, on this machine, the machine
 recorded beside them.
 
+Then the commit votes in which the ranks' persistent-tier uploads finish (``persist`` in the
+JSON): every rank reporting step 30's upload done, and every other rank doing so (alternate
+ranks: the most runs such a vote can have). Each report names its three objects' checksums
+and stamps. Until ``e8b68fc`` those rode in every rank's report, so every answer differed;
+since, every rank reads which steps finished and rank 0 alone gets the checksums (timed
+separately: rank 0 reading every rank's, as its commit object needs them).
+
 Then the two exchanges a job makes once (``exchanges`` in the JSON), read the same way from a
 leader's relay: the restore's candidates (``agree_candidates``: every rank holding the same
 three steps; and every rank also holding a copy of a shard of the node before its own, as the
@@ -36,6 +43,8 @@ import anyio
 from _machine import machine_info
 
 from ckpt_pipeline._format.documents import encode_message
+from ckpt_pipeline._tiers.persistent.objects import ObjectSum
+from ckpt_pipeline._tiers.persistent.reports import PersistReport, UploadReport
 from ckpt_pipeline._tiers.replica.vote import CopiesAcked
 from ckpt_pipeline.coordination._agree import (
     Ballot,
@@ -64,16 +73,78 @@ def _message(rank: int, kind: str) -> bytes:
 
 
 class _Relayed:
-    """Rank 0's coordinator, handed the relay's bytes as a leader broadcast them."""
+    """Rank ``rank``'s coordinator, handed the relay's bytes as a leader broadcast them (and,
+    rank 0, the pieces for it that the leaders passed on)."""
 
-    def __init__(self, relayed: bytes, world: int) -> None:
-        self.rank, self.world_size, self.relayed = 0, world, relayed
+    def __init__(self, relayed: bytes, world: int, rank: int = 0,
+                 pieces: dict[int, bytes] | None = None) -> None:
+        self.rank, self.world_size, self.relayed = rank, world, relayed
+        self.pieces = pieces or {}
 
     async def all_gather(self, payload: bytes, *, what: str, step: int | None = None
                          ) -> Runs[bytes]:
         items, failure = unpack_relay(self.relayed)
         assert items is not None and failure is None
         return items
+
+    async def all_gather_root(self, payload: bytes, for_root: bytes, *, what: str,
+                              step: int | None = None) -> tuple[Runs[bytes], dict[int, bytes]]:
+        return await self.all_gather(payload, what=what), self.pieces
+
+
+_ROOTED = "uploads" in PersistReport.__dataclass_fields__
+"""Whether the tree measured sends the checksums to rank 0 alone (since ``e8b68fc``)."""
+if _ROOTED:
+    from ckpt_pipeline.coordination._agree import _pack_pieces, encode_piece, read_piece
+
+
+def _upload(rank: int) -> UploadReport:
+    names = [f"rank_{rank:05d}.{kind}" for kind in ("shard", "manifest", "commit")]
+    return UploadReport({n: ObjectSum(64 << 20, 8 << 20, tuple(range(rank, rank + 8)))
+                         for n in names}, {n: f"{rank:08x}-etag" for n in names})
+
+
+def measure_persist(ranks: int, kind: str, repeats: int, per_node: int) -> dict[str, Any]:
+    """Rank 1's and rank 0's reading of a commit vote in which ranks report finished
+    uploads (module docstring)."""
+    def report(rank: int) -> Any:
+        if kind == "persist_half" and rank % 2:
+            return PersistReport(1, reachable=True)
+        if _ROOTED:
+            return PersistReport(0, (30,), reachable=True, uploads={30: _upload(rank)})
+        return PersistReport(0, {30: _upload(rank)}, reachable=True)  # type: ignore[arg-type]
+
+    reports = [report(rank) for rank in range(ranks)]
+    payloads = [encode_message({"step": STEP, "save_id": SAVE, "error": None, "fatal": False,
+                                "parts": {"persist": r.to_msg()}}) for r in reports]
+    pieces = ({rank: _pack_pieces({"persist": encode_piece(r.root_msg())})
+               for rank, r in enumerate(reports) if r.root_msg() is not None}
+              if _ROOTED else {})
+    relayed = _relayed(payloads, per_node)
+    ballot = Ballot(reports[0], PersistReport.from_msg, True, *((True,) if _ROOTED else ()))
+
+    def timed(rank: int, sums: bool = False) -> float:
+        mine = pieces if rank == 0 else {}
+
+        async def run() -> float:
+            best = float("inf")
+            for _ in range(repeats):
+                started = time.perf_counter()
+                tally = await gather_vote(_Relayed(relayed, ranks, rank, mine), STEP, SAVE,
+                                          None, what="commit", ballots={"persist": ballot})
+                if sums:  # what rank 0's commit-object thread then reads (_read_uploads)
+                    started = time.perf_counter()
+                    for piece in tally.roots["persist"].values():
+                        PersistReport.uploads_from_msg(read_piece(piece, "uploads"))
+                best = min(best, time.perf_counter() - started)
+            return best
+        return anyio.run(run)
+
+    return {"ranks": ranks, "exchange": kind, "ranks_per_node": per_node,
+            "checksums_to_rank_0_alone": _ROOTED, "relay_bytes": len(relayed),
+            "pieces_bytes": sum(map(len, pieces.values())),
+            "rank_1_unpack_and_tally_s": timed(1), "rank_0_unpack_and_tally_s": timed(0),
+            "rank_0_sums_thread_s": timed(0, sums=True) if _ROOTED else None}
 
 
 def _least(fn: Callable[[], Any], repeats: int) -> float:
@@ -177,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(int(n), kind, args.repeats, args.ranks_per_node)
             for n in args.ranks.split(",")
             for kind in ("alike", "1pct", "distinct")]
+    persist = [measure_persist(int(n), kind, args.repeats, args.ranks_per_node)
+               for n in args.ranks.split(",") for kind in ("persist_all", "persist_half")]
     exchanges = [measure_exchange(int(n), kind, args.repeats, args.ranks_per_node)
                  for n in args.ranks.split(",")
                  for kind in ("candidates", "candidates_copies", "open",
@@ -185,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"benchmark": "vote_decode", "machine": machine_info(HERE),
               "ckpt_pipeline_from": str(Path(ckpt_pipeline.__file__).parent),
-              "repeats": args.repeats, "rows": rows, "exchanges": exchanges}
+              "repeats": args.repeats, "rows": rows, "persist": persist,
+              "exchanges": exchanges}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'ranks':>6} {'votes':>9} {'fail':>5} {'relay B':>9} {'pack ms':>8} "
@@ -194,6 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['ranks']:>6} {r['votes']:>9} {r['failures']:>5} {r['relay_bytes']:>9} "
               f"{r['leader_pack_s'] * 1e3:>8.2f} {r['rank_unpack_s'] * 1e3:>10.2f} "
               f"{r['rank_unpack_and_tally_s'] * 1e3:>16.2f}")
+    print(f"{'ranks':>6} {'persist vote':>18} {'relay B':>9} {'rank 1 ms':>10} {'rank 0 ms':>10} "
+          f"{'sums thr ms':>12}")
+    for r in persist:
+        sums = r["rank_0_sums_thread_s"]
+        print(f"{r['ranks']:>6} {r['exchange']:>18} {r['relay_bytes']:>9} "
+              f"{r['rank_1_unpack_and_tally_s'] * 1e3:>10.2f} "
+              f"{r['rank_0_unpack_and_tally_s'] * 1e3:>10.2f} "
+              f"{'-' if sums is None else f'{sums * 1e3:.2f}':>12}")
     print(f"{'ranks':>6} {'exchange':>18} {'relay B':>9} {'unpack+read ms':>15}")
     for r in exchanges:
         print(f"{r['ranks']:>6} {r['exchange']:>18} {r['relay_bytes']:>9} "

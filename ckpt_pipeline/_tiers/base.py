@@ -41,9 +41,9 @@ class Vote(Generic[P]):
     parts: Runs[P | None]
     """By rank, as runs of equal parts (``Runs``: ``parts[rank]``, or ``runs()`` to read a
     vote in O(runs) rather than O(ranks))."""
-    roots: Mapping[int, Any] = field(default_factory=dict)
-    """A ``rooted`` participant's first vote, on rank 0: each rank's piece for rank 0
-    (``RootedPart.root_msg``, msgpack types, unchecked) by rank; empty elsewhere."""
+    roots: Mapping[int, bytes] = field(default_factory=dict)
+    """A ``rooted`` participant's first vote, on rank 0: each rank's piece for rank 0 by
+    rank, as it travelled (``coordination._agree.read_piece`` reads one); empty elsewhere."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import secrets
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -21,7 +22,8 @@ from ._runs import Runs, spans_text
 __all__ = ("Ballot", "Candidates", "Opening", "RootedPart", "Runs", "Tally", "VotePart",
            "agree_barrier",
            "agree_candidates", "agree_open", "agree_outcome", "candidates_message",
-           "gather_outcome", "gather_parts", "gather_shared", "gather_vote")
+           "encode_piece", "gather_outcome", "gather_parts", "gather_shared", "gather_vote",
+           "read_piece")
 
 
 async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: str,
@@ -35,16 +37,18 @@ async def _exchange(coordinator: Coordinator, message: dict[str, Any], *, what: 
 
 
 async def _exchange_rooted(coordinator: Coordinator, message: dict[str, Any],
-                           for_root: dict[str, Any], *, what: str, step: int | None = None
-                           ) -> tuple[Runs[dict[str, Any]], dict[int, dict[str, Any]]]:
-    """``_exchange``, and what every rank has for rank 0 alone (``for_root``: its parts by
-    participant, {} for none): on rank 0, {rank: that rank's parts} for the ranks that sent
-    any; {} on the others. Through a coordinator's ``all_gather_root`` the other ranks never
-    receive those parts, so that answers stay equal where only they differ; a coordinator
-    without it carries them in the message (every rank then decodes every answer). A part
-    rank 0 cannot read is logged and left out: it is rank 0's alone, so it never makes the
-    exchange fail on one rank."""
-    blob = encode_message(for_root) if for_root else b""
+                           for_root: Mapping[str, bytes], *, what: str,
+                           step: int | None = None
+                           ) -> tuple[Runs[dict[str, Any]], dict[int, dict[str, bytes]]]:
+    """``_exchange``, and what every rank has for rank 0 alone (``for_root``: its pieces by
+    participant, as bytes; {} for none): on rank 0, {rank: its pieces} for the ranks that
+    sent any; {} on the others. Through a coordinator's ``all_gather_root`` the other ranks
+    never receive those pieces, so that answers stay equal where only they differ; a
+    coordinator without it carries them in the message (every rank then decodes every
+    answer). Rank 0 only splits them (O(1) a piece, no msgpack): each participant reads its
+    own where it wants (``read_piece``). Pieces rank 0 cannot split are logged and left out:
+    they are rank 0's alone, so they never make the exchange fail on one rank."""
+    blob = _pack_pieces(for_root)
     gather = getattr(coordinator, "all_gather_root", None)
     raws: dict[int, Any]
     if gather is None:
@@ -56,16 +60,59 @@ async def _exchange_rooted(coordinator: Coordinator, message: dict[str, Any],
     else:
         raw, raws = await gather(encode_message(message), blob, what=what, step=step)
         answers = _answers(coordinator, raw, what=what, step=step)
-    roots: dict[int, dict[str, Any]] = {}
+    roots: dict[int, dict[str, bytes]] = {}
     for rank, data in sorted(raws.items()):
         try:
             if not isinstance(data, bytes):
-                raise CheckpointIntegrityError(f"a {type(data).__name__}, not bytes")
-            roots[rank] = decode_message(data, f"{what} part for rank 0 of rank {rank}")
-        except CheckpointIntegrityError as exc:
-            log.error("ckpt.control.root_part_malformed", what=what, step=step, rank=rank,
-                      error=exc.message, hint=_VERSIONS_HINT)
+                raise ValueError(f"a {type(data).__name__}, not bytes")
+            roots[rank] = _unpack_pieces(data)
+        except ValueError as exc:
+            log.error("ckpt.control.root_piece_malformed", what=what, step=step, rank=rank,
+                      error=str(exc), hint=_VERSIONS_HINT)
     return answers, roots
+
+
+_PIECE = struct.Struct("<HI")
+"""A piece's head: the length of its participant's key (UTF-8), then of its bytes."""
+
+
+def _pack_pieces(pieces: Mapping[str, bytes]) -> bytes:
+    """Pieces for rank 0 by participant, each as its head, its key, its bytes; b"" for none."""
+    out: list[bytes] = []
+    for key, data in pieces.items():
+        name = key.encode()
+        out += [_PIECE.pack(len(name), len(data)), name, data]
+    return b"".join(out)
+
+
+def _unpack_pieces(blob: bytes) -> dict[str, bytes]:
+    """The inverse of ``_pack_pieces``; ValueError for anything else."""
+    pieces: dict[str, bytes] = {}
+    at = 0
+    while at < len(blob):
+        if at + _PIECE.size > len(blob):
+            raise ValueError(f"{len(blob) - at} bytes left of a piece's head")
+        keyed, size = _PIECE.unpack_from(blob, at)
+        at += _PIECE.size
+        if at + keyed + size > len(blob):
+            raise ValueError(f"a piece of {keyed} + {size} bytes where {len(blob) - at} are")
+        pieces[blob[at:at + keyed].decode("utf-8", "replace")] = blob[at + keyed:at + keyed + size]
+        at += keyed + size
+    return pieces
+
+
+def encode_piece(piece: Any) -> bytes:
+    """A participant's piece for rank 0 (msgpack types) as it travels."""
+    return encode_message({"piece": piece})
+
+
+def read_piece(data: bytes, what: str) -> Any:
+    """A piece for rank 0 as its participant sent it (``RootedPart.root_msg``), decoded with
+    the readers' limits; CheckpointIntegrityError otherwise."""
+    message = decode_message(data, what)
+    if set(message) != {"piece"}:
+        raise CheckpointIntegrityError(f"{what} is not a piece")
+    return message["piece"]
 
 
 def _answers(coordinator: Coordinator, raw: Sequence[bytes], *, what: str,
@@ -233,10 +280,10 @@ class Tally:
     failures: Mapping[int, str]
     fatal: bool
     parts: Mapping[str, Runs[VotePart | None]]
-    roots: Mapping[str, Mapping[int, Any]] = field(default_factory=dict)
-    """Rank 0: each rooted participant's pieces for rank 0 (``RootedPart.root_msg``, as
-    msgpack types, unchecked: the participant reads them) by rank, from the ranks that sent
-    one (and, unless ``any_step``, voted on this save). Empty on the other ranks."""
+    roots: Mapping[str, Mapping[int, bytes]] = field(default_factory=dict)
+    """Rank 0: each rooted participant's pieces for rank 0 by rank, as they travelled (read
+    each with ``read_piece``), from the ranks that sent one (and, unless ``any_step``, voted
+    on this save). Empty on the other ranks."""
 
 
 async def gather_vote(coordinator: Coordinator, step: int, save_id: str, error: str | None,
@@ -260,7 +307,7 @@ async def gather_vote(coordinator: Coordinator, step: int, save_id: str, error: 
 
 
 async def gather_parts(coordinator: Coordinator, key: str, ballot: Ballot[P], *, what: str,
-                       step: int | None = None) -> tuple[Runs[P | None], Mapping[int, Any]]:
+                       step: int | None = None) -> tuple[Runs[P | None], Mapping[int, bytes]]:
     """Every rank's part of one participant outside a save's vote, indexed by rank, and on
     rank 0 (when ``ballot.rooted``) their pieces for rank 0 by rank."""
     answers, roots = await _gather_rooted(
@@ -277,12 +324,12 @@ async def _gather_rooted(coordinator: Coordinator, message: dict[str, Any],
     rank 0 beside it (``_exchange_rooted``)."""
     if not any(ballot.rooted for ballot in ballots.values()):
         return await _exchange(coordinator, message, what=what, step=step), {}
-    for_root: dict[str, Any] = {}
+    for_root: dict[str, bytes] = {}
     for key, ballot in ballots.items():
         if ballot.rooted and isinstance(ballot.part, RootedPart):
             piece = ballot.part.root_msg()
             if piece is not None:
-                for_root[key] = piece
+                for_root[key] = encode_piece(piece)
     return await _exchange_rooted(coordinator, message, for_root, what=what, step=step)
 
 

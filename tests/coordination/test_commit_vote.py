@@ -20,9 +20,18 @@ from ckpt_pipeline._save.metrics import MetricValues
 from ckpt_pipeline._tiers.persistent.remote import ObjectSum
 from ckpt_pipeline._tiers.persistent.reports import PersistReport, UploadReport
 from ckpt_pipeline._tiers.replica.vote import CopiesAcked, CopiesSettled
-from ckpt_pipeline.coordination._agree import Ballot, Tally, VotePart, gather_vote
+from ckpt_pipeline.coordination._agree import (
+    Ballot,
+    Tally,
+    VotePart,
+    _pack_pieces,
+    _unpack_pieces,
+    encode_piece,
+    gather_vote,
+    read_piece,
+)
 from ckpt_pipeline.coordination._control_plane import LocalCoordinator
-from ckpt_pipeline.errors import CoordinationError
+from ckpt_pipeline.errors import CheckpointIntegrityError, CoordinationError
 from tests._support.coordinators import Agreeing, Answers
 
 STEP, SAVE = 7, "run-7"
@@ -141,7 +150,8 @@ def test_rank_0_alone_gets_the_pieces_for_rank_0_of_a_rooted_part() -> None:
     piece that rank 0 cannot read is left out (logged), and the vote still carries."""
     mine = PersistReport(0, (4,), reachable=True, uploads={4: _UPLOAD})
     alike = PersistReport(0, (4,), reachable=True)
-    pieces = [encode_message({"persist": {"4": _UPLOAD.to_msg()}}), b"", b"\xc1 not msgpack"]
+    pieces = [_pack_pieces({"persist": encode_piece({"4": _UPLOAD.to_msg()})}), b"",
+              b"\x09\x00 short of its head"]
     others = [{**_answer({"persist": alike.to_msg(), "replicas": None}), "for_root": piece}
               for piece in pieces]
     tally = _vote(others, {"persist": Ballot(mine, PersistReport.from_msg, any_step=True,
@@ -150,7 +160,8 @@ def test_rank_0_alone_gets_the_pieces_for_rank_0_of_a_rooted_part() -> None:
     assert tally.failures == {}
     assert tally.parts["persist"] == (mine, alike, alike, alike)
     assert set(tally.roots) == {"persist"}
-    got = {rank: PersistReport.uploads_from_msg(m) for rank, m in tally.roots["persist"].items()}
+    got = {rank: PersistReport.uploads_from_msg(read_piece(m, "a piece"))
+           for rank, m in tally.roots["persist"].items()}
     assert got == {0: {4: _UPLOAD}, 1: {4: _UPLOAD}}
 
 
@@ -171,8 +182,19 @@ def test_the_local_coordinator_hands_its_own_piece_to_itself() -> None:
             "persist": Ballot(report, PersistReport.from_msg, any_step=True, rooted=True)})
 
     tally = anyio.run(run)
-    assert {r: PersistReport.uploads_from_msg(m) for r, m in tally.roots["persist"].items()} \
-        == {0: {4: _UPLOAD}}
+    assert {r: PersistReport.uploads_from_msg(read_piece(m, "a piece"))
+            for r, m in tally.roots["persist"].items()} == {0: {4: _UPLOAD}}
+
+
+def test_pieces_round_trip_by_participant_and_a_short_blob_is_refused() -> None:
+    pieces = {"persist": encode_piece({"4": 1}), "other": b"", "\u00e9": b"\x00" * 70000}
+    assert _unpack_pieces(_pack_pieces(pieces)) == pieces
+    assert _unpack_pieces(b"") == {}
+    for bad in (b"\x01", _pack_pieces(pieces)[:-1]):
+        with pytest.raises(ValueError):
+            _unpack_pieces(bad)
+    with pytest.raises(CheckpointIntegrityError):
+        read_piece(encode_message({"piece": 1, "more": 2}), "a piece")
 
 
 def test_ranks_that_vote_alike_are_decoded_once_and_each_that_differs_is_named() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..._format.timeline import Lineage
 from ..._logging import log
-from ...coordination._agree import Ballot
+from ...coordination._agree import Ballot, read_piece
 from ...coordination._runs import Runs
 from ...errors import CheckpointError
 from ...events import PersistFailed, PersistSkipped
@@ -49,12 +49,13 @@ class Assigning(Committing, Rewinding, Uploading):
                              uploads=done)
 
     def on_reports(self, reports: Sequence[PersistReport | None],
-                   uploads: Mapping[int, Any] | None = None) -> None:
+                   uploads: Mapping[int, bytes] | None = None) -> None:
         """Every rank's ``report()`` of one exchange: count finished uploads, commit the
         steps every rank finished, give up the steps a rank failed. Same on every rank.
         Ranks with equal reports are read once (``Runs``); only a report that failed an
-        upload is read for each of its ranks. ``uploads``: on rank 0, every rank's
-        ``root_msg`` of this exchange by rank (the checksums its commit objects list)."""
+        upload is read for each of its ranks. ``uploads``: on rank 0, every rank's piece
+        of this exchange (its ``root_msg``: the checksums the commit objects list) by rank,
+        read in rank 0's commit-object thread before any commit object it then writes."""
         lost = reports[0].lost if reports and reports[0] is not None else None
         if lost is not None and self._lost_url is None:
             self._stop_promoting(lost)
@@ -78,7 +79,8 @@ class Assigning(Committing, Rewinding, Uploading):
                 for step, error in report.failed.items():
                     if step in self._assigned:
                         failed.setdefault(step, {})[rank] = error
-        self._read_uploads(uploads or {})
+        if uploads:
+            self._submit(self._meta, self._read_uploads, dict(uploads), dict(self._assigned))
         self._busy = busiest
         self._unreachable = "" if not unreachable else (
             f"rank{'s' if len(unreachable) > 1 else ''} "
@@ -98,21 +100,25 @@ class Assigning(Committing, Rewinding, Uploading):
                     self._committing[step] = assigned.save_id
                     self._submit(self._meta, self._commit_step, step, assigned)
 
-    def _read_uploads(self, uploads: Mapping[int, Any]) -> None:
-        """Rank 0: the checksums of every rank's finished uploads, kept for the commit
-        objects. One it cannot read is logged and left out: that step's commit object then
-        fails (a rank's checksums are missing) and is reported (``PersistFailed``)."""
-        for rank, message in sorted(uploads.items()):
+    def _read_uploads(self, uploads: Mapping[int, bytes], assigned: Mapping[int, Assigned]
+                      ) -> None:
+        """Rank 0, in its commit-object thread (off the event loop: at 16,000 ranks this is
+        tens of microseconds a rank): the checksums of each rank's finished uploads, kept
+        with the steps ``assigned`` when they arrived. One it cannot read is logged and left
+        out: that step's commit object then fails (a rank's checksums are missing) and is
+        reported (``PersistFailed``)."""
+        for rank, piece in sorted(uploads.items()):
             try:
-                finished = PersistReport.uploads_from_msg(message)
+                finished = PersistReport.uploads_from_msg(
+                    read_piece(piece, f"rank {rank}'s finished uploads"))
             except (ValueError, CheckpointError) as exc:
                 log.error("ckpt.persist.report_malformed", rank=self.rank, from_rank=rank,
                           url=self.url, error=exc.message if isinstance(exc, CheckpointError)
                           else str(exc))
                 continue
             for step, upload in finished.items():
-                if step in self._assigned:
-                    self._assigned[step].reports[rank] = upload
+                if step in assigned:
+                    assigned[step].reports[rank] = upload
 
     # The commit participant (``_tiers.base.CommitParticipant``): the report rides the first
     # vote of every save, and every rank's is settled whatever the vote's outcome; the
