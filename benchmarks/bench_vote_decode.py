@@ -13,8 +13,9 @@ Then the commit votes in which the ranks' persistent-tier uploads finish (``pers
 JSON): every rank reporting step 30's upload done, and every other rank doing so (alternate
 ranks: the most runs such a vote can have). Each report names its three objects' checksums
 and stamps. Until ``e8b68fc`` those rode in every rank's report, so every answer differed;
-since, every rank reads which steps finished and rank 0 alone gets the checksums (timed
-separately: rank 0 reading every rank's, as its commit object needs them).
+since, every rank reads which steps finished and rank 0 alone gets the checksums: it splits
+them off on its event loop (in the rank 0 column) and reads them in its commit-object thread
+(timed apart, "sums thr").
 
 Then the two exchanges a job makes once (``exchanges`` in the JSON), read the same way from a
 leader's relay: the restore's candidates (``agree_candidates``: every rank holding the same
@@ -93,7 +94,8 @@ class _Relayed:
 
 
 _ROOTED = "uploads" in PersistReport.__dataclass_fields__
-"""Whether the tree measured sends the checksums to rank 0 alone (since ``e8b68fc``)."""
+"""Whether the tree measured sends the checksums to rank 0 alone (since ``e8b68fc``, as
+pieces of bytes since ``0d4a0ed``)."""
 if _ROOTED:
     from ckpt_pipeline.coordination._agree import _pack_pieces, encode_piece, read_piece
 
