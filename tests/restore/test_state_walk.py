@@ -67,10 +67,13 @@ _FSDP_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_an_fsdp2_module_gives_its_dtensor_parameters_themselves(tmp_path: Path) -> None:
     """One gloo rank (a real group; the module is FSDP2's): the walk hands back the DTensor
-    parameters themselves, and the save still keeps plain, detached local tensors."""
+    parameters themselves, and the save still keeps plain, detached local tensors. Slow (a
+    child process imports torch: 3 s of the fast suite's minute); the FSDP2 reshard tests
+    walk the same way."""
     done = subprocess.run([sys.executable, "-c", _FSDP_CHILD], capture_output=True,
                           text=True, timeout=50,
                           env={**os.environ, "STORE": str(tmp_path / "store")})
