@@ -20,8 +20,7 @@ from ._control_plane import Coordinator
 from ._runs import Runs, spans_text
 
 __all__ = ("Ballot", "Candidates", "Opening", "RootedPart", "Runs", "Tally", "VotePart",
-           "agree_barrier",
-           "agree_candidates", "agree_open", "agree_outcome", "candidates_message",
+           "agree_barrier", "agree_candidates", "agree_open", "agree_outcome", "candidates_message",
            "encode_piece", "gather_outcome", "gather_parts", "gather_shared", "gather_vote",
            "read_piece")
 
@@ -319,7 +318,7 @@ async def gather_parts(coordinator: Coordinator, key: str, ballot: Ballot[P], *,
 
 async def _gather_rooted(coordinator: Coordinator, message: dict[str, Any],
                          ballots: Mapping[str, Ballot[Any]], *, what: str, step: int | None
-                         ) -> tuple[Runs[dict[str, Any]], dict[int, dict[str, Any]]]:
+                         ) -> tuple[Runs[dict[str, Any]], dict[int, dict[str, bytes]]]:
     """The vote's exchange: plain, or (when a ballot is rooted) with this rank's pieces for
     rank 0 beside it (``_exchange_rooted``)."""
     if not any(ballot.rooted for ballot in ballots.values()):
