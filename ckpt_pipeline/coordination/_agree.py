@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import secrets
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -16,7 +15,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from .._format.documents import decode_message, encode_message
 from .._logging import log
 from ..errors import CheckpointError, CheckpointIntegrityError, CoordinationError
-from ._control_plane import Coordinator
+from ._control_plane import Coordinator, pack_frames, unpack_frames
 from ._runs import Runs, spans_text
 
 __all__ = ("Ballot", "Candidates", "Opening", "RootedPart", "Runs", "Tally", "VotePart",
@@ -71,33 +70,22 @@ async def _exchange_rooted(coordinator: Coordinator, message: dict[str, Any],
     return answers, roots
 
 
-_PIECE = struct.Struct("<HI")
-"""A piece's head: the length of its participant's key (UTF-8), then of its bytes."""
-
-
 def _pack_pieces(pieces: Mapping[str, bytes]) -> bytes:
-    """Pieces for rank 0 by participant, each as its head, its key, its bytes; b"" for none."""
-    out: list[bytes] = []
-    for key, data in pieces.items():
-        name = key.encode()
-        out += [_PIECE.pack(len(name), len(data)), name, data]
-    return b"".join(out)
+    """Pieces for rank 0 by participant (``pack_frames``: each key in UTF-8, then its
+    piece); b"" for none."""
+    if not pieces:
+        return b""
+    return pack_frames([part for key, data in pieces.items() for part in (key.encode(), data)])
 
 
 def _unpack_pieces(blob: bytes) -> dict[str, bytes]:
     """The inverse of ``_pack_pieces``; ValueError for anything else."""
-    pieces: dict[str, bytes] = {}
-    at = 0
-    while at < len(blob):
-        if at + _PIECE.size > len(blob):
-            raise ValueError(f"{len(blob) - at} bytes left of a piece's head")
-        keyed, size = _PIECE.unpack_from(blob, at)
-        at += _PIECE.size
-        if at + keyed + size > len(blob):
-            raise ValueError(f"a piece of {keyed} + {size} bytes where {len(blob) - at} are")
-        pieces[blob[at:at + keyed].decode("utf-8", "replace")] = blob[at + keyed:at + keyed + size]
-        at += keyed + size
-    return pieces
+    if not blob:
+        return {}
+    items = unpack_frames(blob)
+    if len(items) % 2:
+        raise ValueError(f"{len(items)} items, not pairs of a key and a piece")
+    return {key.decode("utf-8", "replace"): data for key, data in zip(items[::2], items[1::2])}
 
 
 def encode_piece(piece: Any) -> bytes:

@@ -39,27 +39,52 @@ from .._threads import in_thread
 from ..errors import ConfigError, CoordinationError
 
 __all__ = ("Coordinator", "DistributedCoordinator", "LocalCoordinator", "close_coordinator",
-           "default_store", "destroy_group", "gather_bytes", "join_root", "split_root")
+           "default_store", "destroy_group", "gather_bytes", "join_root", "pack_frames",
+           "split_root", "unpack_frames")
 
-_ROOT_HEAD = struct.Struct("<I")
+_COUNT = struct.Struct("<I")
+
+
+# ---------------------------------------------------------------- framing (no pickle)
+
+def pack_frames(items: Sequence[bytes]) -> bytes:
+    """``items`` as one message: their count, each length (little-endian u32), the bytes."""
+    lengths = [len(item) for item in items]
+    if any(n >= 1 << 32 for n in lengths) or len(items) >= 1 << 32:
+        raise ValueError("a frame holds at most 2**32 - 1 items of at most 2**32 - 1 bytes")
+    return b"".join([struct.pack(f"<I{len(items)}I", len(items), *lengths), *items])
+
+
+def unpack_frames(data: bytes) -> list[bytes]:
+    """The items ``pack_frames`` packed; ValueError for anything else (short, trailing bytes)."""
+    if len(data) < _COUNT.size:
+        raise ValueError(f"a frame of {len(data)} bytes has no item count")
+    (count,) = _COUNT.unpack_from(data)
+    head = _COUNT.size * (1 + count)
+    if len(data) < head:
+        raise ValueError(f"a frame of {len(data)} bytes is too short for {count} lengths")
+    lengths = struct.unpack_from(f"<{count}I", data, _COUNT.size)
+    if head + sum(lengths) != len(data):
+        raise ValueError(f"a frame's {count} items take {sum(lengths)} bytes, not the "
+                         f"{len(data) - head} it holds")
+    out, at = [], head
+    for n in lengths:
+        out.append(data[at:at + n])
+        at += n
+    return out
 
 
 def join_root(payload: bytes, for_root: bytes) -> bytes:
-    """One message of ``payload`` and the part for rank 0 alone: the payload's length
-    (little-endian u32), the payload, the part."""
-    if len(payload) >= 1 << 32:
-        raise ValueError("a payload is at most 2**32 - 1 bytes")
-    return _ROOT_HEAD.pack(len(payload)) + payload + for_root
+    """One message of ``payload`` and the piece for rank 0 alone (``pack_frames``)."""
+    return pack_frames([payload, for_root])
 
 
 def split_root(message: bytes) -> tuple[bytes, bytes]:
-    """(payload, part for rank 0) of a ``join_root`` message; ValueError when it is short."""
-    if len(message) < _ROOT_HEAD.size:
-        raise ValueError(f"a message of {len(message)} bytes has no payload length")
-    (n,) = _ROOT_HEAD.unpack_from(message)
-    if _ROOT_HEAD.size + n > len(message):
-        raise ValueError(f"a message of {len(message)} bytes is short of its {n}-byte payload")
-    return message[_ROOT_HEAD.size:_ROOT_HEAD.size + n], message[_ROOT_HEAD.size + n:]
+    """(payload, piece for rank 0) of a ``join_root`` message; ValueError otherwise."""
+    items = unpack_frames(message)
+    if len(items) != 2:
+        raise ValueError(f"a message of {len(items)} items, not a payload and a piece")
+    return items[0], items[1]
 
 
 @runtime_checkable

@@ -55,7 +55,9 @@ from ._control_plane import (
     default_store,
     destroy_group,
     join_root,
+    pack_frames,
     split_root,
+    unpack_frames,
 )
 from ._node_links import NodeLinks
 from ._runs import Runs
@@ -72,33 +74,6 @@ _REASON_CHARS = 400
 
 
 # ---------------------------------------------------------------- framing (no pickle)
-
-def pack_frames(items: Sequence[bytes]) -> bytes:
-    """``items`` as one message: their count, each length (little-endian u32), the bytes."""
-    lengths = [len(item) for item in items]
-    if any(n >= 1 << 32 for n in lengths) or len(items) >= 1 << 32:
-        raise ValueError("a frame holds at most 2**32 - 1 items of at most 2**32 - 1 bytes")
-    return b"".join([struct.pack(f"<I{len(items)}I", len(items), *lengths), *items])
-
-
-def unpack_frames(data: bytes) -> list[bytes]:
-    """The items ``pack_frames`` packed; ValueError for anything else (short, trailing bytes)."""
-    if len(data) < _COUNT.size:
-        raise ValueError(f"a frame of {len(data)} bytes has no item count")
-    (count,) = _COUNT.unpack_from(data)
-    head = _COUNT.size * (1 + count)
-    if len(data) < head:
-        raise ValueError(f"a frame of {len(data)} bytes is too short for {count} lengths")
-    lengths = struct.unpack_from(f"<{count}I", data, _COUNT.size)
-    if head + sum(lengths) != len(data):
-        raise ValueError(f"a frame's {count} items take {sum(lengths)} bytes, not the "
-                         f"{len(data) - head} it holds")
-    out, at = [], head
-    for n in lengths:
-        out.append(data[at:at + n])
-        at += n
-    return out
-
 
 def pack_distinct(items: Sequence[bytes]) -> bytes:
     """``items`` with each distinct payload once: the number of runs, each run as (how many
@@ -167,47 +142,38 @@ def unpack_relay(data: bytes) -> tuple[Runs[bytes] | None, str | None]:
 
 
 def pack_rooted(frame: bytes, roots: Mapping[int, bytes]) -> bytes:
-    """A leader's frame (``pack_relay``) with its node's parts for rank 0 (``roots``, by
-    rank) after it: ``frame`` itself when there are none, else the kind 2, the frame's length
-    (u32), the frame, the ranks' count and ranks (u32) and their parts (``pack_frames``)."""
+    """A leader's frame (``pack_relay``) with its node's pieces for rank 0 (``roots``, by
+    rank) after it: ``frame`` itself when there are none, else the kind 2 and ``join_root``
+    of the frame and the pieces (``pack_frames``: the ranks as u32, then each piece)."""
     if not roots:
         return frame
     ranks = sorted(roots)
-    return b"".join([bytes([_ROOTED]), _COUNT.pack(len(frame)), frame,
-                     struct.pack(f"<I{len(ranks)}I", len(ranks), *ranks),
-                     pack_frames([roots[r] for r in ranks])])
+    pieces = pack_frames([struct.pack(f"<{len(ranks)}I", *ranks), *(roots[r] for r in ranks)])
+    return bytes([_ROOTED]) + join_root(frame, pieces)
 
 
 def split_rooted(data: bytes) -> tuple[bytes, bytes]:
-    """(the leader's frame, its parts for rank 0 as packed, b"" for none) of a
-    ``pack_rooted`` frame: O(1), the parts are not read. ValueError when it is short."""
+    """(the leader's frame, its pieces for rank 0 as packed, b"" for none) of a
+    ``pack_rooted`` frame; the pieces are not read. ValueError when it is malformed."""
     if data[:1] != bytes([_ROOTED]):
         return data, b""
-    if len(data) < 1 + _COUNT.size:
-        raise ValueError(f"a frame of {len(data)} bytes has no length")
-    (n,) = _COUNT.unpack_from(data, 1)
-    at = 1 + _COUNT.size + n
-    if at > len(data):
-        raise ValueError(f"a frame of {len(data)} bytes is short of its {n}-byte relay")
-    return data[1 + _COUNT.size:at], data[at:]
+    return split_root(data[1:])
 
 
 def unpack_roots(layout: NodeLayout, parts: Sequence[bytes]) -> dict[int, bytes]:
-    """Rank 0: every rank's part for rank 0, from each node's packed parts (``split_rooted``,
-    in the order of ``layout.nodes``). A node's parts that are malformed, or name a rank of
-    another node, are left out and logged: they are rank 0's alone to read, so they never
-    fail the exchange (which would fail on rank 0 only)."""
+    """Rank 0: every rank's piece for rank 0, from each node's packed pieces
+    (``split_rooted``, in the order of ``layout.nodes``). A node's pieces that are malformed,
+    or name a rank of another node, are left out and logged: they are rank 0's alone to
+    read, so they never fail the exchange (which would fail on rank 0 only)."""
     roots: dict[int, bytes] = {}
     for node, packed in zip(layout.nodes, parts, strict=True):
         if not packed:
             continue
         try:
-            (count,) = _COUNT.unpack_from(packed)
-            head = _COUNT.size * (1 + count)
-            ranks = struct.unpack_from(f"<{count}I", packed, _COUNT.size)
-            items = unpack_frames(packed[head:])
-            if len(items) != count or not set(ranks) <= set(node):
-                raise ValueError(f"{len(items)} parts for ranks {list(ranks)[:8]}")
+            head, *items = unpack_frames(packed)
+            ranks = struct.unpack(f"<{len(items)}I", head)
+            if not set(ranks) <= set(node):
+                raise ValueError(f"pieces of ranks {list(ranks)[:8]} outside the node")
         except (ValueError, struct.error) as exc:
             log.error("ckpt.control.root_parts_malformed", leader=node[0], error=str(exc))
             continue
