@@ -40,6 +40,7 @@ def _commit(model: ModuleType, protocol: str, ranks: int, params: Any) -> float:
     return seconds
 
 
+@pytest.mark.slow  # simulates up to 1,000 ranks of every protocol: a second of the fast suite
 def test_the_model_runs_for_a_few_sizes_and_prints_json(
         model: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "model.json"

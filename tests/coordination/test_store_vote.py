@@ -65,6 +65,7 @@ def test_ranks_that_differ_all_learn_who_said_what(stores: Any) -> None:
     assert out == [("ok", expected)] * 6
 
 
+@pytest.mark.slow  # waits out its 1 s timeout
 def test_a_rank_that_never_comes_is_named_when_the_others_give_up(stores: Any) -> None:
     out = _vote(stores, [b"8"] * 4, "k3", absent=(2,), timeout_s=1.0)
     for r in (0, 1, 3):

@@ -23,6 +23,7 @@ print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))
 """
 
 
+@pytest.mark.slow  # a child process importing the package: seconds of the fast suite
 def test_importing_the_package_imports_no_framework() -> None:
     out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
                          timeout=100, check=True)

@@ -544,6 +544,7 @@ def test_a_reshard_reads_ranges_of_a_saved_ranks_own_files_which_a_restores_fetc
     assert [p.name for p in new_root.rglob("*")] == []
 
 
+@pytest.mark.slow  # waits a second for the server to close the idle connection
 @pytest.mark.timeout(60)
 def test_a_range_read_on_a_connection_the_server_closed_while_idle_is_made_again(
         source: Source, tmp_path: Path) -> None:
